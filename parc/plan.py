@@ -1,0 +1,149 @@
+"""The plan model: what a .par file means, as frozen dataclasses.
+
+Start here to learn the plan language's semantics. `parc.frontend.parse` builds a
+`Plan` from text (nothing from lark survives past it); `parc.printer.format_plan`
+prints one back so that parse → print → parse is the identity. Every node keeps
+the `Span` of the text it came from so later errors can point at it.
+
+Defaults are chosen so a plan of a single `mesh` line trains: fp32, AdamW,
+no ZeRO, no pipeline, no tensor-parallel rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from parc.errors import Span
+
+AXES = ("dp", "pp", "tp")
+DEFAULT_ORDER = ("tp", "pp", "dp")  # inner → outer on global ranks: tp adjacent, dp outermost
+TPStyle = Literal["column", "row", "vocab", "replicate"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER  # inner → outer
+    span: Span | None = field(default=None, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def degree(self, axis: str) -> int:
+        return getattr(self, axis)
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    intra_bw: float | None = None  # bytes/s within a node (NVLink)
+    inter_bw: float | None = None  # bytes/s between nodes (network)
+    preset: str | None = None      # e.g. "h100" — hardware figures for the cost model
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Batch:
+    global_size: int
+    micro: int
+    accumulation: int | None = None  # as stated; None means derived
+    span: Span | None = field(default=None, compare=False)
+
+    def derived_accumulation(self, dp: int) -> int:
+        """global = micro × accumulation × dp; validation guarantees exact division."""
+        return self.accumulation if self.accumulation is not None else self.global_size // (self.micro * dp)
+
+
+@dataclass(frozen=True)
+class TPRule:
+    pattern: str      # glob over module paths, e.g. "blocks.*.attn.qkv"
+    style: TPStyle
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rules: tuple[TPRule, ...] = ()
+    sequence_parallel: bool = False
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A pipeline cut before or after the module at `path` (a glob is not allowed)."""
+
+    path: str
+    where: Literal["before", "after"] = "before"
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str = "1f1b"
+    stages: int | None = None      # total stages; None = pp × virtual
+    virtual: int = 1               # virtual stages per pp rank (interleaved schedules)
+    cuts: tuple[Cut, ...] | None = None  # None = auto (balance compute and memory)
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Zero:
+    stage: int = 0
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    patterns: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = None  # max global grad norm
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: Mesh = Mesh()
+    batch: Batch | None = None
+    topology: Topology = Topology()
+    tensor_parallel: TensorParallel = TensorParallel()
+    pipeline: Pipeline | None = None
+    zero: Zero = Zero()
+    recompute: Recompute = Recompute()
+    precision: str = "fp32"
+    optimizer: Optimizer = Optimizer()
+    file: str = field(default="<plan>", compare=False)
+    source: str = field(default="", compare=False, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def accumulation(self) -> int:
+        if self.batch is None:
+            return 1
+        return self.batch.derived_accumulation(self.mesh.dp)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch.micro if self.batch is not None else 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.mesh.dp

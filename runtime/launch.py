@@ -1,0 +1,94 @@
+"""Spawn N local ranks with a process group, for tests and benchmarks.
+
+`spawn(n, body, *args)` starts n processes on a free loopback port, initializes
+torch.distributed (gloo on CPU), calls `body(ctx, *args)` on each rank and
+returns the list of their return values, rank order. A failing rank's traceback
+is re-raised in the parent; a hung world is killed after `timeout` seconds.
+`body` must be importable by name (a module-level function), as with any spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class RankCtx:
+    """What a rank body gets: its rank and the world's size (the group is initialized)."""
+
+    rank: int
+    world_size: int
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: dict, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # several ranks share two cores: oversubscription only slows them
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        out = body(RankCtx(rank, world), *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 — forwarded to the parent verbatim
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,
+          env: dict[str, str] | None = None) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, body, args, env or {}, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        while len(got) + len(errors) < world_size:
+            if results.empty():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks still running after {timeout:.0f}s: "
+                                       f"{sorted(set(range(world_size)) - set(got))}")
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    time.sleep(0.5)
+                    if results.empty():
+                        raise RuntimeError(f"rank process died with exit code {dead[0].exitcode}")
+                time.sleep(0.02)
+                continue
+            rank, ok, value = results.get()
+            if ok:
+                got[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # one failure is enough; the rest may hang on a collective
+    finally:
+        for p in procs:
+            p.join(timeout=0 if errors else 5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return [got[r] for r in range(world_size)]
