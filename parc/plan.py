@@ -129,6 +129,10 @@ class Plan:
     optimizer: Optimizer = Optimizer()
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
+    # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",
+    # "precision", "optimizer.name"), so validation can point at the token, not just the
+    # statement. Filled by the front end; empty for plans built in code.
+    spans: dict[str, Span] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,461 @@
+"""The front end: plan text → `Plan`, or a `ParcError` listing every mistake in it.
+
+Start at `parse`. It runs in three steps:
+
+1. lark parses the text with grammar/parc.lark (LALR); a syntax error stops here,
+   at the first bad token, as a `PlanSyntaxError`.
+2. `_Statements` (a lark Transformer) turns the tree into plain `_Stmt` records;
+   nothing from lark (Tree, Token) survives this step.
+3. `_Builder` checks each statement's keys and value types, and builds the frozen
+   dataclasses of parc.plan, each with its Span. Its errors (unknown or duplicate
+   keys and statements, a value of the wrong type) are collected, not raised one by
+   one, and joined with those of `parc.validate.validate` run on the same plan, so a
+   user sees every problem of a file at once.
+
+Ranges and cross-statement arithmetic (tp=0, zero stage=7, the batch identity) are
+checked in parc/validate.py, not here, so plans built in code get the same checks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.resources
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lark import Lark, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span
+from parc.plan import (
+    DEFAULT_ORDER, Batch, Cut, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
+    Topology, TPRule, Zero,
+)
+from parc.validate import validate
+
+STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero",
+              "recompute", "precision", "optimizer")
+TP_FLAGS = ("sequence_parallel",)
+
+
+def parse(text: str, file: str = "<plan>") -> Plan:
+    """Parse and check a plan. Raises PlanSyntaxError (or PlanError) with all diagnostics."""
+    # Every statement ends with a newline token; adding one at the end moves no span.
+    text_nl = text if text.endswith("\n") else text + "\n"
+    try:
+        tree = _parser().parse(text_nl)
+    except UnexpectedInput as e:
+        raise PlanSyntaxError(diagnostics=[_syntax_diagnostic(e, file, text)]) from None
+    stmts = _Statements(file).transform(tree)
+    builder = _Builder(file, text)
+    plan = builder.build(stmts)
+    errors = list(builder.errors)
+    try:
+        validate(plan)
+    except PlanError as e:
+        errors = errors + [d for d in e.diagnostics if d.severity == "error"]
+    errors.sort(key=_position)  # the user reads top to bottom
+    if builder.errors:
+        raise PlanSyntaxError(diagnostics=errors)
+    if errors:
+        raise PlanError(diagnostics=errors)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and parse a .par file; the file name goes into every span."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanSyntaxError(f"cannot read plan {path}: {e}", Span(str(path), 1, 1),
+                              "check the path, and that the file is UTF-8 text") from None
+    return parse(text, str(path))
+
+
+def _position(d: Diagnostic) -> tuple[int, int]:
+    return (d.span.line, d.span.col) if d.span else (0, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> Lark:
+    grammar = (importlib.resources.files("parc.grammar") / "parc.lark").read_text(encoding="utf-8")
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+# ---- step 1: syntax errors, said in words ---------------------------------------------
+
+_WORDS = {"NAME": "a name", "VALUE": "a value", "STRING": 'a quoted "pattern"',
+          "_NL": "end of line", "$END": "end of file"}
+
+
+def _syntax_diagnostic(e: UnexpectedInput, file: str, text: str) -> Diagnostic:
+    lines = text.split("\n")  # lark counts lines by "\n" only
+    line, col = getattr(e, "line", -1), getattr(e, "column", -1)
+    if isinstance(e, UnexpectedToken):
+        expected, found, width = e.expected, _describe_token(e.token), max(1, len(str(e.token)))
+    elif isinstance(e, UnexpectedCharacters):
+        char = text[e.pos_in_stream:e.pos_in_stream + 1]
+        expected, found, width = e.allowed or set(), f"character {char!r}", 1
+    else:  # UnexpectedEOF
+        expected, found, width = getattr(e, "expected", set()), "end of file", 1
+    if not isinstance(line, int) or line < 1:  # lark reports -1 at end of input
+        line, col = len(lines), len(lines[-1]) + 1
+    if found == "end of line" or line > len(lines):
+        width = 1
+    words = _expected_words(expected or ())
+    message = f"unexpected {found}" + (f"; expected {words}" if words else "")
+    if "'='" in words:
+        hint = "keys are written key=value, e.g. dp=2"
+    elif "'}'" in words:
+        hint = "a { block } ends with }"
+    else:
+        hint = "a statement is one line: `keyword key=value ...`; see docs/plan-language.md"
+    return Diagnostic(message, Span(file, line, max(col, 1), line, max(col, 1) + width),
+                      hint, source=text)
+
+
+def _describe_token(tok) -> str:
+    if tok.type in ("_NL", "$END"):
+        return _WORDS[tok.type]
+    return repr(str(tok))
+
+
+def _expected_words(names) -> str:
+    terminals = _parser().terminals
+    literal = {t.name: t.pattern.value for t in terminals if t.pattern.type == "str"}
+    words = set()
+    for name in names:
+        value = literal.get(name)
+        if value in STATEMENTS:
+            words.add("a statement")
+        elif value is not None:
+            words.add(f"'{value}'")
+        else:
+            words.add(_WORDS.get(name, name.lower()))
+    return " or ".join(sorted(words))
+
+
+# ---- step 2: the tree as plain records -------------------------------------------------
+
+@dataclass
+class _Arg:
+    key: str
+    key_span: Span
+    values: list[str]
+    span: Span  # the value(s)
+
+
+@dataclass
+class _Stmt:
+    kind: str
+    span: Span  # the whole statement
+    head: Span  # its keyword
+    args: list[_Arg] = field(default_factory=list)
+    words: list[tuple[str, Span]] = field(default_factory=list)    # bare names
+    strings: list[tuple[str, Span]] = field(default_factory=list)  # quoted patterns, unquoted
+    items: list[tuple] = field(default_factory=list)  # block contents
+
+
+@v_args(meta=True)
+class _Statements(Transformer):
+    def __init__(self, file: str):
+        super().__init__()
+        self.file = file
+
+    def _tok(self, t) -> Span:
+        return Span(self.file, t.line, t.column, t.end_line, t.end_column)
+
+    def _stmt(self, kind: str, meta, children) -> _Stmt:
+        span = Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+        stmt = _Stmt(kind, span, Span(self.file, meta.line, meta.column, meta.line, meta.column + len(kind)))
+        for c in children:
+            if isinstance(c, _Arg):
+                stmt.args.append(c)
+            elif isinstance(c, tuple):
+                stmt.items.append(c)
+            elif isinstance(c, list):
+                stmt.items.extend(c)
+            elif c.type == "STRING":
+                stmt.strings.append((str(c)[1:-1], self._tok(c)))
+            else:
+                stmt.words.append((str(c), self._tok(c)))
+        return stmt
+
+    def __default__(self, data, children, meta):
+        """Every statement rule (mesh, topology, ...) becomes a _Stmt of that kind."""
+        if data not in STATEMENTS:
+            raise ValueError(f"grammar rule {data} has no transformer method")  # a bug in parc, not user input
+        return self._stmt(str(data), meta, children)
+
+    def start(self, meta, children):
+        return list(children)
+
+    def kwarg(self, meta, children):
+        key, values = children
+        first, last = values[0][1], values[-1][1]
+        span = Span(self.file, first.line, first.col, last.end_line, last.end_col)
+        return _Arg(str(key), self._tok(key), [v for v, _ in values], span)
+
+    def value(self, meta, tokens):
+        return [(str(t), self._tok(t)) for t in tokens]
+
+    def tp_rule(self, meta, children):
+        pattern, style = children
+        span = Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+        return ("rule", str(pattern)[1:-1], str(style), span, self._tok(style))
+
+    def tp_flag(self, meta, children):
+        return ("flag", str(children[0]), self._tok(children[0]))
+
+    def cuts(self, meta, children):
+        return ("cuts", list(children))  # a tuple, so `{ }` still says "explicit cuts, none"
+
+    def cut(self, meta, children):
+        where, path = children
+        span = Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+        return ("cut", str(path)[1:-1], str(where), span, self._tok(where))
+
+    def unknown_block(self, meta, children):
+        return []
+
+    def unknown(self, meta, children):
+        name, rest = children[0], children[1:]
+        stmt = self._stmt(str(name), meta, rest)
+        stmt.head = self._tok(name)
+        stmt.kind = "?" + str(name)
+        return stmt
+
+
+# ---- step 3: keys, value types, and the dataclasses -------------------------------------
+
+class _Bad(Exception):
+    """A value of the wrong type; caught in `_Builder._kwargs` and turned into a Diagnostic."""
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+_INT = re.compile(r"[+-]?\d+")
+_BANDWIDTH = re.compile(r"(?P<num>(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?)(?P<unit>[KMGT]?B|[KMGT]?bit)/s")
+_SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_WORD = re.compile(r"[A-Za-z0-9_]+")  # names in values may start with a digit: 1f1b, h100
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 30 else text[:30] + "…"
+
+
+def _one(arg: _Arg, what: str) -> str:
+    if len(arg.values) != 1:
+        raise _Bad(f"takes one value ({what}), got {','.join(arg.values)}")
+    return arg.values[0]
+
+
+def _int(what: str) -> Callable[[_Arg], int]:
+    def conv(arg: _Arg) -> int:
+        text = _one(arg, what)
+        if not _INT.fullmatch(text) or len(text) > 30:  # Python refuses int() of huge digit strings
+            raise _Bad(f"must be {what}, got {_clip(text)}")
+        return int(text)
+    return conv
+
+
+def _float(arg: _Arg) -> float:
+    text = _one(arg, "a number")
+    if not _NUMBER.fullmatch(text) or not math.isfinite(float(text)):
+        raise _Bad(f"must be a finite number, got {text}")
+    return float(text)
+
+
+def _bandwidth(arg: _Arg) -> float:
+    text = _one(arg, "a bandwidth")
+    m = _BANDWIDTH.fullmatch(text)
+    if not m:
+        raise _Bad(f"must be a bandwidth such as 900GB/s or 400Gbit/s, got {text}")
+    unit = m["unit"]
+    scale = _SCALE[unit[:-1] if unit.endswith("B") else unit[:-3]]
+    value = float(m["num"]) * scale / (8 if unit.endswith("bit") else 1)
+    if not math.isfinite(value):
+        raise _Bad(f"must be a finite bandwidth, got {text}")
+    return value
+
+
+def _name(arg: _Arg) -> str:
+    text = _one(arg, "a name")
+    if not _WORD.fullmatch(text):
+        raise _Bad(f"must be a name, got {text}")
+    return text
+
+
+def _names(arg: _Arg) -> tuple[str, ...]:
+    bad = [v for v in arg.values if not _WORD.fullmatch(v)]
+    if bad:
+        raise _Bad(f"must be a list of names, got {','.join(arg.values)}")
+    return tuple(arg.values)
+
+
+def _stages(arg: _Arg) -> int | None:
+    text = _one(arg, "auto or an integer")
+    if text == "auto":
+        return None
+    if not _INT.fullmatch(text) or len(text) > 30:
+        raise _Bad(f"must be auto or a positive integer, got {_clip(text)}")
+    return int(text)
+
+
+def _betas(arg: _Arg) -> tuple[float, float]:
+    if len(arg.values) != 2:
+        raise _Bad(f"takes two numbers (beta1,beta2), got {','.join(arg.values)}")
+    return tuple(_float(_Arg(arg.key, arg.key_span, [v], arg.span)) for v in arg.values)
+
+
+_POSITIVE = _int("a positive integer")
+KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
+    "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names},
+    "topology": {"nodes": _POSITIVE, "gpus_per_node": _POSITIVE, "intra": _bandwidth,
+                 "inter": _bandwidth, "preset": _name},
+    "batch": {"global": _POSITIVE, "micro": _POSITIVE, "accumulation": _POSITIVE},
+    "tensor_parallel": {},
+    "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},
+    "zero": {"stage": _int("an integer 0..3")},
+    "recompute": {},
+    "precision": {},
+    "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
+                  "clip": _float},
+}
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    known = ", ".join(choices) if choices else "none"
+    return (f"did you mean `{close[0]}`? " if close else "") + f"known: {known}"
+
+
+class _Builder:
+    """Checks keys and types statement by statement; collects errors in `self.errors`."""
+
+    def __init__(self, file: str, text: str):
+        self.file, self.text = file, text
+        self.errors: list[Diagnostic] = []
+        self.spans: dict[str, Span] = {}
+
+    def error(self, message: str, span: Span, hint: str | None = None) -> None:
+        self.errors.append(Diagnostic(message, span, hint, source=self.text))
+
+    def build(self, stmts: list[_Stmt]) -> Plan:
+        seen: dict[str, _Stmt] = {}
+        parts: dict[str, object] = {}
+        for stmt in stmts:
+            if stmt.kind.startswith("?"):
+                self.error(f"unknown statement `{stmt.kind[1:]}`", stmt.head,
+                           _did_you_mean(stmt.kind[1:], STATEMENTS))
+                continue
+            if stmt.kind in seen:
+                self.error(f"duplicate `{stmt.kind}` statement", stmt.head,
+                           f"the first `{stmt.kind}` is on line {seen[stmt.kind].span.line}; "
+                           "merge them into one")
+                continue
+            seen[stmt.kind] = stmt
+            self.spans[stmt.kind] = stmt.head
+            parts[stmt.kind] = getattr(self, "_" + stmt.kind)(stmt, self._kwargs(stmt))
+        if "mesh" not in seen:
+            self.error("the plan has no `mesh` statement", Span(self.file, 1, 1, 1, 2),
+                       "every plan states its mesh, e.g. `mesh dp=2`")
+        plan = Plan(**{k: v for k, v in parts.items() if v is not None and k != "batch"},
+                    batch=parts.get("batch"), file=self.file, source=self.text, spans=self.spans)
+        return plan
+
+    def _kwargs(self, stmt: _Stmt) -> dict[str, object]:
+        allowed = KEYS[stmt.kind]
+        out: dict[str, object] = {}
+        first: dict[str, _Arg] = {}
+        for arg in stmt.args:
+            if arg.key not in allowed:
+                hint = _did_you_mean(arg.key, tuple(allowed))
+                if not allowed:
+                    hint = f"`{stmt.kind}` takes no keys; see docs/plan-language.md"
+                self.error(f"unknown key `{arg.key}` in `{stmt.kind}`", arg.key_span, hint)
+            elif arg.key in first:
+                self.error(f"duplicate key `{arg.key}` in `{stmt.kind}`", arg.key_span,
+                           f"`{arg.key}` is first given at column {first[arg.key].key_span.col}")
+            else:
+                first[arg.key] = arg
+                try:
+                    out[arg.key] = allowed[arg.key](arg)
+                except _Bad as bad:
+                    self.error(f"{stmt.kind} {arg.key} {bad}", arg.span)
+                else:
+                    self.spans[f"{stmt.kind}.{arg.key}"] = arg.span
+        return out
+
+    def _mesh(self, stmt: _Stmt, kw: dict) -> Mesh:
+        return Mesh(dp=kw.get("dp", 1), pp=kw.get("pp", 1), tp=kw.get("tp", 1),
+                    order=kw.get("order", DEFAULT_ORDER), span=stmt.span)
+
+    def _topology(self, stmt: _Stmt, kw: dict) -> Topology:
+        return Topology(nodes=kw.get("nodes", 1), gpus_per_node=kw.get("gpus_per_node", 8),
+                        intra_bw=kw.get("intra"), inter_bw=kw.get("inter"),
+                        preset=kw.get("preset"), span=stmt.span)
+
+    def _batch(self, stmt: _Stmt, kw: dict) -> Batch | None:
+        given = {arg.key for arg in stmt.args}  # a key given with a bad value is not "missing"
+        missing = [k for k in ("global", "micro") if k not in given]
+        if missing:
+            self.error(f"`batch` needs {' and '.join(k + '=' for k in missing)}", stmt.head,
+                       "e.g. `batch global=32 micro=2`; accumulation is derived")
+        if "global" not in kw or "micro" not in kw:
+            return None
+        return Batch(kw["global"], kw["micro"], kw.get("accumulation"), span=stmt.span)
+
+    def _tensor_parallel(self, stmt: _Stmt, kw: dict) -> TensorParallel:
+        rules, flags = [], {}
+        for item in stmt.items:
+            if item[0] == "rule":
+                _, pattern, style, span, style_span = item
+                self.spans[f"tensor_parallel.rules[{len(rules)}].style"] = style_span
+                rules.append(TPRule(pattern, style, span=span))
+                continue
+            _, flag, span = item
+            if flag not in TP_FLAGS:
+                self.error(f"unknown flag `{flag}` in `tensor_parallel`", span,
+                           _did_you_mean(flag, TP_FLAGS) + '; rules are written "pattern" : style')
+            elif flag in flags:
+                self.error(f"duplicate flag `{flag}`", span, f"first given on line {flags[flag].line}")
+            else:
+                flags[flag] = span
+        return TensorParallel(tuple(rules), "sequence_parallel" in flags, span=stmt.span)
+
+    def _pipeline(self, stmt: _Stmt, kw: dict) -> Pipeline:
+        cuts = None  # no block: the compiler places the cuts
+        for _, block in stmt.items:
+            cuts = []
+            for _, path, where, span, where_span in block:
+                self.spans[f"pipeline.cuts[{len(cuts)}].where"] = where_span
+                cuts.append(Cut(path, where, span=span))
+            cuts = tuple(cuts)
+        return Pipeline(schedule=kw.get("schedule", "1f1b"), stages=kw.get("stages"),
+                        virtual=kw.get("virtual", 1), cuts=cuts, span=stmt.span)
+
+    def _zero(self, stmt: _Stmt, kw: dict) -> Zero:
+        return Zero(kw.get("stage", 0), span=stmt.span)
+
+    def _recompute(self, stmt: _Stmt, kw: dict) -> Recompute:
+        for i, (_, span) in enumerate(stmt.strings):
+            self.spans[f"recompute.patterns[{i}]"] = span
+        return Recompute(tuple(p for p, _ in stmt.strings), span=stmt.span)
+
+    def _precision(self, stmt: _Stmt, kw: dict) -> str:
+        name, span = stmt.words[0]
+        self.spans["precision"] = span
+        return name
+
+    def _optimizer(self, stmt: _Stmt, kw: dict) -> Optimizer:
+        name, span = stmt.words[0]
+        self.spans["optimizer.name"] = span
+        base = Optimizer()
+        return Optimizer(name, kw.get("lr", base.lr), kw.get("betas", base.betas),
+                         kw.get("eps", base.eps), kw.get("weight_decay", base.weight_decay),
+                         kw.get("clip", base.grad_clip), span=stmt.span)

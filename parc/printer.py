@@ -1,0 +1,117 @@
+"""The canonical printer: `Plan` → plan text, such that parse(format_plan(p)) == p.
+
+Start at `format_plan`. The canonical form is what `parc` writes into compiled/
+and what the golden tests compare against:
+
+- statements in the order of the language reference: mesh, topology, batch,
+  tensor_parallel, pipeline, zero, recompute, precision, optimizer;
+- `mesh` always, with all three degrees (and `order=` only when not the default);
+  every other statement and key only when it differs from its default;
+- numbers as Python's shortest round-tripping repr, bandwidths in the largest
+  decimal unit that keeps the value exact (900e9 → 900GB/s);
+- tensor_parallel rules one per line, colons aligned. Comments are not kept.
+"""
+
+from __future__ import annotations
+
+from parc.plan import AXES, DEFAULT_ORDER, Optimizer, Plan, Topology
+
+_UNITS = (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3))
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [_mesh(plan)]
+    if plan.topology != Topology():
+        lines.append(_topology(plan.topology))
+    if plan.batch is not None:
+        b = plan.batch
+        acc = f" accumulation={b.accumulation}" if b.accumulation is not None else ""
+        lines.append(f"batch global={b.global_size} micro={b.micro}{acc}")
+    tp = plan.tensor_parallel
+    if tp.rules or tp.sequence_parallel:
+        width = max((len(r.pattern) + 2 for r in tp.rules), default=0)
+        body = [f'    {_quote(r.pattern):<{width}} : {r.style}' for r in tp.rules]
+        body += ["    sequence_parallel"] if tp.sequence_parallel else []
+        lines += ["tensor_parallel {", *body, "}"]
+    if plan.pipeline is not None:
+        lines.append(_pipeline(plan.pipeline))
+    if plan.zero.stage != 0:
+        lines.append(f"zero stage={plan.zero.stage}")
+    if plan.recompute.patterns:
+        lines.append("recompute " + " ".join(_quote(p) for p in plan.recompute.patterns))
+    if plan.precision != "fp32":
+        lines.append(f"precision {plan.precision}")
+    if plan.optimizer != Optimizer():
+        lines.append(_optimizer(plan.optimizer))
+    return "\n".join(lines) + "\n"
+
+
+def _quote(pattern: str) -> str:
+    return f'"{pattern}"'
+
+
+def _mesh(plan: Plan) -> str:
+    mesh = plan.mesh
+    text = "mesh " + " ".join(f"{a}={mesh.degree(a)}" for a in AXES)
+    if tuple(mesh.order) != DEFAULT_ORDER:
+        text += " order=" + ",".join(mesh.order)
+    return text
+
+
+def _bandwidth(bps: float) -> str:
+    """The largest unit giving a whole number (300GB/s, not 0.3TB/s), else the largest that
+    reads back exactly; the parser computes number × unit, so that is the test."""
+    exact = [(_number(bps / scale), unit, scale) for unit, scale in _UNITS]
+    exact = [(n, u) for n, u, s in exact if float(n) * s == bps]
+    whole = [(n, u) for n, u in exact if "." not in n and "e" not in n]
+    if whole or exact:
+        number, unit = (whole or exact)[0]
+        return number + unit
+    return _number(bps) + "B/s"
+
+
+def _number(x: float) -> str:
+    """Shortest text that reads back as x; integral floats without the trailing .0."""
+    return str(int(x)) if x == int(x) and abs(x) < 1e16 else repr(x)
+
+
+def _topology(t: Topology) -> str:
+    base = Topology()
+    parts = []
+    if t.preset is not None:
+        parts.append(f"preset={t.preset}")
+    if t.nodes != base.nodes:
+        parts.append(f"nodes={t.nodes}")
+    if t.gpus_per_node != base.gpus_per_node:
+        parts.append(f"gpus_per_node={t.gpus_per_node}")
+    if t.intra_bw is not None:
+        parts.append(f"intra={_bandwidth(t.intra_bw)}")
+    if t.inter_bw is not None:
+        parts.append(f"inter={_bandwidth(t.inter_bw)}")
+    return " ".join(["topology", *parts])
+
+
+def _pipeline(p) -> str:
+    text = f"pipeline schedule={p.schedule} stages={'auto' if p.stages is None else p.stages}"
+    if p.virtual != 1:
+        text += f" virtual={p.virtual}"
+    if p.cuts is not None:
+        cuts = [f"    cut {c.where} {_quote(c.path)}" for c in p.cuts]
+        text += " {\n" + "".join(c + "\n" for c in cuts) + "}"
+    return text
+
+
+def _optimizer(o: Optimizer) -> str:
+    base = Optimizer()
+    parts = [f"optimizer {o.name}"]
+    if o.lr != base.lr:
+        parts.append(f"lr={repr(float(o.lr))}")
+    if tuple(o.betas) != base.betas:
+        parts.append("betas=" + ",".join(repr(float(b)) for b in o.betas))
+    if o.eps != base.eps:
+        parts.append(f"eps={repr(float(o.eps))}")
+    if o.weight_decay != base.weight_decay:
+        parts.append(f"weight_decay={repr(float(o.weight_decay))}")
+    if o.grad_clip is not None:
+        parts.append(f"clip={repr(float(o.grad_clip))}")
+    return " ".join(parts)

@@ -1,0 +1,244 @@
+"""Validation: is a `Plan` consistent with itself, the launch, and the model?
+
+Start at `validate`. Each `_check_*` function looks at one statement (or one
+relation between statements) and appends Diagnostics; nothing stops at the first
+error. Checks that need the launch (`world_size`) or the model (`module_paths`,
+`num_layers`) are skipped when that argument is None, so the front end can run the
+plan-only checks right after parsing.
+
+Spans: a Diagnostic points at the offending token when the front end recorded it in
+`plan.spans` ("mesh.tp", "batch.global", ...), else at the statement, else nowhere
+(plans built in code carry no spans).
+"""
+
+from __future__ import annotations
+
+import difflib
+from fnmatch import fnmatchcase
+
+from parc.errors import Diagnostic, PlanError, Span
+from parc.plan import AXES, PRECISIONS, SCHEDULES, Plan, TPRule
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+TP_STYLES = ("column", "row", "vocab", "replicate")
+CUT_WHERE = ("before", "after")
+INTERLEAVED = ("interleaved_1f1b",)  # schedules that place several stages on one pp rank
+
+
+def validate(plan: Plan, *, world_size: int | None = None, module_paths=None,
+             num_layers: int | None = None) -> list[Diagnostic]:
+    """Raise PlanError carrying every error; return the warnings when there are none."""
+    out = _Report(plan)
+    _check_mesh(plan, out, world_size)
+    _check_topology(plan, out)
+    _check_batch(plan, out)
+    _check_tensor_parallel(plan, out)
+    _check_pipeline(plan, out, num_layers)
+    _check_rest(plan, out)
+    if module_paths is not None:
+        _check_patterns(plan, out, list(module_paths))
+    errors = [d for d in out.diagnostics if d.severity == "error"]
+    if errors:
+        raise PlanError(diagnostics=out.diagnostics)
+    return out.diagnostics
+
+
+class _Report:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.diagnostics: list[Diagnostic] = []
+
+    def at(self, key: str, node=None) -> Span | None:
+        """The span of `key` if the front end recorded it, else `node`'s, else the plan file's."""
+        span = self.plan.spans.get(key) or getattr(node, "span", None)
+        if span is None and self.plan.source:
+            span = Span(self.plan.file, 1, 1)
+        return span
+
+    def error(self, message: str, span: Span | None, hint: str | None = None) -> None:
+        self.diagnostics.append(Diagnostic(message, span, hint, "error", self.plan.source or None))
+
+    def warn(self, message: str, span: Span | None, hint: str | None = None) -> None:
+        self.diagnostics.append(Diagnostic(message, span, hint, "warning", self.plan.source or None))
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _one_of(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return (f"did you mean `{close[0]}`? " if close else "") + "valid: " + ", ".join(choices)
+
+
+def _check_mesh(plan: Plan, out: _Report, world_size: int | None) -> None:
+    mesh = plan.mesh
+    for axis in AXES:
+        if not _positive_int(mesh.degree(axis)):
+            out.error(f"mesh {axis} must be a positive integer, got {mesh.degree(axis)}",
+                      out.at(f"mesh.{axis}", mesh), f"{axis}=1 means the {axis} axis is not used")
+    if sorted(mesh.order) != sorted(AXES):
+        out.error(f"mesh order must name each of {', '.join(AXES)} once, got {','.join(mesh.order)}",
+                  out.at("mesh.order", mesh), "axes inner → outer, e.g. order=tp,pp,dp (the default)")
+    degrees = [mesh.degree(a) for a in AXES]
+    if world_size is not None and all(_positive_int(d) for d in degrees) and mesh.world_size != world_size:
+        product = " × ".join(f"{a} {d}" for a, d in zip(AXES, degrees))
+        out.error(f"mesh {product} = {mesh.world_size} ≠ world size {world_size}", out.at("mesh", mesh),
+                  "launch as many ranks as the mesh has, or change the degrees")
+
+
+def _check_topology(plan: Plan, out: _Report) -> None:
+    topo = plan.topology
+    for key in ("nodes", "gpus_per_node"):
+        if not _positive_int(getattr(topo, key)):
+            out.error(f"topology {key} must be a positive integer, got {getattr(topo, key)}",
+                      out.at(f"topology.{key}", topo))
+    for key, attr in (("intra", "intra_bw"), ("inter", "inter_bw")):
+        bw = getattr(topo, attr)
+        if bw is not None and not bw > 0:
+            out.error(f"topology {key} bandwidth must be positive, got {bw:g} B/s", out.at(f"topology.{key}", topo))
+    if _positive_int(topo.nodes) and _positive_int(topo.gpus_per_node) and _positive_int(plan.mesh.world_size) \
+            and topo.nodes * topo.gpus_per_node < plan.mesh.world_size:
+        out.warn(f"mesh needs {plan.mesh.world_size} ranks but topology has nodes {topo.nodes} × "
+                 f"gpus_per_node {topo.gpus_per_node} = {topo.nodes * topo.gpus_per_node} devices",
+                 out.at("topology", topo), "the cost model will assume more devices than stated")
+
+
+def _check_batch(plan: Plan, out: _Report) -> None:
+    batch, dp = plan.batch, plan.mesh.dp
+    if batch is None:
+        return
+    sizes = {"global": batch.global_size, "micro": batch.micro}
+    if batch.accumulation is not None:
+        sizes["accumulation"] = batch.accumulation
+    bad = [k for k, v in sizes.items() if not _positive_int(v)]
+    for key in bad:
+        out.error(f"batch {key} must be a positive integer, got {sizes[key]}", out.at(f"batch.{key}", batch))
+    if bad or not _positive_int(dp):
+        return
+    span = out.at("batch.global", batch)
+    if batch.accumulation is not None:
+        product = batch.micro * batch.accumulation * dp
+        if product != batch.global_size:
+            out.error(f"global batch {batch.global_size} ≠ micro {batch.micro} × accumulation "
+                      f"{batch.accumulation} × dp {dp} = {product}", span,
+                      "global batch = micro × accumulation × dp; drop accumulation= to derive it")
+    elif batch.global_size % (batch.micro * dp):
+        per_step = batch.micro * dp
+        out.error(f"global batch {batch.global_size} is not a multiple of micro {batch.micro} × dp {dp} "
+                  f"= {per_step}", span,
+                  f"the nearest multiples are {batch.global_size // per_step * per_step or per_step} "
+                  f"and {(batch.global_size // per_step + 1) * per_step}")
+
+
+def _check_tensor_parallel(plan: Plan, out: _Report) -> None:
+    tp = plan.tensor_parallel
+    first: dict[str, TPRule] = {}
+    for i, rule in enumerate(tp.rules):
+        if rule.style not in TP_STYLES:
+            out.error(f"unknown tensor_parallel style `{rule.style}` for \"{rule.pattern}\"",
+                      out.at(f"tensor_parallel.rules[{i}].style", rule), _one_of(rule.style, TP_STYLES))
+        if not rule.pattern:
+            out.error("empty tensor_parallel pattern", out.at("", rule), 'write a glob such as "blocks.*.attn.qkv"')
+        if rule.pattern in first:
+            line = first[rule.pattern].span.line if first[rule.pattern].span else "?"
+            out.error(f"duplicate tensor_parallel pattern \"{rule.pattern}\"", out.at("", rule),
+                      f"the first rule for it is on line {line}")
+        first.setdefault(rule.pattern, rule)
+    if tp.sequence_parallel and plan.mesh.tp == 1:
+        out.warn("sequence_parallel with mesh tp 1 has no effect", out.at("tensor_parallel", tp))
+
+
+def _check_pipeline(plan: Plan, out: _Report, num_layers: int | None) -> None:
+    pp, pipe = plan.mesh.pp, plan.pipeline
+    if num_layers is not None and _positive_int(pp) and pp > num_layers:
+        out.error(f"mesh pp {pp} > {num_layers} layers: each pp rank needs at least one layer",
+                  out.at("mesh.pp", plan.mesh), f"use pp ≤ {num_layers}")
+    if pipe is None:
+        return
+    if pipe.schedule not in SCHEDULES:
+        out.error(f"unknown pipeline schedule `{pipe.schedule}`", out.at("pipeline.schedule", pipe),
+                  _one_of(pipe.schedule, SCHEDULES))
+    if not _positive_int(pipe.virtual):
+        out.error(f"pipeline virtual must be a positive integer, got {pipe.virtual}", out.at("pipeline.virtual", pipe))
+        return
+    if pipe.schedule in INTERLEAVED and pipe.virtual < 2:
+        out.error(f"schedule {pipe.schedule} needs virtual ≥ 2, got virtual {pipe.virtual}",
+                  out.at("pipeline.virtual", pipe) if "pipeline.virtual" in plan.spans else out.at("pipeline.schedule", pipe),
+                  "state virtual=2 (stages per pp rank) or use schedule=1f1b")
+    elif pipe.schedule in SCHEDULES and pipe.schedule not in INTERLEAVED and pipe.virtual > 1:
+        out.error(f"schedule {pipe.schedule} holds one stage per pp rank, got virtual {pipe.virtual}",
+                  out.at("pipeline.virtual", pipe), "use schedule=interleaved_1f1b, or drop virtual=")
+    if not _positive_int(pp):
+        return
+    total = pp * pipe.virtual
+    if pipe.stages is not None and not _positive_int(pipe.stages):
+        out.error(f"pipeline stages must be auto or a positive integer, got {pipe.stages}", out.at("pipeline.stages", pipe))
+    elif pipe.stages is not None and pipe.stages != total:
+        out.error(f"pipeline stages {pipe.stages} ≠ pp {pp} × virtual {pipe.virtual} = {total}",
+                  out.at("pipeline.stages", pipe), "write stages=auto to derive it")
+    if num_layers is not None and pipe.virtual > 1 and total > num_layers:
+        out.error(f"pipeline needs pp {pp} × virtual {pipe.virtual} = {total} stages but the model has "
+                  f"{num_layers} layers", out.at("pipeline.virtual", pipe), "each stage needs at least one layer")
+    if pipe.cuts is not None:
+        _check_cuts(plan, out, total)
+
+
+def _check_cuts(plan: Plan, out: _Report, total: int) -> None:
+    pipe = plan.pipeline
+    if len(pipe.cuts) + 1 != total:
+        out.error(f"{len(pipe.cuts)} cuts make {len(pipe.cuts) + 1} stages ≠ pp {plan.mesh.pp} × virtual "
+                  f"{pipe.virtual} = {total}", out.at("pipeline", pipe), f"give {total - 1} cuts")
+    for i, cut in enumerate(pipe.cuts):
+        if cut.where not in CUT_WHERE:
+            out.error(f"a cut is `before` or `after` a module, got `{cut.where}`",
+                      out.at(f"pipeline.cuts[{i}].where", cut), _one_of(cut.where, CUT_WHERE))
+        if any(c in cut.path for c in "*?[") or not cut.path:
+            out.error(f"a cut names one module path, got \"{cut.path}\"", out.at("", cut),
+                      'write the exact path, e.g. cut before "blocks.2"')
+
+
+def _check_rest(plan: Plan, out: _Report) -> None:
+    if plan.zero.stage not in (0, 1, 2, 3) or isinstance(plan.zero.stage, bool):
+        out.error(f"zero stage must be 0, 1, 2 or 3, got {plan.zero.stage}", out.at("zero.stage", plan.zero),
+                  "1 shards optimizer state, 2 also gradients, 3 also parameters")
+    for i, pattern in enumerate(plan.recompute.patterns):
+        if not pattern:
+            out.error("empty recompute pattern", out.at(f"recompute.patterns[{i}]", plan.recompute))
+    if plan.precision not in PRECISIONS:
+        out.error(f"unknown precision `{plan.precision}`", out.at("precision"), _one_of(plan.precision, PRECISIONS))
+    opt = plan.optimizer
+    if opt.name not in OPTIMIZERS:
+        out.error(f"unknown optimizer `{opt.name}`", out.at("optimizer.name", opt), _one_of(opt.name, OPTIMIZERS))
+    if not opt.lr > 0:
+        out.error(f"optimizer lr must be > 0, got {opt.lr}", out.at("optimizer.lr", opt))
+    for beta in opt.betas:
+        if not 0 <= beta < 1:
+            out.error(f"optimizer betas must lie in [0, 1), got {','.join(map(str, opt.betas))}",
+                      out.at("optimizer.betas", opt), "the usual values are betas=0.9,0.999")
+            break
+    if not opt.eps > 0:
+        out.error(f"optimizer eps must be > 0, got {opt.eps}", out.at("optimizer.eps", opt))
+    if not opt.weight_decay >= 0:
+        out.error(f"optimizer weight_decay must be ≥ 0, got {opt.weight_decay}", out.at("optimizer.weight_decay", opt))
+    if opt.grad_clip is not None and not opt.grad_clip > 0:
+        out.error(f"optimizer clip must be > 0, got {opt.grad_clip}", out.at("optimizer.clip", opt),
+                  "clip is the max global gradient norm; drop it to disable clipping")
+
+
+def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
+    """A glob that matches no module is a warning: the rule does nothing, often from a typo."""
+    globs = [(r.pattern, r, "tensor_parallel") for r in plan.tensor_parallel.rules]
+    globs += [(p, plan.recompute, "recompute") for p in plan.recompute.patterns]
+    for i, (pattern, node, where) in enumerate(globs):
+        if pattern and not any(fnmatchcase(p, pattern) for p in paths):
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            key = f"recompute.patterns[{i - len(plan.tensor_parallel.rules)}]" if where == "recompute" else ""
+            out.warn(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
+                     "closest module paths: " + ", ".join(close) if close else "the model has no modules")
+    if plan.pipeline is not None and plan.pipeline.cuts:
+        for cut in plan.pipeline.cuts:
+            if cut.path and cut.path not in paths:
+                close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0)
+                out.error(f"cut {cut.where} \"{cut.path}\": no module has this path", out.at("", cut),
+                          "closest module paths: " + ", ".join(close))
