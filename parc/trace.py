@@ -1,0 +1,384 @@
+"""Tracing: the user's model file → one aten-level FX graph of the loss, on meta.
+
+Start here: `load_user_module(path)` imports a model file, `trace(user, micro_batch)`
+exports its loss; `Traced` is what the passes consume, `module_path(node)` tells
+which module a node came from, and `state_values(traced, model)` supplies the real
+state when a traced graph is run.
+
+The model-file convention (also in docs/model-convention.md). A `model.py` defines:
+
+    build_model() -> torch.nn.Module
+        Builds the model. parc calls it under `torch.device("meta")` to compile and
+        on CPU under `torch.manual_seed(seed)` to train, so it must depend on no
+        global state besides the RNG.
+    get_batch(step: int, batch_size: int) -> tuple[Tensor, ...]
+        The GLOBAL batch of optimizer step `step`, a pure function of
+        (step, batch_size). Dim 0 of every tensor is the sample dim: parc slices it
+        across data-parallel ranks and micro-batches.
+    loss_fn(model, *batch) -> Tensor
+        The scalar loss, a MEAN over the batch's samples/tokens, so that the mean of
+        equal micro-batches' losses is the global batch's loss.
+
+The number of layers is not declared: `num_layers(model)` is the length of the
+longest `nn.ModuleList`/`nn.Sequential` whose children all have one class.
+
+How tracing works. The model is built on meta (no memory for weights), a sample
+batch of `micro_batch` samples is moved to meta, and a tiny wrapper whose forward
+is `loss_fn(self.model, *batch)` goes through `torch.export.export(strict=False)`
+in train mode. The wrapper's `model.` prefix is stripped, so every FQN equals a
+name of the user's `model.named_parameters()` / `named_buffers()`. The export
+runs with no default-device context, like a run on an accelerator: a tensor the
+forward creates without `device=` lands on CPU, and mixing it with the model's
+tensors fails exactly as it would on a GPU.
+
+State and where its values come from at run time (`state_values`):
+- "param", "buffer": `get(model, fqn)` on the real model; this covers
+  non-persistent buffers (e.g. RoPE's `inv_freq`) that are not in its state_dict.
+- "constant", a plain tensor attribute of a module: the same attribute lookup.
+- "constant", a tensor the forward creates from data (`torch.tensor(3.0)`,
+  named `lifted_tensor_N`): its value is real even on meta (a CPU scalar), and is
+  stored in `Traced.constants`; one whose value was lost raises TraceError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import itertools
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from parc.errors import Span, TraceError
+
+WRAPPER_ATTR = "model"  # the wrapper's attribute holding the user's model; stripped from FQNs
+_SIGNATURES = {
+    "build_model": "def build_model() -> torch.nn.Module: ...",
+    "get_batch": "def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, ...]: ...",
+    "loss_fn": "def loss_fn(model, *batch) -> torch.Tensor:  # scalar, mean over the batch",
+}
+_KINDS = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class UserModel:
+    path: Path
+    module: ModuleType
+    build_model: Callable[[], torch.nn.Module]
+    get_batch: Callable[[int, int], tuple[torch.Tensor, ...]]
+    loss_fn: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """One state placeholder of the graph: its name there and its FQN in the user's model."""
+
+    name: str
+    fqn: str
+    kind: str  # "param" | "buffer" | "constant"
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32"
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class UserInputSpec:
+    name: str
+    shape: tuple[int, ...]  # dim 0 is the micro-batch
+    dtype: str
+
+
+@dataclass
+class Traced:
+    """The loss graph. `gm`'s placeholders are `state` then `inputs`, in order; it returns `(loss,)`."""
+
+    gm: torch.fx.GraphModule
+    state: list[StateInput]
+    inputs: list[UserInputSpec]
+    module_paths: list[str]
+    num_layers: int
+    param_count: int
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn → CPU value of lifted constants
+    program: ExportedProgram | None = None
+
+
+def load_user_module(path: str | Path) -> UserModel:
+    """Import a model file by path, under a unique module name, and check its three functions."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise TraceError(f"model file {path} does not exist")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    name = f"parc_user_{path.stem}_{digest}_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    with _user_errors(path, "importing the model file"):
+        spec.loader.exec_module(module)
+    fns = {}
+    for fn, signature in _SIGNATURES.items():
+        value = getattr(module, fn, None)
+        if not callable(value):
+            what = "is not a function" if value is not None else "is missing"
+            raise TraceError(f"`{fn}` {what} in the model file", Span(str(path), 1, 1),
+                             hint=f"define `{signature}` (see docs/model-convention.md)")
+        fns[fn] = value
+    return UserModel(path, module, **fns)
+
+
+def trace(user: UserModel, micro_batch: int) -> Traced:
+    """Export `loss_fn(build_model(), *get_batch(0, micro_batch))` on meta; no weight memory is used."""
+    with _user_errors(user.path, "building the model"), torch.device("meta"):
+        model = user.build_model()
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"build_model() returned {type(model).__name__}, not a torch.nn.Module",
+                         _def_span(user, "build_model"), hint=_SIGNATURES["build_model"])
+    model.train()  # dropout and friends must appear as they will run in training
+    batch = _sample_batch(user, micro_batch)
+    wrapper = _LossWrapper(model, user.loss_fn)
+    with _user_errors(user.path, "tracing the loss", model):
+        ep = torch.export.export(wrapper, batch, strict=False)
+    gm = ep.graph_module
+    _check_scalar_loss(user, gm)
+    set_device(gm, torch.device("cpu"))  # `device=x.device` was traced as meta; parc trains on CPU ranks
+
+    state, constants, inputs = [], {}, []
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for spec in ep.graph_signature.input_specs:
+        node = placeholders[spec.arg.name]
+        val = node.meta["val"]
+        if spec.kind == InputKind.USER_INPUT:
+            inputs.append(UserInputSpec(spec.arg.name, tuple(val.shape), _dtype(val.dtype)))
+            continue
+        if spec.kind not in _KINDS:
+            raise TraceError(f"unsupported graph input {spec.arg.name} of kind {spec.kind.name}",
+                             _def_span(user, "loss_fn"))
+        fqn = _strip_wrapper(spec.target)
+        kind = _KINDS[spec.kind]
+        if kind == "constant":
+            _record_constant(user, model, fqn, ep.constants[spec.target], constants)
+        node.meta["parc_fqn"] = fqn  # lets module_path() place state placeholders
+        state.append(StateInput(spec.arg.name, fqn, kind, tuple(val.shape), _dtype(val.dtype),
+                                kind == "param" and bool(get(model, fqn).requires_grad)))
+    return Traced(
+        gm=gm, state=state, inputs=inputs,
+        module_paths=[n for n, _ in model.named_modules() if n],
+        num_layers=num_layers(model),
+        param_count=sum(p.numel() for p in model.parameters()),
+        constants=constants, program=ep,
+    )
+
+
+def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:
+    """The real tensors for `traced.state`, in placeholder order, from a model built for real."""
+    return [traced.constants[s.fqn] if s.fqn in traced.constants else get(model, s.fqn) for s in traced.state]
+
+
+def set_device(gm: torch.fx.GraphModule, device: torch.device) -> int:
+    """Retarget the devices the trace baked in (`arange(..., device=meta)`, `.to(meta)`); returns how many."""
+    meta, count = torch.device("meta"), 0
+
+    def swap(a):
+        nonlocal count
+        if isinstance(a, torch.device) and a == meta:
+            count += 1
+            return device
+        return a
+
+    for node in gm.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    gm.recompile()
+    return count
+
+
+def get(model: torch.nn.Module, fqn: str):
+    """The attribute at a dotted FQN (a parameter, buffer or plain tensor attribute)."""
+    obj = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- module paths ----------------------------------------------------------------
+
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")  # blocks[0] / L['self'] → .0 / .self
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted FQN of the innermost module `node` ran in, e.g. `blocks.0.attn.qkv`; '' for the root.
+
+    torch 2.13's non-strict export stores `nn_module_stack` as {key: (path, type)},
+    outermost first, e.g. `{'L__self__': ('', W), 'L__self__model.blocks.0.attn.qkv':
+    ('model.blocks.0.attn.qkv', Linear), ...}`. Strict export and older versions write
+    paths like `L['self'].model.blocks[0]`; both normalize to the user's FQN.
+    State placeholders have no stack: their path is their FQN's owner.
+    """
+    fqn = node.meta.get("parc_fqn")
+    if fqn is not None:
+        return fqn.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return normalize_path(path)
+
+
+def normalize_path(path: str) -> str:
+    """`L['self'].model.blocks[0].attn` or `model.blocks.0.attn` → `blocks.0.attn`."""
+    path = _INDEX.sub(r".\1", path.split("@")[0])
+    parts = [p for p in path.split(".") if p]
+    if parts[:1] in (["L"], ["self"]):
+        parts = parts[2:] if parts[:2] == ["L", "self"] else parts[1:]
+    return ".".join(parts[1:] if parts[:1] == [WRAPPER_ATTR] else parts)
+
+
+def num_layers(model: torch.nn.Module) -> int:
+    """Length of the longest ModuleList/Sequential of same-class blocks; 0 when there is none."""
+    return repeated_blocks(model)[1]
+
+
+def repeated_blocks(model: torch.nn.Module) -> tuple[str, int]:
+    """(path, length) of the longest ModuleList/Sequential whose children share one class."""
+    best = ("", 0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod) > best[1]:
+            if len({type(child) for child in mod}) == 1:
+                best = (name, len(mod))
+    return best
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+class _LossWrapper(torch.nn.Module):
+    """Makes `loss_fn(model, *batch)` exportable: export wants a Module whose forward is the function."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        setattr(self, WRAPPER_ATTR, model)
+        self._loss_fn = loss_fn
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(getattr(self, WRAPPER_ATTR), *batch)
+
+
+def _sample_batch(user: UserModel, micro_batch: int) -> tuple[torch.Tensor, ...]:
+    with _user_errors(user.path, "getting a batch"):
+        batch = user.get_batch(0, micro_batch)
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise TraceError(f"get_batch(0, {micro_batch}) returned {type(batch).__name__}, not a tuple of tensors",
+                         _def_span(user, "get_batch"), hint=_SIGNATURES["get_batch"])
+    for i, t in enumerate(batch):
+        if t.dim() == 0 or t.shape[0] != micro_batch:
+            got = "a scalar" if t.dim() == 0 else f"dim 0 = {t.shape[0]}"
+            raise TraceError(f"get_batch(0, {micro_batch}) tensor {i} has {got} ≠ batch_size {micro_batch}",
+                             _def_span(user, "get_batch"), hint="dim 0 of every batch tensor is the sample dim")
+    return tuple(t.to("meta") for t in batch)
+
+
+def _check_scalar_loss(user: UserModel, gm: torch.fx.GraphModule) -> None:
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    vals = [a.meta.get("val") for a in out] if isinstance(out, (tuple, list)) else [None]
+    if len(vals) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].dim() != 0:
+        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
+        raise TraceError(f"loss_fn must return one scalar tensor, got {shapes}", _def_span(user, "loss_fn"),
+                         hint="return a mean, e.g. F.cross_entropy(logits.flatten(0, 1), targets.flatten())")
+
+
+def _record_constant(user: UserModel, model: torch.nn.Module, fqn: str, value: torch.Tensor,
+                     constants: dict[str, torch.Tensor]) -> None:
+    try:
+        get(model, fqn)
+        return  # a module attribute: the real model has it at run time
+    except AttributeError:
+        pass
+    if value.device.type == "meta":
+        raise TraceError(f"the value of tensor constant `{fqn}` is lost on meta", _def_span(user, "loss_fn"),
+                         hint="create it in __init__ with register_buffer(..., persistent=False)")
+    constants[fqn] = value.detach().clone()
+
+
+def _strip_wrapper(fqn: str) -> str:
+    prefix = WRAPPER_ATTR + "."
+    return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _def_span(user: UserModel, fn: str) -> Span:
+    code = getattr(getattr(user.module, fn, None), "__code__", None)
+    return Span(str(user.path), code.co_firstlineno if code else 1, 1)
+
+
+class _user_errors:
+    """Turns any exception raised under it into a TraceError at the user file's innermost line."""
+
+    def __init__(self, path: Path, doing: str, model: torch.nn.Module | None = None):
+        self.path, self.doing, self.model = path, doing, model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if exc is None or isinstance(exc, TraceError) or not isinstance(exc, Exception):
+            return False
+        span = _user_span(self.path, exc)
+        where = _failing_module(self.model, tb)
+        first = (str(exc).strip().splitlines() or [typ.__name__])[0]
+        subject = f"module `{where}`" if where else ("the model" if self.model is not None else "the model file")
+        raise TraceError(f"{self.doing} failed in {subject}: {typ.__name__}: {first}", span,
+                         hint=_hint(exc)) from exc
+
+
+def _user_span(path: Path, exc: BaseException) -> Span | None:
+    """The innermost frame in the user's file, else a `File "...", line N` in torch's message."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path]
+    if isinstance(exc, SyntaxError) and exc.lineno and Path(exc.filename or "").resolve() == path:
+        return Span(str(path), exc.lineno, exc.offset or 1)
+    if frames:
+        f = frames[-1]
+        col = (f.colno or 0) + 1
+        end = (f.end_colno or 0) + 1 if f.end_lineno == f.lineno and f.end_colno else None
+        return Span(str(path), f.lineno, col, f.lineno if end else None, end)
+    for file, line in re.findall(r'File "([^"]+)", line (\d+)', str(exc))[::-1]:
+        if Path(file).resolve() == path:
+            return Span(str(path), int(line), 1)
+    return Span(str(path), 1, 1)
+
+
+def _failing_module(model: torch.nn.Module | None, tb) -> str:
+    """The innermost module whose forward was running when the error was raised ('' if none)."""
+    if model is None:
+        return ""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found or ""
+
+
+def _hint(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}"
+    if "data-dependent" in text or "DataDependent" in text:
+        return ("parc traces on meta tensors, which have shapes but no values: branch on shapes, "
+                "or use torch.where / torch.cond instead of `if tensor:`")
+    if "device" in text and "meta" in text:
+        return "create tensors in forward on the input's device, e.g. torch.arange(T, device=x.device)"
+    return "the model must run under torch.export.export(strict=False) on meta tensors"
