@@ -1,0 +1,308 @@
+"""Pipeline schedules as data: which action each pp rank issues, in order.
+
+Start at `build_schedule(name, pp, micro_batches, virtual)`. It returns a
+`Schedule`: one ordered list of `Action`s per pp rank, compute (F, B, I, W) and
+the point-to-point sends/receives around it. `parc.passes.simulate.simulate`
+runs the lists and checks them; the runtime executor only walks them.
+
+Assumes: S = pp × virtual stages, stage s lives on pp rank s % pp (Megatron's
+looping placement: rank r holds stages r, r+pp, r+2pp, …).
+
+Guarantees, for every schedule built here:
+- each (stage, micro) runs F once and either B once or I then W once;
+- the P2P order is deadlock-free under BOTH executor semantics:
+  * blocking pairs: every SEND/RECV waits until its partner is posted;
+  * batched: each maximal run of adjacent P2P actions in a rank's list is
+    issued as one `batch_isend_irecv` and waited before the next compute.
+  Why: every message gets one global key (when its producer finishes in an
+  ideal unit-cost run) and every rank issues its P2P actions in increasing
+  key order, sender and receiver alike. The pending message with the smallest
+  key then always has both ends posted, so some rank can always progress, and
+  the k-th send on a (src → dst) channel always meets the k-th receive.
+- An action's `stage` is the stage computing on THIS rank: SEND_F(s) carries
+  F(s)'s output to stage s+1, RECV_F(s) brings F(s)'s input from stage s−1,
+  SEND_B(s) carries the input gradient of stage s to s−1, RECV_B(s) brings the
+  output gradient of stage s from s+1. A stage's neighbour on the same rank
+  (pp = 1 with virtual stages) needs no P2P.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from parc.errors import Diagnostic, PlanError
+from parc.plan import SCHEDULES
+
+COMPUTE = ("F", "B", "I", "W")
+P2P = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# Ideal costs used only to order P2P actions; any positive costs would be deadlock-free.
+_ORDER_COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One entry of a rank's schedule. `peer` is the other pp rank of a SEND/RECV."""
+
+    kind: str
+    stage: int
+    micro: int
+    peer: int | None = None
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in P2P
+
+    def __str__(self) -> str:
+        if self.is_p2p:
+            arrow = ">" if self.kind.startswith("SEND") else "<"
+            return f"{self.kind}(s{self.stage},m{self.micro}{arrow}r{self.peer})"
+        return f"{self.kind}(s{self.stage},m{self.micro})"
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    m: int
+    v: int
+    actions: list[list[Action]]  # one ordered list per pp rank
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.v
+
+    def to_json(self) -> dict:
+        """Plain dicts and lists in a stable order, ready for plan.json."""
+        def one(a: Action) -> dict:
+            d = {"kind": a.kind, "stage": a.stage, "micro": a.micro}
+            if a.peer is not None:
+                d["peer"] = a.peer
+            return d
+        return {"name": self.name, "pp": self.pp, "micro_batches": self.m, "virtual": self.v,
+                "actions": [[one(a) for a in rank] for rank in self.actions]}
+
+    @classmethod
+    def from_json(cls, data: dict | str) -> "Schedule":
+        if isinstance(data, str):
+            data = json.loads(data)
+        actions = [[Action(a["kind"], a["stage"], a["micro"], a.get("peer")) for a in rank]
+                   for rank in data["actions"]]
+        return cls(data["name"], data["pp"], data["micro_batches"], data["virtual"], actions)
+
+
+def rank_of(stage: int, pp: int) -> int:
+    return stage % pp
+
+
+# ---------------------------------------------------------------- compute order
+# Each builder returns, per rank, the ordered (kind, stage, micro) compute actions.
+
+def _gpipe(pp: int, m: int) -> list[list[tuple]]:
+    return [[("F", r, j) for j in range(m)] + [("B", r, j) for j in range(m)] for r in range(pp)]
+
+
+def _one_f_one_b(pp: int, m: int, backward: str = "B") -> list[list[tuple]]:
+    """PipeDream-flush: (pp − r − 1) warm-up forwards, then F/B pairs, then the rest of B."""
+    orders = []
+    for r in range(pp):
+        warm = min(pp - r - 1, m)
+        seq = [("F", r, j) for j in range(warm)]
+        for i in range(m - warm):
+            seq += [("F", r, warm + i), (backward, r, i)]
+        seq += [(backward, r, j) for j in range(m - warm, m)]
+        orders.append(seq)
+    return orders
+
+
+def _zb_h1(pp: int, m: int) -> list[list[tuple]]:
+    """ZB-H1 (Qi et al. 2023): 1F1B with B split into I and W, rank r deferring W by r.
+
+    W(j) on rank r runs right after I(j + r), the rest after the last I. Rank r
+    then holds at most (pp − r) + r = pp activations, rank 0's 1F1B peak, and
+    the deferred Ws fill the cool-down bubble: makespan 3m + pp − 1 units for
+    m ≥ pp (F = I = W = 1) instead of 1F1B's 3(m + pp − 1).
+    """
+    orders = []
+    for r, seq in enumerate(_one_f_one_b(pp, m, backward="I")):
+        out, next_w = [], 0
+        for kind, stage, j in seq:
+            out.append((kind, stage, j))
+            if kind == "I" and j - r >= 0:
+                out.append(("W", stage, j - r))
+                next_w += 1
+        out += [("W", r, j) for j in range(next_w, m)]
+        orders.append(out)
+    return orders
+
+
+def _interleaved(pp: int, m: int, v: int) -> list[list[tuple]]:
+    """Megatron's interleaved 1F1B: rank r walks m·v virtual micro-batches.
+
+    Forward k runs chunk (k mod pp·v) // pp on micro-batch (k // pp·v)·pp + k mod pp;
+    backward k runs the chunks in reverse. Warm-up is 2(pp − r − 1) + (v − 1)·pp
+    forwards, capped at m·v, then one forward one backward, then the rest.
+    """
+    total = m * v
+
+    def unit(k: int, forward: bool, r: int) -> tuple:
+        chunk = (k % (pp * v)) // pp
+        if not forward:
+            chunk = v - 1 - chunk
+        micro = (k // (pp * v)) * pp + k % pp
+        return ("F" if forward else "B", chunk * pp + r, micro)
+
+    orders = []
+    for r in range(pp):
+        warm = min(2 * (pp - r - 1) + (v - 1) * pp, total)
+        seq = [unit(k, True, r) for k in range(warm)]
+        for i in range(total - warm):
+            seq += [unit(warm + i, True, r), unit(i, False, r)]
+        seq += [unit(k, False, r) for k in range(total - warm, total)]
+        orders.append(seq)
+    return orders
+
+
+# ---------------------------------------------------------------- validation
+
+def _check(name: str, pp: int, m: int, v: int) -> None:
+    if name not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+    for what, n in (("pp", pp), ("micro-batches", m), ("virtual", v)):
+        if n < 1:
+            raise PlanError(f"pipeline {what} must be ≥ 1, got {n}")
+    if name != "interleaved_1f1b" and v != 1:
+        raise PlanError(f"{name} has one stage per rank, got virtual {v}",
+                        hint="use schedule=interleaved_1f1b for virtual stages")
+    if name == "interleaved_1f1b" and m % pp:
+        raise PlanError(f"interleaved 1F1B needs micro-batches {m} to be a multiple of pp {pp}",
+                        hint=f"use {m + pp - m % pp} or {m - m % pp or pp} micro-batches")
+
+
+# ---------------------------------------------------------------- P2P placement
+
+def _deps(kind: str, s: int, j: int, last: int, split: dict) -> list[tuple]:
+    """Compute actions that must finish before (kind, s, j) starts."""
+    if kind == "F":
+        return [("F", s - 1, j)] if s > 0 else []
+    if kind in ("B", "I"):
+        return [("F", s, j)] + ([(split[s + 1], s + 1, j)] if s < last else [])
+    return [("I", s, j)]  # W
+
+
+def _ideal_starts(orders: list[list[tuple]], last: int) -> dict[tuple, tuple[int, int]]:
+    """(kind, stage, micro) -> (start, end) with unit costs and free communication."""
+    split = {}
+    for seq in orders:
+        for kind, s, _ in seq:
+            if kind in ("B", "I"):
+                split[s] = kind
+    times: dict[tuple, tuple[int, int]] = {}
+    ptr, free = [0] * len(orders), [0] * len(orders)
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, seq in enumerate(orders):
+            while ptr[r] < len(seq):
+                act = seq[ptr[r]]
+                deps = _deps(*act, last, split)
+                if any(d not in times for d in deps):
+                    break
+                start = max([free[r]] + [times[d][1] for d in deps])
+                free[r] = start + _ORDER_COST[act[0]]
+                times[act] = (start, free[r])
+                ptr[r] += 1
+                progressed = True
+    stuck = [r for r, seq in enumerate(orders) if ptr[r] < len(seq)]
+    if stuck:  # a bug in a builder above, not a user error
+        raise AssertionError(f"compute order deadlocks on ranks {stuck}")
+    return times
+
+
+def _with_p2p(orders: list[list[tuple]], pp: int, stages: int) -> list[list[Action]]:
+    """Interleave sends/receives into the compute order by one global message key.
+
+    A message's key is the first instant, from its producer's end to its
+    consumer's start in the ideal run, at which neither rank is mid-compute:
+    both then meet at a P2P run, so a rendezvous send costs no waiting and the
+    simulator reproduces the ideal timeline. With no such instant the key is
+    the producer's end (still deadlock-free; the sender may wait).
+    """
+    times = _ideal_starts(orders, stages - 1)
+    inside: list[set[int]] = [set() for _ in range(pp)]  # instants a rank is mid-compute
+    for r, seq in enumerate(orders):
+        for act in seq:
+            start, end = times[act]
+            inside[r].update(range(start + 1, end))
+    keyed: list[list[tuple]] = [[] for _ in range(pp)]
+    for r, seq in enumerate(orders):
+        for kind, s, j in seq:
+            # compute sorts after P2P of the same instant: its input receive comes first
+            keyed[r].append(((times[(kind, s, j)][0], 1, 0, 0, 0), Action(kind, s, j)))
+            if kind == "F" and s < stages - 1 and rank_of(s + 1, pp) != r:
+                dst, msg, consumer = rank_of(s + 1, pp), ("F", s + 1), ("F", s + 1, j)
+            elif kind in ("B", "I") and s > 0 and rank_of(s - 1, pp) != r:
+                dst, msg, consumer = rank_of(s - 1, pp), ("B", s - 1), (kind, s - 1, j)
+            else:
+                continue
+            ready, need = times[(kind, s, j)][1], times[consumer][0]
+            meet = next((t for t in range(ready, need + 1) if t not in inside[r] and t not in inside[dst]), ready)
+            key = (meet, 0, 0 if msg[0] == "F" else 1, s, j)
+            keyed[r].append((key, Action(f"SEND_{msg[0]}", s, j, dst)))
+            keyed[dst].append((key, Action(f"RECV_{msg[0]}", msg[1], j, r)))
+    return [[a for _, a in sorted(seq, key=lambda x: x[0])] for seq in keyed]
+
+
+def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
+    """The named schedule for `pp` ranks, `micro_batches` per step, `virtual` stages per rank."""
+    _check(name, pp, micro_batches, virtual)
+    m = micro_batches
+    orders = {"gpipe": lambda: _gpipe(pp, m),
+              "1f1b": lambda: _one_f_one_b(pp, m),
+              "zb_h1": lambda: _zb_h1(pp, m),
+              "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
+    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual))
+
+
+# ---------------------------------------------------------------- closed forms, advice, text
+
+def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
+    """DESIGN.md's idle fraction: (p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1).
+
+    zb_h1 with F = I = W: (p−1)/(3m+p−1), the paper's (p−1)(T_F+T_B−T_W) over
+    the step, valid for m ≥ p.
+    """
+    if name == "interleaved_1f1b":
+        return (pp - 1) / (v * m + pp - 1)
+    if name == "zb_h1":
+        return (pp - 1) / (3 * m + pp - 1)
+    return (pp - 1) / (m + pp - 1)
+
+
+def schedule_diagnostics(name: str, pp: int, m: int, v: int = 1) -> list[Diagnostic]:
+    """Errors a builder would raise, as diagnostics, plus warnings about idle time."""
+    try:
+        _check(name, pp, m, v)
+    except PlanError as e:
+        return list(e.diagnostics)
+    out = []
+    if pp > 1 and m < pp and name in ("1f1b", "gpipe", "zb_h1"):
+        idle = (pp - 1) / (m + pp - 1)
+        label = {"1f1b": "1F1B", "gpipe": "GPipe", "zb_h1": "ZB-H1"}[name]
+        out.append(Diagnostic(
+            f"{label} with {m} micro-batches on pp {pp} idles {idle:.0%} of the step: "
+            f"bubble (p−1)/(m+p−1) = {pp - 1}/{m + pp - 1}",
+            hint=f"use at least {pp} micro-batches (ideally ≥ {4 * pp})", severity="warning"))
+    return out
+
+
+def format_schedule(schedule: Schedule, p2p: bool = False) -> str:
+    """One line per rank, e.g. `r0: F0 F1 F2 B0 …`; `.c` marks virtual chunk c when v > 1."""
+    def token(a: Action) -> str:
+        chunk = f".{a.stage // schedule.pp}" if schedule.v > 1 else ""
+        if a.is_p2p:
+            arrow = ">" if a.kind.startswith("SEND") else "<"
+            return f"{a.kind[0].lower()}{a.kind[-1].lower()}{a.micro}{chunk}{arrow}{a.peer}"
+        return f"{a.kind}{a.micro}{chunk}"
+    return "\n".join(f"r{r}: " + " ".join(token(a) for a in seq if p2p or not a.is_p2p)
+                     for r, seq in enumerate(schedule.actions))
