@@ -10,6 +10,7 @@ is re-raised in the parent; a hung world is killed after `timeout` seconds.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -43,7 +44,9 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         out = body(RankCtx(rank, world), *args)
-        results.put((rank, True, out))
+        # plain pickle copies tensors by value; the queue's own reducer would share
+        # them through file descriptors that close when this process exits
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 — forwarded to the parent verbatim
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -80,7 +83,7 @@ def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,
                 continue
             rank, ok, value = results.get()
             if ok:
-                got[rank] = value
+                got[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 break  # one failure is enough; the rest may hang on a collective

@@ -1,0 +1,121 @@
+"""`torchrun --nproc-per-node N -m parc.run compiled/`: execute a compiled plan.
+
+Every rank verifies the artifact, joins the process group (NCCL on GPUs, gloo on
+CPU), builds its groups from the mesh and trains. Rank 0 shows progress and
+writes metrics. Launch mistakes (a tampered artifact, a wrong world size) exit 2
+with one line saying what to do. Run without torchrun, it is a world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from parc.errors import LaunchError, ParcError
+
+EPILOG = """examples:
+  torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 20
+  torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 3 --verify
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m parc.run", description=__doc__.split("\n\n")[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("compiled", type=Path, help="directory written by `parc compile`")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and dropout (default 0)")
+    p.add_argument("--log-every", type=int, default=1, metavar="N", help="log loss and speed every N steps")
+    p.add_argument("--metrics", type=Path, default=Path("runs/metrics.jsonl"),
+                   help="JSON-lines metrics file written by rank 0 (default runs/metrics.jsonl)")
+    p.add_argument("--verify", action="store_true",
+                   help="also train the serial model in-process on the same batches and compare; "
+                        "exit 1 past the tolerance")
+    p.add_argument("--tolerance", type=float, default=None, help="relative tolerance for --verify (default 1e-4)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="process-group timeout in seconds (default 600)")
+    return p
+
+
+def _single_process_env() -> None:
+    if "RANK" in os.environ:
+        return
+    from parc.runtime.launch import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from parc import artifact
+    from parc.runtime.context import ParallelContext, init_distributed
+    from parc.runtime.metrics import Metrics
+    from parc.runtime.train import Trainer
+    from parc.runtime import verify as verifier
+    from parc.trace import load_user_module
+
+    art = artifact.load(args.compiled)
+    world = int(os.environ["WORLD_SIZE"])
+    if world != art.world_size:
+        m = art.plan["mesh"]
+        raise LaunchError(f"launched with {world} processes but {args.compiled} was compiled for dp {m['dp']} × "
+                          f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
+    if args.steps < 1:
+        raise LaunchError(f"--steps {args.steps}: need at least 1 step")
+    init_distributed(args.timeout)
+    ctx = ParallelContext.create(art.plan)
+    user = load_user_module(art.root / "model" / "model.py")
+    trainer = Trainer(art, ctx, user, args.seed)
+    lead = ctx.rank == 0
+    metrics = Metrics(args.steps, args.metrics, enabled=lead)
+    tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
+    local, window, t_window = [], [], time.perf_counter()
+    try:
+        for step in range(args.steps):
+            result = trainer.step(step)
+            local.append(result.loss)
+            window.append(result.loss)
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                loss = trainer.global_losses(window)[-1]
+                dt = (time.perf_counter() - t_window) / len(window)
+                metrics.log(step, loss, tokens / dt, dt, advance=len(window))
+                window, t_window = [], time.perf_counter()
+    finally:
+        metrics.close()
+    losses = trainer.global_losses(local)
+    status = 0
+    if args.verify:
+        state = trainer.gathered_state()
+        if lead:
+            serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps)
+            verdict = verifier.compare(losses, serial_losses, state, serial_state,
+                                       args.tolerance or verifier.DEFAULT_TOLERANCE)
+            print(verdict.render(), flush=True)
+            status = 0 if verdict.ok else 1
+        flag = [status]
+        dist.broadcast_object_list(flag, src=0)
+        status = flag[0]
+    if lead:
+        print(f"done: {args.steps} steps, loss {losses[0]:.4f} → {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _single_process_env()
+    try:
+        return run(args)
+    except ParcError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(e.render(), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The parallel context of one rank: who it is on the mesh and its process groups.
+
+Built once from plan.json and passed explicitly to everything that communicates
+(STYLE.md rule 3: no process-group singletons). `ParallelContext.create` must run
+on every rank in the same order, since `new_group` is collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parc.errors import LaunchError
+
+
+@dataclass
+class ParallelContext:
+    rank: int
+    world_size: int
+    coord: dict[str, int]           # {"dp": i, "pp": j, "tp": k}
+    degree: dict[str, int]          # {"dp": 2, "pp": 1, "tp": 1}
+    groups: dict[str, object]       # axis → ProcessGroup (None when the axis has degree 1)
+    group_ranks: dict[str, list[int]]
+    device: torch.device
+    backend: str
+
+    @classmethod
+    def create(cls, plan_json: dict) -> "ParallelContext":
+        mesh = plan_json["mesh"]
+        world = dist.get_world_size()
+        if world != mesh["world_size"]:
+            raise LaunchError(f"launched with {world} processes but the plan's mesh is dp {mesh['dp']} × pp "
+                              f"{mesh['pp']} × tp {mesh['tp']} = {mesh['world_size']}; run torchrun "
+                              f"--nproc-per-node {mesh['world_size']} (or recompile for {world})")
+        rank = dist.get_rank()
+        me = plan_json["ranks"][rank]
+        groups, group_ranks = {}, {}
+        for axis in ("dp", "pp", "tp"):
+            for ranks in plan_json["groups"][axis]:
+                # every rank creates every group, in the same order: new_group is collective
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    groups[axis], group_ranks[axis] = pg, ranks
+        return cls(rank, world, {a: me[a] for a in ("dp", "pp", "tp")},
+                   {a: mesh[a] for a in ("dp", "pp", "tp")}, groups, group_ranks, current_device(),
+                   dist.get_backend())
+
+
+def current_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
+    """NCCL with each rank on its LOCAL_RANK GPU when CUDA is there, gloo on CPU otherwise."""
+    if dist.is_initialized():
+        return
+    import datetime
+
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=current_device(), **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)

@@ -1,0 +1,71 @@
+"""Data parallelism: bucketed gradient all-reduce, overlapped with backward.
+
+The buckets come from the compiler (`parc.passes.grad_buckets`): lists of
+parameters in the order their gradients become ready. Each bucket owns one flat
+buffer, and every parameter's `.grad` is a view into it, so autograd accumulates
+micro-batches in place and no copy is made (DDP's gradient_as_bucket_view). A
+post-accumulate-grad hook counts the gradients of the last micro-batch; when a
+bucket's last one lands, its all-reduce is launched asynchronously while backward
+goes on. `finish()` waits for them: one collective per bucket per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GradBuckets:
+    def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int):
+        self.group, self.dp = group, dp
+        self.flat: list[torch.Tensor] = []
+        self.members: list[list[torch.Tensor]] = []
+        self._bucket_of: dict[int, int] = {}
+        for b, names in enumerate(buckets):
+            ps = [params[n] for n in names]
+            flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            offset = 0
+            for p in ps:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._bucket_of[id(p)] = b
+                p.register_post_accumulate_grad_hook(self._on_grad)
+            self.flat.append(flat)
+            self.members.append(ps)
+        self._pending: list[int] = []
+        self._works: list = []
+        self._sync = False
+
+    def start_micro_batch(self, sync: bool) -> None:
+        """Call before each backward; `sync` on the last micro-batch of the step."""
+        self._sync = sync
+        self._pending = [len(m) for m in self.members]
+        self._works = [None] * len(self.members)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        b = self._bucket_of[id(p)]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        if self.dp > 1:
+            self.flat[b].div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
+            self._works[b] = dist.all_reduce(self.flat[b], group=self.group, async_op=True)
+        else:
+            self._works[b] = True
+
+    def finish(self) -> None:
+        """Wait for every bucket; launch any whose gradients never all arrived (unused parameters)."""
+        for b, work in enumerate(self._works):
+            if work is None:
+                self._launch(b)
+        for work in self._works:
+            if work is not True:
+                work.wait()
+
+    def zero(self) -> None:
+        for flat in self.flat:
+            flat.zero_()

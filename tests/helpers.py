@@ -1,0 +1,52 @@
+"""Shared pieces of the distributed tests: compile a model under a plan, train it on
+spawned gloo ranks, and train the serial reference on the same batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parc import artifact
+from parc.compiler import compile_model
+from parc.frontend import parse
+from parc.runtime.context import ParallelContext
+from parc.runtime.launch import spawn
+from parc.runtime.train import Trainer
+from parc.runtime.verify import compare, train_serial
+from parc.trace import load_user_module
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+
+
+def compile_text(plan_text: str, out: Path, model: Path = GPT):
+    plan = parse(plan_text, file=str(out.parent / "test.par"))
+    compile_model(model, plan, out)
+    return artifact.load(out)
+
+
+def _train_body(ctx, compiled: str, steps: int, seed: int):
+    art = artifact.load(Path(compiled))
+    pctx = ParallelContext.create(art.plan)
+    user = load_user_module(art.root / "model" / "model.py")
+    trainer = Trainer(art, pctx, user, seed)
+    local = [trainer.step(s).loss for s in range(steps)]
+    losses = trainer.global_losses(local)
+    state = trainer.gathered_state()
+    return {"losses": losses, "state": state if ctx.rank == 0 else None}
+
+
+def train_parallel(compiled: Path, steps: int = 3, seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    art = artifact.load(compiled)
+    results = spawn(art.world_size, _train_body, str(compiled), steps, seed)
+    return results[0]["losses"], results[0]["state"]
+
+
+def parallel_vs_serial(compiled: Path, steps: int = 3, seed: int = 0):
+    """Train both ways from the same seed on the same global batches; return the Verdict."""
+    losses, state = train_parallel(compiled, steps, seed)
+    art = artifact.load(compiled)
+    user = load_user_module(art.root / "model" / "model.py")
+    serial_losses, serial_state = train_serial(user, art.plan, seed, steps)
+    return compare(losses, serial_losses, state, serial_state)
