@@ -1,0 +1,54 @@
+"""Shared benchmark scaffolding: compile a plan, time interleaved steps, print medians and ratios.
+
+Benchmarks are not tests: this machine is shared and noisy. Each one runs parc
+and its PyTorch peer in the same processes, alternating rounds, so both see the
+same noise; the figure to read is the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def compile_plan(plan_text: str, model: Path = ROOT / "examples" / "gpt.py") -> Path:
+    from parc.compiler import compile_model
+    from parc.frontend import parse
+
+    out = Path(tempfile.mkdtemp(prefix="parc-bench-")) / "compiled"
+    compile_model(model, parse(plan_text, file="bench.par"), out)
+    return out
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleave(runs: dict[str, callable], rounds: int, steps_per_round: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Alternate the contenders round by round; return each one's per-step times."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name] += [timed(fn) for _ in range(steps_per_round)]
+    return times
+
+
+def report(title: str, times: dict[str, list[float]], ours: str, peer: str, target: float) -> str:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med[ours] / med[peer]
+    lines = [title]
+    lines += [f"  {k:<10} median {med[k] * 1e3:8.2f} ms/step over {len(times[k])} steps" for k in times]
+    verdict = "meets" if ratio <= target else "misses"
+    lines.append(f"  ratio {ours}/{peer} = {ratio:.3f} ({verdict} the target ≤ {target})")
+    return "\n".join(lines)
