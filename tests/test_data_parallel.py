@@ -2,7 +2,9 @@
 
 import pytest
 
-from helpers import compile_text, parallel_vs_serial
+from helpers import ROOT, compile_text, parallel_vs_serial
+
+LLAMA = ROOT / "tests" / "models" / "llama_tiny.py"
 
 # fp32. The serial step takes one mean over the whole global batch; the parallel
 # step averages micro-batch means and then dp ranks: the same sums in another
@@ -27,3 +29,10 @@ optimizer adamw lr=1e-2 clip=1.0
     assert verdict.param_rel < PARAM_TOL, verdict.render()
     # the run trained: losses moved
     assert verdict.serial_losses[0] != verdict.serial_losses[-1]
+
+
+def test_hf_llama_dp_matches_serial(tmp_path):
+    # the HF class runs unmodified: traced on meta, executed as a parc program
+    plan = "mesh dp=2\nbatch global=4 micro=1\noptimizer adamw lr=1e-2\n"
+    verdict = parallel_vs_serial(compile_text(plan, tmp_path / "c", model=LLAMA).root, steps=3)
+    assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, verdict.render()
