@@ -1,0 +1,291 @@
+"""Tensor parallelism (Megatron-style), as a rewrite of the aten-level loss graph.
+
+Start at `run`. The user's model is not changed and no module is swapped: the
+pass rewrites the traced graph of each tp rank. It walks the graph once, in
+order, giving every value a layout — replicated (None) or a `Shard`
+(passes/tp_layouts.py, which also follows shards through views, SDPA, softmax…):
+
+- `column` linear: weight and bias split along output features (a fused qkv is
+  split per block, so each rank holds whole heads of q, k and v). Its input must
+  be replicated: Megatron's f (`parc.identity_allreduce`: identity forward,
+  all-reduce backward) is put in front, or under sequence parallelism an
+  all-gather along the sequence (`parc.allgather_reducescatter`).
+- `row` linear: weight split along input features; its input must already be
+  sharded along its last dim. The partial outputs are summed by g
+  (`parc.allreduce_identity`) or reduce-scattered along the sequence
+  (`parc.reducescatter_allgather`); the bias is added once, after.
+- `vocab` embedding: rows split; ids outside this rank's rows read row 0 and are
+  zeroed, then the outputs are summed (or reduce-scattered along the sequence).
+- `vocab` linear (the lm head): split like `column`; its logits must reach
+  `cross_entropy`, which becomes `parc.vocab_parallel_cross_entropy` (max and
+  sum-exp all-reduced): the full logits are never gathered.
+- `replicate`: the module stays whole on every rank (the default for any module
+  no rule names).
+
+Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output
+`(loss,)`) and `meta["val"]` holds the traced (full) shapes.
+Guarantees: `ctx.shards` gives each sharded placeholder's slice (`blocks` > 1
+for fused projections); view/expand/split constants are local; `meta["val"]`
+is re-propagated with local shapes, so a wrong rewrite fails at compile time;
+`ctx.notes["tp_partial_grads"]` lists replicated params whose gradient is a
+per-rank part (sequence parallelism) for the runtime to sum once per step.
+"""
+
+from __future__ import annotations
+
+import operator
+from fnmatch import fnmatchcase
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
+from parc.errors import ParcError
+from parc.passes.tp_layouts import Layouts, Shard, shape
+from parc.trace import module_path
+
+aten = torch.ops.aten
+parc_ops = torch.ops.parc
+NAME = "tensor_parallel"
+SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
+def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    tp, rules = plan.mesh.tp, plan.tensor_parallel.rules
+    if tp == 1 or not rules:
+        return gm
+    rw = _Rewriter(gm, plan, ctx)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function":
+            rw.visit(node)
+    rw.finish()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _propagate_local_shapes(gm, ctx)
+    return gm
+
+
+class _Rewriter:
+    def __init__(self, gm, plan, ctx):
+        self.gm, self.plan, self.ctx = gm, plan, ctx
+        self.tp, self.rank = plan.mesh.tp, ctx.tp_rank
+        self.sp = plan.tensor_parallel.sequence_parallel
+        self.lay = Layouts(gm, self.tp, self.rank, self.sp)
+        self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
+        self.sharded: dict[fx.Node, fx.Node] = {}  # sharded param placeholder → its one allowed user
+
+    # --- dispatch -----------------------------------------------------------------
+
+    def rule_for(self, node: fx.Node):
+        path = module_path(node)
+        return next((r for r in self.plan.tensor_parallel.rules if fnmatchcase(path, r.pattern)), None)
+
+    def visit(self, node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if a in self.sharded and self.sharded[a] is not node:
+                raise ParcError(f"tensor parallelism: `{a.name}` is sharded for `{self.sharded[a].name}` but also "
+                                f"used by `{node.name}` in module `{module_path(node)}` (tied weights?)",
+                                hint="untie the weights, or mark one of the modules `replicate`")
+        t = node.target
+        rule = self.rule_for(node) if t in (aten.linear.default, aten.embedding.default) else None
+        if rule is not None and _is_param(node.args[0 if t is aten.embedding.default else 1]):
+            style = rule.style
+            if t is aten.embedding.default:
+                if style not in ("vocab", "replicate"):
+                    raise ParcError(f"`{style}` does not apply to embedding `{module_path(node)}`",
+                                    rule.span, "use `vocab` for an embedding")
+                if style == "vocab":
+                    return self.vocab_embedding(node, rule)
+            elif style in ("column", "vocab"):
+                return self.column(node, rule)
+            elif style == "row":
+                return self.row(node, rule)
+        if t is aten.cross_entropy_loss.default and self.lay.get(node.args[0]) is not None:
+            return self.cross_entropy(node)
+        self.lay.of[node] = self.lay.propagate(node)
+
+    # --- helpers ------------------------------------------------------------------
+
+    def call(self, before: fx.Node, op, args, like: fx.Node, layout=None) -> fx.Node:
+        with self.gm.graph.inserting_before(before):
+            n = self.gm.graph.call_function(op, tuple(args))
+        n.meta["val"] = like.meta["val"]
+        n.meta["nn_module_stack"] = before.meta.get("nn_module_stack")
+        self.lay.of[n] = layout
+        self.ctx.count(NAME)
+        return n
+
+    def shard_param(self, p: fx.Node, user: fx.Node, dim: int, rule, blocks: int = 1) -> None:
+        full = shape(p)[dim]
+        if full % (self.tp * blocks):
+            what = f"{blocks} blocks × tp {self.tp}" if blocks > 1 else f"tp {self.tp}"
+            raise ParcError(f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim {dim} "
+                            f"has size {full}, not divisible by {what} = {self.tp * blocks}",
+                            rule.span, f"use a tp that divides {full // blocks}")
+        spec = {"dim": dim, "parts": self.tp, "index": self.rank}
+        if blocks > 1:
+            spec["blocks"] = blocks
+        self.ctx.shards[p.name] = spec
+        self.sharded[p] = user
+
+    def replicated_input(self, node: fx.Node, x: fx.Node, rule) -> fx.Node:
+        """The column layer's input made replicated: f, or an all-gather of a sequence slice."""
+        s = self.lay.get(x)
+        if s is None:
+            key, op, args = (x, "f"), parc_ops.identity_allreduce.default, (x, "tp")
+        elif s.seq:
+            key, op, args = (x, "gather"), parc_ops.allgather_reducescatter.default, (x, "tp", s.dim, self.tp)
+        else:
+            origin = f' (by rule "{s.rule.pattern}")' if s.rule is not None else ""
+            raise ParcError(f"`{rule.style}` layer `{module_path(node)}` gets an input already sharded on dim "
+                            f"{s.dim}{origin}", rule.span, "a column layer needs a replicated input: mark the layer before it `row`")
+        if key not in self.entry:
+            full = x.meta["val"]
+            self.entry[key] = self.call(node, op, args, x)
+            if s is not None:  # the gathered value has the full shape
+                self.entry[key].meta["val"] = full
+        return self.entry[key]
+
+    def reduce_output(self, node: fx.Node, after: fx.Node, rule) -> tuple[fx.Node, object]:
+        """Sum partial outputs over tp: g, or a reduce-scatter along the sequence (dim -2, the tokens)."""
+        users = list(after.users)
+        if self.sp:
+            dim = len(shape(after)) - 2
+            if dim < 0 or shape(after)[dim] % self.tp:
+                raise ParcError(f"sequence_parallel: `{module_path(node)}` output {shape(after)} has "
+                                f"{shape(after)[dim] if dim >= 0 else 'no'} tokens on dim {dim}, not divisible "
+                                f"by tp {self.tp}", rule.span, "use a sequence length that divides by tp")
+            op, args, layout = parc_ops.reducescatter_allgather.default, (after, "tp", dim, self.tp), \
+                Shard(dim, 1, True, rule)
+        else:
+            op, args, layout = parc_ops.allreduce_identity.default, (after, "tp"), None
+        nxt = after.next
+        red = self.call(nxt, op, args, after, layout)
+        for u in users:
+            u.replace_input_with(after, red)
+        return red, layout
+
+    # --- rules --------------------------------------------------------------------
+
+    def column(self, node: fx.Node, rule) -> None:
+        x, w, *rest = node.args
+        b = rest[0] if rest else None
+        blocks = _fused_blocks(node)
+        self.shard_param(w, node, 0, rule, blocks)
+        if isinstance(b, fx.Node):
+            self.shard_param(b, node, 0, rule, blocks)
+        node.replace_input_with(x, self.replicated_input(node, x, rule))
+        self.lay.of[node] = Shard(len(shape(node)) - 1, blocks, False, rule)
+        self.ctx.count(NAME)
+
+    def row(self, node: fx.Node, rule) -> None:
+        x, w, *rest = node.args
+        b = rest[0] if rest else None
+        s, last = self.lay.get(x), len(shape(x)) - 1
+        if s is None or s.dim != last or s.blocks != 1:
+            got = "replicated" if s is None else f"sharded on dim {s.dim}" + (f" in {s.blocks} blocks" if s.blocks > 1 else "")
+            raise ParcError(f"`row` layer `{module_path(node)}` needs its input sharded along its last dim "
+                            f"(features), but `{x.name}` is {got}", rule.span,
+                            "make the layer that feeds it `column` (Megatron pairs column → row), "
+                            "or mark this one `column`/`replicate`")
+        self.shard_param(w, node, 1, rule)
+        node.args = (x, w)  # the bias is added once, after the reduction
+        self.lay.of[node] = "partial"
+        red, layout = self.reduce_output(node, node, rule)
+        if isinstance(b, fx.Node):
+            users = list(red.users)
+            add = self.call(red.next, aten.add.Tensor, (red, b), red, layout)
+            for u in users:
+                u.replace_input_with(red, add)
+        self.ctx.count(NAME)
+
+    def vocab_embedding(self, node: fx.Node, rule) -> None:
+        w, ids = node.args[0], node.args[1]
+        if self.lay.get(ids) is not None:
+            raise ParcError(f"`vocab` embedding `{module_path(node)}` gets sharded ids", rule.span)
+        if len(node.args) > 2 and node.args[2] not in (-1, None):
+            raise ParcError(f"`vocab` embedding `{module_path(node)}` has a padding_idx; parc does not shard those",
+                            rule.span, "mark it `replicate`")
+        self.shard_param(w, node, 0, rule)
+        rows = shape(w)[0] // self.tp  # this rank owns ids [start, start + rows)
+        start = self.rank * rows
+        local = self.call(node, aten.sub.Tensor, (ids, start), ids)
+        below = self.call(node, aten.lt.Scalar, (local, 0), ids)
+        above = self.call(node, aten.ge.Scalar, (local, rows), ids)
+        outside = self.call(node, aten.bitwise_or.Tensor, (below, above), ids)
+        safe = self.call(node, aten.masked_fill.Scalar, (local, outside, 0), ids)
+        node.args = (w, safe, *node.args[2:])
+        users = list(node.users)
+        mask = self.call(node.next, aten.unsqueeze.default, (outside, -1), ids)
+        zeroed = self.call(mask.next, aten.masked_fill.Scalar, (node, mask, 0.0), node, "partial")
+        for u in users:
+            u.replace_input_with(node, zeroed)
+        self.lay.of[node] = "partial"
+        self.reduce_output(node, zeroed, rule)
+
+    def cross_entropy(self, node: fx.Node) -> None:
+        logits, target = node.args[:2]
+        s = self.lay.get(logits)
+        rest = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), node.args[2:]), **node.kwargs)
+        n = len(shape(logits))
+        if s.dim != n - 1 or s.blocks != 1 or n != 2 or rest.get("weight") is not None \
+                or rest.get("reduction", 1) != 1 or rest.get("label_smoothing", 0.0):
+            self.lay.fail(node, "vocab-parallel cross-entropy needs (N, V) logits sharded along V, mean "
+                          "reduction, no class weights and no label smoothing", s)
+        rows = shape(logits)[1] // self.tp
+        loss = self.call(node, parc_ops.vocab_parallel_cross_entropy.default,
+                         (logits, target, "tp", self.rank * rows, rest.get("ignore_index", -100)), node)
+        loss.meta["val"] = (node.meta["val"], logits.meta["val"])
+        first = self.call(node, operator.getitem, (loss, 0), node)
+        node.replace_all_uses_with(first)
+        self.gm.graph.erase_node(node)
+
+    # --- the end --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Under sequence parallelism, replicated params used on a sequence slice have partial grads."""
+        partial = []
+        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and _is_param(n)):
+            if p.name in self.ctx.shards and self.ctx.shards[p.name] is not None:
+                continue
+            outs = [self.lay.get(u) for u in p.users]
+            if any(isinstance(o, Shard) and o.seq for o in outs):
+                partial.append(p.name)
+        self.ctx.notes["tp_partial_grads"] = partial
+
+
+def _is_param(n) -> bool:
+    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
+
+
+def _fused_blocks(node: fx.Node) -> int:
+    """k when the linear's output is only split into k equal pieces along its features (a fused qkv)."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target not in SPLIT_OPS:
+        return 1
+    u, last = users[0], len(shape(node)) - 1
+    dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
+    pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
+    return len(pieces) if dim == last and len(set(pieces)) == 1 and len(pieces) > 1 else 1
+
+
+def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
+    """Re-run shapes with this rank's local placeholders; a wrong rewrite raises here, at compile time."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = []
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            v = n.meta["val"]
+            local = list(v.shape)
+            spec = ctx.shards.get(n.name)
+            if spec is not None:
+                local[spec["dim"]] //= spec["parts"]
+            args.append(torch.empty(local, dtype=v.dtype, device="cpu", requires_grad=v.requires_grad))
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    except Exception as e:  # noqa: BLE001 — a shape the rewrite got wrong: parc's bug, reported with the op
+        raise RuntimeError(f"tensor_parallel produced an inconsistent local graph: {e}") from e

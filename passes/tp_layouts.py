@@ -1,0 +1,294 @@
+"""How a tensor-parallel shard flows through ordinary aten ops (used by passes/tensor_parallel.py).
+
+Start at `Layouts.propagate(node)`: given the layouts of a node's inputs it
+returns the node's layout and, where the local shapes differ from the traced
+ones, rewrites the node's shape constants (view/reshape/expand sizes, split
+sizes) for this rank. A layout is None (replicated: every tp rank holds the full
+value) or a `Shard`. Every op that sees a sharded input is either in one of the
+tables below, with the condition under which it is safe, or rejected with a
+ParcError naming the node and its module path: never a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from parc.errors import ParcError
+from parc.trace import module_path
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Chunk `tp_rank` of each of `blocks` equal blocks along `dim` (dims counted from 0)."""
+
+    dim: int
+    blocks: int = 1
+    seq: bool = False  # a sequence-parallel slice (of the token dim), not a slice of features/heads
+    rule: object = field(default=None, compare=False)  # the plan rule it came from, for error spans
+
+
+SAME_LAYOUT = {aten.dropout.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
+               aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+               aten.to.other, aten.lift_fresh_copy.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+SDPA = {aten.scaled_dot_product_attention.default}
+
+
+def shape(n) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+class Layouts:
+    def __init__(self, gm: fx.GraphModule, tp: int, tp_rank: int, sequence_parallel: bool):
+        self.gm, self.tp, self.tp_rank, self.sp = gm, tp, tp_rank, sequence_parallel
+        self.of: dict[fx.Node, object] = {}
+
+    def get(self, a):
+        return self.of.get(a) if isinstance(a, fx.Node) else None
+
+    # --- errors ---------------------------------------------------------------------
+
+    def fail(self, node: fx.Node, why: str, shard: Shard | None = None, hint: str | None = None):
+        rule = shard.rule if shard is not None else None
+        target = getattr(node.target, "__name__", str(node.target))
+        where = module_path(node) or "<top level>"
+        raise ParcError(f"tensor parallelism: cannot prove `{node.name}` ({target}) in module `{where}` safe on a "
+                        f"sharded dim: {why}", getattr(rule, "span", None),
+                        hint or "shard fewer modules, or mark the producing layer `replicate`")
+
+    # --- the dispatcher -------------------------------------------------------------
+
+    def propagate(self, node: fx.Node):
+        ins = [a for a in node.all_input_nodes if self.get(a) is not None]
+        t = node.target
+        if t is operator.getitem:
+            src = self.get(node.args[0])
+            return src[node.args[1]] if isinstance(src, list) else src
+        if not ins:
+            return None
+        if t is aten._assert_tensor_metadata.default:
+            s = self.get(node.args[0])
+            if node.kwargs.get("size") is not None or len(node.args) > 1:
+                self.fail(node, "it asserts a full shape on a sharded tensor", s)
+            return None
+        if t in SAME_LAYOUT or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            return self._pointwise(node)
+        if t in VIEWS:
+            return self._view(node)
+        if t in SPLITS:
+            return self._split(node)
+        if t in SDPA:
+            return self._sdpa(node)
+        handler = {aten.transpose.int: self._transpose, aten.permute.default: self._permute,
+                   aten.t.default: self._t, aten.unsqueeze.default: self._unsqueeze,
+                   aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
+                   aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
+                   aten.linear.default: self._linear, aten.embedding.default: self._embedding}.get(t)
+        if handler is not None:
+            return handler(node)
+        if t in SOFTMAX:
+            s = self.get(node.args[0])
+            if node.args[1] % len(shape(node)) == s.dim:
+                self.fail(node, f"softmax over dim {s.dim}, which is sharded across tp", s)
+            return s
+        if t in REDUCTIONS:
+            return self._reduction(node)
+        self.fail(node, "parc has no sharding rule for this op", self.get(ins[0]))
+
+    # --- elementwise ---------------------------------------------------------------
+
+    def _pointwise(self, node: fx.Node):
+        out_rank = len(shape(node)) if isinstance(node.meta.get("val"), torch.Tensor) else 0
+        shards = {self.get(a) for a in node.all_input_nodes if self.get(a) is not None}
+        if len(shards) > 1:
+            self.fail(node, f"its inputs are sharded differently: {sorted(map(repr, shards))}", next(iter(shards)))
+        (s,) = shards
+        for a in node.all_input_nodes:
+            if self.get(a) is not None or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            d = s.dim - (out_rank - len(shape(a)))  # the input's dim that broadcasts against the sharded one
+            if d < 0 or shape(a)[d] == 1:
+                continue  # broadcast: the replicated operand is the same on every chunk
+            if s.seq and s.blocks == 1:
+                self._split_replicated(node, a, d, s)  # a full-sequence value meeting a sequence slice
+                continue
+            self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a tensor sharded on dim {s.dim}", s)
+        return s
+
+    def _split_replicated(self, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:
+        with self.gm.graph.inserting_before(node):
+            cut = self.gm.graph.call_function(torch.ops.parc.split_allgather.default, (a, "tp", d, self.tp))
+        cut.meta["val"] = a.meta["val"]
+        self.of[cut] = Shard(d, 1, True, s.rule)
+        node.replace_input_with(a, cut)
+
+    # --- shape ops -----------------------------------------------------------------
+
+    def _view(self, node: fx.Node):
+        s, src = self.get(node.args[0]), node.args[0]
+        a, b = shape(src), shape(node)
+        if s.blocks != 1:
+            self.fail(node, f"it reshapes a fused output of {s.blocks} blocks before splitting it", s)
+        for gi, go in _groups(a, b):
+            if s.dim not in gi:
+                continue
+            if any(a[k] != 1 for k in gi if k < s.dim):
+                self.fail(node, f"sharded dim {s.dim} is merged under outer dims {[a[k] for k in gi]}", s)
+            outs = [o for o in go if b[o] != 1]
+            if not outs:
+                self.fail(node, f"sharded dim {s.dim} disappears", s)
+            o = outs[0]
+            if b[o] % self.tp:
+                heads = " (with grouped-query attention, kv heads must be a multiple of tp too)" if len(go) > 1 else ""
+                self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
+                          f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
+                          f"use a tp that divides {b[o]}")
+            sizes = list(node.args[1])
+            if sizes[o] != -1:
+                sizes[o] = sizes[o] // self.tp
+                node.args = (node.args[0], sizes, *node.args[2:])
+            return Shard(o, 1, s.seq, s.rule)
+        self.fail(node, "cannot follow the sharded dim through this reshape", s)
+
+    def _transpose(self, node):
+        s = self.get(node.args[0])
+        n = len(shape(node))
+        d0, d1 = node.args[1] % n, node.args[2] % n
+        dim = d1 if s.dim == d0 else d0 if s.dim == d1 else s.dim
+        return Shard(dim, s.blocks, s.seq, s.rule)
+
+    def _permute(self, node):
+        s = self.get(node.args[0])
+        n = len(shape(node))
+        return Shard([p % n for p in node.args[1]].index(s.dim), s.blocks, s.seq, s.rule)
+
+    def _t(self, node):
+        s = self.get(node.args[0])
+        return Shard(1 - s.dim if len(shape(node)) == 2 else s.dim, s.blocks, s.seq, s.rule)
+
+    def _unsqueeze(self, node):
+        s = self.get(node.args[0])
+        d = node.args[1] % len(shape(node))
+        return Shard(s.dim + 1 if d <= s.dim else s.dim, s.blocks, s.seq, s.rule)
+
+    def _expand(self, node):
+        s = self.get(node.args[0])
+        sizes = list(node.args[1])
+        lead = len(sizes) - len(shape(node.args[0]))
+        o = s.dim + lead
+        if sizes[o] != -1:
+            sizes[o] = sizes[o] // self.tp
+            node.args = (node.args[0], sizes, *node.args[2:])
+        return Shard(o, s.blocks, s.seq, s.rule)
+
+    def _slice(self, node):
+        s = self.get(node.args[0])
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+        if dim == s.dim:
+            self.fail(node, f"it slices dim {dim}, which is sharded across tp", s)
+        return s
+
+    def _cat(self, node):
+        tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+        shards = {self.get(a) for a in tensors}
+        if len(shards) != 1 or None in shards:
+            self.fail(node, "it concatenates tensors with different layouts", next(s for s in shards if s))
+        (s,) = shards
+        if dim == s.dim:
+            self.fail(node, f"it concatenates along dim {dim}, which is sharded across tp", s)
+        return s
+
+    def _split(self, node):
+        """A fused projection's split: blocks of a column output become one plain shard each."""
+        s = self.get(node.args[0])
+        full = shape(node.args[0])
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(full)
+        pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
+        if dim != s.dim:
+            return [s] * len(pieces)
+        if s.blocks != len(pieces) or len(set(pieces)) != 1:
+            self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the {s.blocks} equal blocks "
+                      "the weight was sharded by", s)
+        arg = node.args[1]
+        local = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
+        if node.target is aten.chunk.default:
+            local = arg
+        node.args = (node.args[0], local, *node.args[2:])
+        return [Shard(dim, 1, s.seq, s.rule)] * len(pieces)
+
+    # --- compute ops ---------------------------------------------------------------
+
+    def _sdpa(self, node):
+        q, k, v = (self.get(a) for a in node.args[:3])
+        if not (q == k == v) or q is None or q.dim != 1 or q.blocks != 1:
+            self.fail(node, f"attention needs q, k, v sharded alike on the heads dim 1, got {q}, {k}, {v}",
+                      q or k or v)
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            if self.get(mask) is None and len(shape(mask)) == 4 and shape(mask)[1] != 1:
+                self.fail(node, f"a per-head attention mask {shape(mask)} with sharded heads", q)
+        return q
+
+    def _layer_norm(self, node):
+        s = self.get(node.args[0])
+        if any(self.get(a) is not None for a in node.args[2:4]):
+            self.fail(node, "sharded LayerNorm parameters", s)
+        if s.dim >= len(shape(node)) - len(node.args[1]):
+            self.fail(node, f"it normalizes over dim {s.dim}, which is sharded across tp", s)
+        return s
+
+    def _reduction(self, node):
+        s = self.get(node.args[0])
+        n = len(shape(node.args[0]))
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+        dims = [d % n for d in ([dims] if isinstance(dims, int) else dims)]
+        if s.dim in dims:
+            self.fail(node, f"it reduces over dim {s.dim}, which is sharded across tp", s)
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
+
+    def _linear(self, node):
+        """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features."""
+        s = self.get(node.args[0])
+        if any(self.get(a) is not None for a in node.args[1:]):
+            self.fail(node, "an unsharded linear uses a sharded weight", s)
+        if s.dim == len(shape(node)) - 1:
+            self.fail(node, "its input is sharded along its input features but no `row` rule names it", s,
+                      f'add `"{module_path(node)}" : row` to tensor_parallel')
+        return s
+
+    def _embedding(self, node):
+        s = self.get(node.args[1])
+        if self.get(node.args[0]) is not None:
+            self.fail(node, "a sharded embedding table without a `vocab` rule", s)
+        return s
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of shape a and shape b with equal products (how a reshape regroups dims)."""
+    out, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj = [], []
+        pa = pb = 1
+        if i < len(a):
+            gi.append(i); pa = a[i]; i += 1  # noqa: E702
+        if j < len(b):
+            gj.append(j); pb = b[j]; j += 1  # noqa: E702
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i); pa *= a[i]; i += 1  # noqa: E702
+            elif j < len(b):
+                gj.append(j); pb *= b[j]; j += 1  # noqa: E702
+            else:
+                break
+        out.append((gi, gj))
+    return out
