@@ -1,0 +1,349 @@
+"""The pipeline executor: run one pp rank's schedule, action by action.
+
+Start at `PipelineExecutor.run`. The schedule (plan.json `schedule`, built by
+`parc.passes.schedule`) lists, per pp rank, compute actions (F, B, I, W of a
+(stage, micro-batch)) and the sends/receives around them. The executor walks
+the list in order:
+
+- each maximal run of adjacent SEND/RECV actions is posted as ONE
+  `batch_isend_irecv`; a receive is waited only right before the compute that
+  reads it, and sends are waited at the end of the step, so communication runs
+  while this rank computes whatever the schedule put in between (overlap);
+- F(s, j) runs stage s's program on the received activations (fresh leaves that
+  require grad) and keeps its outputs; B(s, j) runs
+  `torch.autograd.backward(outputs, received output grads)` (the last stage:
+  `loss / accumulation`) and the leaves' `.grad` are what SEND_B sends; then
+  the micro-batch's activations are dropped at once;
+- ZB-H1 splits B: I(s, j) = `torch.autograd.grad` w.r.t. the received leaves
+  only (graph retained), W(s, j) = `backward(..., inputs=parameters)`. Autograd
+  cannot share work between the two calls, so I + W costs about two backward
+  passes through the stage instead of one; the schedule still wins when the
+  bubble it fills is larger than that extra backward;
+- before each backward that accumulates parameter gradients the executor calls
+  `hooks.before_grad(stage, last)` — `last` on the stage's final micro-batch,
+  where the trainer arms its data-parallel bucket all-reduce.
+
+Tied parameters (an embedding on the first stage shared with the lm head on the
+last) exist once per holding stage; `sync_tied` sums their gradients over the pp
+ranks that hold them, once per step. `trace=True` records every action's start
+and end (`trace_events`, Chrome-trace JSON via `write_chrome_trace`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parc.passes.schedule import Action, Schedule
+
+
+@dataclass
+class Stage:
+    """One stage program on this rank, with its slice of the rank's state."""
+
+    index: int
+    forward: object
+    state: list[torch.Tensor]
+    params: list[torch.Tensor]       # trainable, for W
+    recv: list[dict]                 # plan.json specs: name, shape, dtype, grad
+    send: list[dict]
+    last: bool
+
+
+@dataclass
+class _Micro:
+    """What one (stage, micro-batch) holds between its F and its B/W."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)        # received leaves
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    out_grads: list[torch.Tensor] = field(default_factory=list)     # received for grad-carrying outputs
+    in_grads: list[torch.Tensor] = field(default_factory=list)      # to send back
+    works: dict[str, list] = field(default_factory=dict)            # "RECV_F"/"RECV_B" → pending works
+
+
+class PipelineExecutor:
+    def __init__(self, ctx, schedule: Schedule, stages: dict[int, Stage], scale: float, trace: bool = False):
+        self.ctx, self.schedule, self.stages, self.scale = ctx, schedule, stages, scale
+        self.actions: list[Action] = schedule.actions[ctx.coord["pp"]]
+        self.pp_ranks = ctx.group_ranks["pp"]     # pp coordinate → global rank
+        self.group = ctx.groups["pp"]
+        self.device = ctx.device
+        self.trace = trace
+        self.trace_events: list[tuple[str, float, float]] = []  # (name, start, end), seconds from step start
+        self.peak_inflight: dict[int, int] = {s: 0 for s in stages}
+
+    # ------------------------------------------------------------ one step
+    def run(self, micro_batches: list[tuple[torch.Tensor, ...]], hooks) -> torch.Tensor:
+        """Run the schedule once; return the sum of the last stage's micro-batch losses (0 elsewhere)."""
+        m = len(micro_batches)
+        if m != self.schedule.m:
+            raise RuntimeError(f"the schedule was built for {self.schedule.m} micro-batches, got {m}")
+        self._live: dict[tuple[int, int], _Micro] = {}
+        self._sends: list = []
+        self._grads_done = {s: 0 for s in self.stages}
+        self._inflight = {s: 0 for s in self.stages}
+        total = torch.zeros((), device=self.device)
+        if self.trace:
+            dist.barrier(group=self.group)  # one time origin for every pp rank (same host clock)
+            self.trace_events = []
+        self._t0 = time.perf_counter()
+        i, acts = 0, self.actions
+        while i < len(acts):
+            if acts[i].is_p2p:
+                end = i
+                while end < len(acts) and acts[end].is_p2p:
+                    end += 1
+                self._post(acts[i:end])
+                i = end
+                continue
+            a = acts[i]
+            t = time.perf_counter()
+            loss = self._compute(a, micro_batches, hooks)
+            if loss is not None:
+                total += loss
+            self._record(str(a), t)
+            i += 1
+        t = time.perf_counter()
+        for w, _ in self._sends:
+            w.wait()
+        self._record("wait sends", t)
+        self._sends = []
+        if self._live:
+            raise RuntimeError(f"schedule left activations of {sorted(self._live)} alive")
+        return total
+
+    def _record(self, name: str, start: float) -> None:
+        if self.trace:
+            self.trace_events.append((name, start - self._t0, time.perf_counter() - self._t0))
+
+    def _micro(self, s: int, j: int) -> _Micro:
+        return self._live.setdefault((s, j), _Micro())
+
+    def _wait(self, mb: _Micro, kind: str) -> None:
+        works = mb.works.pop(kind, [])
+        if works:
+            t = time.perf_counter()
+            for w in works:
+                w.wait()
+            self._record(f"wait {kind}", t)
+
+    # ------------------------------------------------------------ point to point
+    def _empty(self, spec: dict) -> torch.Tensor:
+        return torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=self.device)
+
+    def _post(self, run: list[Action]) -> None:
+        t = time.perf_counter()
+        self._sends = [(w, x) for w, x in self._sends if not w.is_completed()]  # free sent buffers early
+        ops, owners = [], []
+        for a in run:
+            peer = self.pp_ranks[a.peer]
+            mb = self._micro(a.stage, a.micro)
+            st = self.stages[a.stage]
+            if a.kind == "SEND_F":
+                tensors = [o.detach().contiguous() for o in mb.outputs]
+            elif a.kind == "SEND_B":
+                tensors, mb.in_grads = mb.in_grads, []
+                self._release(a.stage, a.micro)
+            elif a.kind == "RECV_F":
+                mb.inputs = [self._empty(spec) for spec in st.recv]
+                tensors = mb.inputs
+            else:  # RECV_B
+                mb.out_grads = [self._empty(spec) for spec in st.send if spec["grad"]]
+                tensors = mb.out_grads
+            op = dist.isend if a.kind.startswith("SEND") else dist.irecv
+            for x in tensors:
+                ops.append(dist.P2POp(op, x, peer, self.group))
+                owners.append((a, mb, x))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for (a, mb, x), w in zip(owners, works):
+            if a.kind.startswith("SEND"):
+                self._sends.append((w, x))  # the buffer must live until its send completes
+            else:
+                mb.works.setdefault(a.kind, []).append(w)
+        self._record("post " + " ".join(str(a) for a in run), t)
+
+    def _release(self, s: int, j: int) -> None:
+        """Drop a micro-batch's activations once nothing of it is left to send."""
+        mb = self._live.get((s, j))
+        if mb is not None and not mb.outputs and not mb.in_grads and not mb.works:
+            del self._live[(s, j)]
+
+    # ------------------------------------------------------------ compute
+    def _compute(self, a: Action, micro_batches, hooks):
+        s, j = a.stage, a.micro
+        st, mb = self.stages[s], self._micro(s, j)
+        if a.kind == "F":
+            self._wait(mb, "RECV_F")
+            for x, spec in zip(mb.inputs, st.recv):
+                x.requires_grad_(spec["grad"])
+            out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
+            mb.outputs = list(out)
+            self._inflight[s] += 1
+            self.peak_inflight[s] = max(self.peak_inflight[s], self._inflight[s])
+            return out[0].detach() if st.last else None
+        self._wait(mb, "RECV_B")
+        tensors, grads = self._grad_pairs(st, mb)
+        leaves = [x for x, spec in zip(mb.inputs, st.recv) if spec["grad"]]
+        if a.kind == "I":
+            got = torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True) if leaves else []
+            mb.in_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)]
+            return None
+        self._grads_done[s] += 1
+        hooks.before_grad(s, self._grads_done[s] == self.schedule.m)
+        if tensors:
+            if a.kind == "W":
+                params = [p for p in st.params if p.requires_grad]
+                torch.autograd.backward(tensors, grads, inputs=params)
+            else:
+                torch.autograd.backward(tensors, grads)
+        if a.kind == "B":
+            mb.in_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        mb.outputs, mb.inputs, mb.out_grads = [], [], []
+        self._inflight[s] -= 1
+        if s == 0 or not mb.in_grads:
+            self._release(s, j)
+        return None
+
+    def _grad_pairs(self, st: Stage, mb: _Micro) -> tuple[list, list]:
+        if st.last:
+            return [mb.outputs[0] * self.scale], [None]
+        carry = [o for o, spec in zip(mb.outputs, st.send) if spec["grad"]]
+        pairs = [(o, g) for o, g in zip(carry, mb.out_grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    # ------------------------------------------------------------ after the step
+    def sync_tied(self, tied: list[tuple[torch.Tensor, object]]) -> None:
+        """Sum each tied parameter's gradient over the pp ranks holding it (after the dp sync)."""
+        for p, group in tied:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+
+    def gather_trace(self) -> list[list[tuple[str, float, float]]]:
+        """Every pp rank's events of the last traced step, on every pp rank, pp order."""
+        out = [None] * len(self.pp_ranks)
+        dist.all_gather_object(out, self.trace_events, group=self.group)
+        return out
+
+
+def tied_groups(plan_json: dict, rank: int) -> list[tuple[str, object]]:
+    """(fqn, process group) for each tied parameter this rank holds. Collective: every rank calls it."""
+    out = []
+    for tie in plan_json.get("tied", []):
+        for pp_group in plan_json["groups"]["pp"]:
+            ranks = [pp_group[p] for p in tie["pp_ranks"]]
+            pg = dist.new_group(ranks)  # every rank creates every group, same order
+            if rank in ranks:
+                out.append((tie["fqn"], pg))
+    return out
+
+
+def measured_bubble(events: list[list[tuple[str, float, float]]]) -> float:
+    """1 − Σ compute time / (pp × makespan), from traced events; makespan = last compute end over ranks."""
+    compute = [[(s, e) for n, s, e in rank if n[:2] in ("F(", "B(", "I(", "W(")] for rank in events]
+    span = max(e for rank in compute for _, e in rank) - min(s for rank in compute for s, _ in rank)
+    busy = sum(e - s for rank in compute for s, e in rank)
+    return 1 - busy / (len(events) * span)
+
+
+def write_chrome_trace(events: list[list[tuple[str, float, float]]], path: Path, step: int = 0) -> None:
+    """Chrome-trace / Perfetto JSON: one process per pp rank, compute and communication as slices."""
+    out = []
+    for r, rank in enumerate(events):
+        out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pp rank {r}"}})
+        for name, s, e in rank:
+            tid = 0 if name[:2] in ("F(", "B(", "I(", "W(") else 1
+            out.append({"name": name, "ph": "X", "pid": r, "tid": tid, "ts": s * 1e6, "dur": (e - s) * 1e6,
+                        "args": {"step": step}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+
+
+# ---------------------------------------------------------------- wiring into the trainer
+
+def rank_programs(plan_json: dict, rank: int) -> list[str]:
+    """The programs this rank runs: one per virtual stage it holds, chunk order."""
+    me = plan_json["ranks"][rank]
+    return me.get("programs") or [me["program"]]
+
+
+def merged_entry(plan_json: dict, rank: int) -> dict:
+    """One program entry holding the state and buckets of every stage on this rank, in stage order."""
+    names = rank_programs(plan_json, rank)
+    progs = [plan_json["programs"][n] for n in names]
+    if len(progs) == 1:
+        return progs[0]
+    return {**progs[0], "state": [e for p in progs for e in p["state"]],
+            "buckets": [b for p in progs for b in p["buckets"]]}
+
+
+class StageBuckets:
+    """One `GradBuckets` per stage: each stage arms its dp all-reduce on its own last micro-batch."""
+
+    def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int):
+        from parc.runtime.data_parallel import GradBuckets
+
+        self.by_stage = {}
+        for name in rank_programs(plan_json, rank):
+            prog = plan_json["programs"][name]
+            self.by_stage[prog["stage"]] = GradBuckets(params, prog["buckets"], group, dp)
+
+    def start(self, stage: int, sync: bool) -> None:
+        self.by_stage[stage].start_micro_batch(sync)
+
+    def finish(self) -> None:
+        for b in self.by_stage.values():
+            b.finish()
+
+    def zero(self) -> None:
+        for b in self.by_stage.values():
+            b.zero()
+
+
+def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
+    """Stages of this rank from the trainer's loaded state (`trainer.state` follows `merged_entry` order)."""
+    from parc.codegen import load_program
+
+    art, ctx, plan = trainer.art, trainer.ctx, trainer.art.plan
+    stages, offset = {}, 0
+    for name in rank_programs(plan, ctx.rank):
+        prog = plan["programs"][name]
+        n = len(prog["state"])
+        state = trainer.state[offset:offset + n]
+        offset += n
+        fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
+        stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
+                                      prog["recv"], prog["send"], prog["last"])
+    schedule = Schedule.from_json(plan["schedule"])
+    return PipelineExecutor(ctx, schedule, stages, 1.0 / trainer.accumulation, trace)
+
+
+def tied_params(plan_json: dict, rank: int, entry: dict, state: list[torch.Tensor]) -> list[tuple]:
+    """(tensor, group) per tied parameter this rank holds. Collective: every rank must call it."""
+    by_fqn = {e["fqn"]: t for e, t in zip(entry["state"], state)}
+    return [(by_fqn[fqn], pg) for fqn, pg in tied_groups(plan_json, rank)]
+
+
+def clip_grad_norm(params: dict[str, torch.Tensor], max_norm: float, ctx, skip: set[str]) -> torch.Tensor:
+    """Global-norm clipping across the pp group: each stage adds its squares, tied copies count once."""
+    sq = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    for name, p in params.items():
+        if p.grad is not None and name not in skip:
+            sq += p.grad.detach().double().square().sum()
+    dist.all_reduce(sq, group=ctx.groups["pp"])
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params.values():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+def tied_skip(plan_json: dict, pp_coord: int, entry: dict) -> set[str]:
+    """Placeholder names of tied copies that another pp rank counts in the grad norm."""
+    fqns = {t["fqn"] for t in plan_json.get("tied", []) if t["pp_ranks"][0] != pp_coord}
+    return {e["name"] for e in entry["state"] if e["fqn"] in fqns}
