@@ -1,0 +1,112 @@
+"""ZeRO partitioning: give every parameter a place in a flat bucket and every dp rank its range.
+
+Assumes: runs last, after the passes that shard or move parameters (tensor
+parallel, pipeline split), so the graph's parameter placeholders and
+`ctx.shards` describe this program's local parameters. `plan.zero.stage` is
+0–3 and `plan.mesh.dp` is the size of the dp group the table is cut for.
+
+Guarantees: with stage ≥ 1, `ctx.notes["zero"]` holds the partition table the
+runtime (`parc.runtime.zero`) executes, which the compiler writes into the
+program's plan.json entry. A bucket is one *unit* — a layer (`blocks.3`) or a
+top-level module (`wte`, `ln_f`) — so ZeRO-3 gathers a whole layer at once.
+Buckets are in the order their gradients become ready in backward (the order
+of `parc.passes.grad_buckets`), parameters inside a bucket too, packed whole
+and back to back. The bucket's numel is padded so that it splits into dp equal
+ranges of a multiple of `ALIGN` elements each: dp rank r owns
+[r·shard, (r+1)·shard). Equal ranges are what reduce-scatter and all-gather
+into one flat tensor need; ranges may cut through a parameter (as FSDP's flat
+parameter does). The graph is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from parc.passes import PassCtx, grad_buckets
+from parc.runtime import zero as zero_runtime  # registers torch.ops.parc.zero_unshard
+
+ALIGN = 16  # elements per rank range: 64 bytes in fp32, a cache line; keeps every shard vector-aligned
+
+
+def _local_shape(spec, shard: dict | None) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    if shard is not None:
+        shape[shard["dim"]] //= shard["parts"]
+    return tuple(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def unit_of(fqn: str) -> str:
+    """The gather unit of a parameter: up to its layer index (`blocks.3`), else its owning module."""
+    parts = fqn.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or parts[0]
+
+
+def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, dp: int, align: int = ALIGN) -> dict:
+    """The partition table (see the module docstring) for the program `gm`."""
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    specs = [s for s in state_specs if s.name in placeholders]
+    by_name = {s.name: s for s in specs}
+    # cap 0: one parameter per bucket, so the flattened list is the backward-ready order itself
+    ready = [b[0] for b in grad_buckets.assign(gm, specs, cap_bytes=0)]
+    units: dict[str, list[str]] = {}
+    for name in ready:
+        units.setdefault(unit_of(by_name[name].fqn), []).append(name)
+    buckets, padding = [], 0
+    quantum = dp * align
+    for unit, names in units.items():
+        params, offset = [], 0
+        for name in names:
+            shape = _local_shape(by_name[name], shards.get(name))
+            params.append({"name": name, "fqn": by_name[name].fqn, "shape": list(shape),
+                           "offset": offset, "numel": _numel(shape)})
+            offset += _numel(shape)
+        padded = -(-offset // quantum) * quantum
+        padding += padded - offset
+        buckets.append({"unit": unit, "params": params, "numel": offset, "padded": padded,
+                        "shard": padded // dp, "dtype": by_name[names[0]].dtype})
+    return {"stage": stage, "dp": dp, "align": align, "buckets": buckets,
+            "numel": sum(b["numel"] for b in buckets), "padding": padding}
+
+
+def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
+    if plan.zero.stage == 0:
+        return gm
+    ctx.notes["zero"] = partition(gm, ctx.traced.state, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    ctx.count("zero", len(ctx.notes["zero"]["buckets"]))
+    if plan.zero.stage == 3:
+        _insert_unshard(gm, ctx.notes["zero"])
+        gm.recompile()
+    return gm
+
+
+def _insert_unshard(gm: fx.GraphModule, table: dict) -> None:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    op = torch.ops.parc.zero_unshard.default
+    for b, bucket in enumerate(table["buckets"]):
+        params = [nodes[p["name"]] for p in bucket["params"]]
+        users = [u for p in params for u in p.users]
+        if not users:
+            continue
+        first = min(users, key=order.__getitem__)
+        sizes = [p["numel"] for p in bucket["params"]] + [bucket["padded"] - bucket["numel"]]
+        with gm.graph.inserting_before(first):
+            flat = gm.graph.call_function(op, (params, b))
+            parts = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, sizes))
+            for i, (node, spec) in enumerate(zip(params, bucket["params"])):
+                piece = gm.graph.call_function(operator.getitem, (parts, i))
+                full = gm.graph.call_function(torch.ops.aten.view.default, (piece, spec["shape"]))
+                node.replace_all_uses_with(full, delete_user_cb=lambda u: u is not flat)

@@ -1,0 +1,430 @@
+"""ZeRO stages 1–3: the sharded optimizer that executes the compiler's partition table.
+
+Start here: `ZeroOptimizer` takes the place of `GradBuckets` + the optimizer in
+`parc.runtime.train.Trainer` when plan.json says `zero` ≥ 1. The table
+(`parc.passes.zero`) lists flat buckets — one per layer — and each dp rank's
+equal range of each. Per bucket this rank holds:
+
+  stage | parameters            | gradients                     | optimizer (Adam)
+  1     | full flat buffer      | full flat buffer (DDP-style)  | its range: exp_avg, exp_avg_sq
+  2     | full flat buffer      | its range only                | its range
+  3     | its range only        | its range only                | its range
+
+The optimizer is the plan's own (AdamW, …) run on one fp32 tensor per bucket,
+the rank's range ("master"); every update is elementwise, so it is the serial
+update of those elements. In fp32 the master of stages 1–2 is a view into the
+full buffer, so no weight is stored twice.
+
+Communication per step (`reduce_scatter_single` / `all_gather_single`, one flat
+tensor per bucket, padded to equal ranges):
+  stage 1: reduce-scatter gradients once, after the last micro-batch's backward
+           (launched per bucket as its gradients land), then all-gather the
+           updated parameters: 2Ψ(N−1)/N — all-reduce's volume.
+  stage 2: reduce-scatter each bucket in every micro-batch's backward as it
+           lands, accumulate into the range, free the full gradient.
+  stage 3: as stage 2, and parameters are all-gathered per layer just before
+           its forward (`torch.ops.parc.zero_unshard`, inserted by the zero
+           pass) and again in backward when autograd first needs a saved
+           weight (a saved-tensor hook), then freed: 3Ψ(N−1)/N per micro-batch.
+With accumulation k, stages 2–3 send their reduce-scatter k times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+_ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
+
+
+class ZeroOptimizer:
+    """Sharded parameters/gradients/optimizer state of one program's dp group.
+
+    Interface used by the Trainer: `start_micro_batch(sync)`, `finish()`,
+    `clip_grad_norm_(max_norm)`, `step()`, `zero()`, `active()` (context for
+    the micro-batch loop), `full_params()` (gathered, for --verify/checkpoints).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt):
+        self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
+        self.table = table
+        self.params = params
+        self.buckets = table["buckets"]
+        self.full: list[torch.Tensor | None] = []     # stages 1–2: the whole flat parameter buffer
+        self.master: list[torch.Tensor] = []           # this rank's range, fp32, what the optimizer updates
+        self.grad_flat: list[torch.Tensor] = []        # stage 1: whole flat gradient buffer
+        self.grad_acc: list[torch.Tensor] = []         # stages 2–3: this rank's range of the reduced gradient
+        self._bucket_of: dict[int, int] = {}
+        shared = None
+        for b, bucket in enumerate(self.buckets):
+            ps = [params[p["name"]] for p in bucket["params"]]
+            full = torch.zeros(bucket["padded"], dtype=ps[0].dtype, device=ps[0].device)
+            for p, spec in zip(ps, bucket["params"]):
+                full[spec["offset"]:spec["offset"] + spec["numel"]].copy_(p.detach().reshape(-1))
+            lo, n = self.rank * bucket["shard"], bucket["shard"]
+            if self.stage < 3:
+                for p, spec in zip(ps, bucket["params"]):
+                    # the program's parameter becomes a view into the flat buffer: all-gather writes it in place
+                    p.data = full[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
+                self.full.append(full)
+                self.master.append(full[lo:lo + n])
+            else:
+                self.full.append(None)
+                self.master.append(full[lo:lo + n].clone())
+                shared = shared if shared is not None else torch.zeros(1, dtype=ps[0].dtype, device=ps[0].device)
+                for p in ps:
+                    # stage 3 keeps no full weight: the program's input is a stand-in of the right shape on one
+                    # shared element; `zero_unshard` ignores its data and returns the gathered bucket instead
+                    p.data = shared.expand(p.shape)
+            if self.stage == 1:
+                g = torch.zeros_like(full)
+                for p, spec in zip(ps, bucket["params"]):
+                    p.grad = g[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
+                self.grad_flat.append(g)
+            else:
+                self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=full.device))
+            if self.stage < 3:
+                for p in ps:
+                    self._bucket_of[id(p)] = b
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+            del full
+        self.optimizer = make_opt(self.master)
+        self._pending: list[int] = []
+        self._works: list = []
+        self._sync = False
+        # stage 3 bookkeeping: gathered buckets alive now (weak: forward frees them by dropping references),
+        # buckets re-gathered for backward (strong, until their gradient is reduced), prefetches in flight
+        self._live: dict[int, weakref.ref] = {}
+        self._resident: dict[int, torch.Tensor] = {}
+        self._prefetch: dict[int, tuple] = {}
+        self._reduced: set[int] = set()               # buckets whose gradient this backward has reduced
+        self._needed_in_backward: set[int] = set()    # buckets whose weights autograd saved (seen so far)
+
+    # --- backward: gradients -------------------------------------------------------------
+
+    def start_micro_batch(self, sync: bool) -> None:
+        """Call before each backward; `sync` on the last micro-batch of the step."""
+        self._drain()
+        self._reduced = set()
+        self._sync = sync
+        self._pending = [len(b["params"]) for b in self.buckets]
+        self._works = [None] * len(self.buckets)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self.stage == 1 and not self._sync:
+            return  # stage 1 accumulates whole gradients locally and reduces once per step
+        b = self._bucket_of[id(p)]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if self.stage == 1:
+            flat = self.grad_flat[b]
+        else:
+            flat = self._flat_grad(b)
+            for spec in bucket["params"]:
+                self.params[spec["name"]].grad = None  # ZeRO-2: the full gradient lives only until reduced
+        self._reduce_scatter(b, flat)
+
+    def _flat_grad(self, b: int, grads: list | None = None) -> torch.Tensor:
+        """The bucket's gradient as one padded flat tensor; a parameter without gradient gives zeros."""
+        bucket = self.buckets[b]
+        if grads is None:
+            grads = [self.params[s["name"]].grad for s in bucket["params"]]
+        ref = self.master[b]
+        parts = [g.reshape(-1) if g is not None else torch.zeros(s["numel"], dtype=ref.dtype, device=ref.device)
+                 for g, s in zip(grads, bucket["params"])]
+        parts.append(torch.zeros(bucket["padded"] - bucket["numel"], dtype=parts[0].dtype, device=ref.device))
+        return torch.cat(parts)
+
+    def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
+        out = torch.empty(self.buckets[b]["shard"], dtype=flat.dtype, device=flat.device)
+        if self.dp > 1:
+            flat.div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
+            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        else:
+            out.copy_(flat)
+            work = None
+        self._works[b] = (work, flat, out)
+
+    def _wait(self, b: int) -> None:
+        work, _flat, out = self._works[b]
+        if work is not None:
+            work.wait()
+        if self.stage == 1:
+            self.master[b].grad = out.float()
+        else:
+            self.grad_acc[b].add_(out)
+        self._works[b] = True
+
+    def _drain(self) -> None:
+        for b, w in enumerate(self._works):
+            if isinstance(w, tuple):
+                self._wait(b)
+
+    def finish(self) -> None:
+        """Reduce any bucket whose gradients never all arrived (unused parameters), then wait for all."""
+        for b, w in enumerate(self._works):
+            if w is None:
+                if self.stage < 3:
+                    self._launch(b)
+                else:
+                    # no backward reached this bucket's unshard: its gradient is zero
+                    self._reduce_scatter(b, self._flat_grad(b, [None] * len(self.buckets[b]["params"])))
+        self._drain()
+        if self.stage >= 2:
+            for m, g in zip(self.master, self.grad_acc):
+                m.grad = g
+
+    # --- the update --------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: squares summed over the dp group.
+
+        Each element of the gradient lives in exactly one rank's range (padding is zero), so the sum of
+        the ranks' squared norms is the squared norm of the full gradient.
+        """
+        local = sum(m.grad.float().square().sum() for m in self.master)
+        total = torch.as_tensor(local, dtype=torch.float32, device=self.master[0].device).clone()
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for m in self.master:
+            m.grad.mul_(coef)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.stage == 3:
+            return  # parameters stay sharded; the next forward gathers them
+        works = []
+        for b, full in enumerate(self.full):
+            mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
+            if self.dp > 1:
+                works.append(dist.all_gather_single(full, mine, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    def zero(self) -> None:
+        for g in self.grad_flat:
+            g.zero_()
+        for g in self.grad_acc:
+            g.zero_()
+        for m in self.master:
+            m.grad = None  # stage 1's reduced range is a temporary; 2–3 keep `grad_acc`
+
+    # --- stage 3: gather on demand -------------------------------------------------------
+
+    def _start_gather(self, b: int):
+        bucket = self.buckets[b]
+        full = torch.empty(bucket["padded"], dtype=self.master[b].dtype, device=self.master[b].device)
+        if self.dp > 1:
+            work = dist.all_gather_single(full, self.master[b].detach(), group=self.group, async_op=True)
+        else:
+            full.copy_(self.master[b].detach())
+            work = None
+        return work, full
+
+    def _gathered(self, b: int) -> torch.Tensor:
+        if b in self._prefetch:
+            work, full = self._prefetch.pop(b)
+        else:
+            work, full = self._start_gather(b)
+        if work is not None:
+            work.wait()
+        self._live[b] = weakref.ref(full)
+        return full
+
+    def _prefetch_bucket(self, b: int | None) -> None:
+        # Which collectives run must not depend on what Python happens to keep alive (a reference
+        # cycle freed later on one rank than another would desynchronize the group): decide from
+        # explicit bookkeeping only.
+        if b is not None and 0 <= b < len(self.buckets) and b not in self._prefetch and \
+                b not in self._resident and b not in self._reduced:
+            self._prefetch[b] = self._start_gather(b)
+
+    def unshard(self, b: int) -> torch.Tensor:
+        """Forward: bucket b's whole flat parameter; starts gathering the next layer's meanwhile."""
+        full = self._gathered(b)
+        self._prefetch_bucket(b - 1)  # buckets are in backward order: b − 1 runs next in forward
+        return full
+
+    def reduce_bucket_grad(self, b: int, grad: torch.Tensor) -> None:
+        """Backward of `zero_unshard`: reduce-scatter the bucket's gradient and drop the gathered weights."""
+        self._resident.pop(b, None)
+        self._reduced.add(b)
+        self._reduce_scatter(b, grad.contiguous().clone())
+
+    def _pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        for b, ref in self._live.items():
+            full = ref()
+            # a live gathered bucket owns its address, so equal pointers mean the same storage
+            if full is not None and full.untyped_storage().data_ptr() == ptr and ptr != 0:
+                return (b, t.storage_offset(), tuple(t.shape), t.stride())
+        return t
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        b, offset, shape, stride = packed
+        full = self._resident.get(b)
+        if full is None:
+            full = self._resident[b] = self._gathered(b)
+            self._needed_in_backward.add(b)
+            # prefetch the next bucket backward will need: buckets run in increasing order, and which
+            # ones backward reads at all (an embedding's does not) is learned from earlier backwards
+            self._prefetch_bucket(min((k for k in self._needed_in_backward if k > b), default=None))
+        return full.as_strided(shape, stride, offset)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Around the micro-batch loop: lets `torch.ops.parc.zero_unshard` find this runtime and, at
+        stage 3, replaces every weight autograd saves by a reference that re-gathers it in backward."""
+        if self.stage < 3:
+            yield
+            return
+        _ACTIVE.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            _ACTIVE.pop()
+            self._resident.clear()
+            for b in list(self._prefetch):
+                work, _ = self._prefetch.pop(b)
+                if work is not None:
+                    work.wait()
+
+    # --- state -------------------------------------------------------------------------
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by placeholder name (collective over the dp group at stage 3)."""
+        out = {}
+        for b, bucket in enumerate(self.buckets):
+            if self.stage < 3:
+                full = self.full[b]
+            else:
+                work, full = self._start_gather(b)
+                if work is not None:
+                    work.wait()
+            for s in bucket["params"]:
+                out[s["name"]] = full[s["offset"]:s["offset"] + s["numel"]].view(s["shape"]).detach()
+        return out
+
+    def full_optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """(per-parameter state by placeholder name, whole; scalar state such as Adam's `step`)."""
+        per, scalars = {}, {}
+        for b, bucket in enumerate(self.buckets):
+            for key, v in self.optimizer.state.get(self.master[b], {}).items():
+                if v.dim() == 0:
+                    scalars[key] = v.detach().clone()
+                    continue
+                full = torch.empty(bucket["padded"], dtype=v.dtype, device=v.device)
+                if self.dp > 1:
+                    dist.all_gather_single(full, v.detach().contiguous(), group=self.group)
+                else:
+                    full.copy_(v)
+                for sp in bucket["params"]:
+                    per.setdefault(sp["name"], {})[key] = full[sp["offset"]:sp["offset"] + sp["numel"]].view(sp["shape"])
+        return per, scalars
+
+    def load_full(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
+                  scalars: dict[str, torch.Tensor]) -> None:
+        """Take whole parameters and optimizer state (by placeholder name); keep this rank's ranges."""
+        for b, bucket in enumerate(self.buckets):
+            lo, n = self.rank * bucket["shard"], bucket["shard"]
+
+            def flat(tensors: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+                out = torch.zeros(bucket["padded"], dtype=like.dtype, device=like.device)
+                for sp in bucket["params"]:
+                    out[sp["offset"]:sp["offset"] + sp["numel"]].copy_(tensors[sp["name"]].reshape(-1))
+                return out
+
+            whole = flat(params, self.master[b])
+            with torch.no_grad():
+                if self.stage < 3:
+                    self.full[b].copy_(whole)  # the master is a range of it
+                else:
+                    self.master[b].copy_(whole[lo:lo + n])
+            keys = {k for sp in bucket["params"] for k in optim.get(sp["name"], {})}
+            state = {k: flat({sp["name"]: optim[sp["name"]][k] for sp in bucket["params"]},
+                             self.master[b])[lo:lo + n].clone() for k in keys}
+            state.update({k: v.clone() for k, v in scalars.items()})
+            if state:
+                self.optimizer.state[self.master[b]] = state
+
+    def backward_gathered_numel(self) -> int:
+        """Padded numel of the buckets ZeRO-3 re-gathers in each backward."""
+        return sum(self.buckets[b]["padded"] for b in self._needed_in_backward)
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`)."""
+        program = [p.detach() for p in self.params.values()]
+        # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
+        params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
+        grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + self.grad_acc
+        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"params": params, "grads": grads, "optimizer": opt, "stand_ins": program if self.stage == 3 else []}
+
+
+def _bucket_numel(table: dict) -> int:
+    return sum(b["padded"] for b in table["buckets"])
+
+
+def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2) -> dict[str, int]:
+    """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state."""
+    psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
+    return {"params": psi * elem // (n if s >= 3 else 1), "grads": psi * elem // (n if s >= 2 else 1),
+            "optimizer": adam_states * psi * elem // n}
+
+
+def analytic_comm_bytes(table: dict, accumulation: int = 1, elem: int = 4, backward_numel: int | None = None) -> int:
+    """Bytes this rank sends per step (ring algorithms, DESIGN.md), on the padded numel Ψ'.
+
+    ZeRO-3 gathers again in backward only the buckets whose weights autograd saved
+    (`backward_numel` of them; an embedding's backward needs only the indices): 3Ψ' when all are.
+    """
+    psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
+    if s == 1:
+        return 2 * psi * elem * (n - 1) // n
+    if s == 2:
+        return (accumulation + 1) * psi * elem * (n - 1) // n
+    again = psi if backward_numel is None else backward_numel
+    return accumulation * (2 * psi + again) * elem * (n - 1) // n
+
+
+
+@torch.library.custom_op("parc::zero_unshard", mutates_args=())
+def zero_unshard(params: list[torch.Tensor], bucket: int) -> torch.Tensor:
+    """ZeRO-3's gather of one bucket (a layer), inserted by the zero pass before the layer's first use.
+
+    Forward: all-gather the dp ranks' ranges into the bucket's whole flat parameter (padded); the
+    `params` are the program's stand-in inputs, read for nothing but tying the gradient to them.
+    Backward: reduce-scatter the flat gradient over dp into this rank's range (accumulated across
+    micro-batches), free the re-gathered weights, and give the stand-ins no gradient.
+    """
+    return _ACTIVE[-1].unshard(bucket)
+
+
+@zero_unshard.register_fake
+def _(params, bucket):
+    raise RuntimeError("zero_unshard runs eagerly in the runtime only")
+
+
+def _unshard_setup(ctx, inputs, output):
+    ctx.n, ctx.bucket = len(inputs[0]), inputs[1]
+
+
+def _unshard_backward(ctx, grad):
+    _ACTIVE[-1].reduce_bucket_grad(ctx.bucket, grad)
+    return [None] * ctx.n, None
+
+
+zero_unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
