@@ -1,0 +1,343 @@
+"""The cost model: what one step of a plan costs per rank — memory, communication, time.
+
+Start at `estimate(plan, stats, hw)`. It is arithmetic over two inputs that never
+need the passes to have run:
+
+- `stats`, from `graph_stats(traced, plan)`: per pipeline stage, the forward FLOPs,
+  parameter and activation element counts of ONE micro-batch, each split into the
+  part tensor parallelism divides by tp ("sharded": modules matched by a column,
+  row or vocab rule, and the attention/MLP core between a column and a row
+  module) and the part every tp rank holds ("replicated"); the tp collectives'
+  message sizes; the values crossing each pipeline cut. The compiler stores it in
+  plan.json's `costs.graph`, so `parc report compiled/` does not trace again.
+- `hw`, a `Hardware` preset (A100-80GB, H100, H200 nodes); the plan's `topology`
+  intra=/inter= override its bandwidths (both are per GPU, one direction).
+
+Memory follows DESIGN.md's table (fp32 4Ψ/4Ψ/8Ψ; bf16 + fp32 master 2Ψ/2Ψ/12Ψ;
+ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
+Activations: what autograd saves is estimated as every non-view value the forward
+makes; `recompute` keeps only each recomputed module's input, plus one module's
+values while it is recomputed. Times: compute at `peak × achievable`; a ring
+all-reduce moves 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group
+whose ranks sit on more than one node runs at the inter-node bandwidth. The
+pipeline is timed by `parc.passes.simulate` with the bottleneck stage's costs.
+Assumed, and said in the report: no overlap of communication with compute.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from parc.errors import ParcError
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory: float           # bytes per GPU
+    flops: dict             # precision -> peak FLOP/s (dense)
+    achievable: float       # fraction of peak a good kernel mix reaches
+    intra_bw: float         # bytes/s per GPU, one direction, within a node (NVLink)
+    inter_bw: float         # bytes/s per GPU, one direction, between nodes (network)
+    gpus_per_node: int = 8
+    latency_intra: float = 5e-6
+    latency_inter: float = 10e-6
+
+
+PRESETS = {
+    # NVLink 3: 600 GB/s both directions; 8 × 200 Gbit/s HDR per node. fp32 is non-tensor-core.
+    "a100": Hardware("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 0.5, 300e9, 25e9),
+    # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
+    "h100": Hardware("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 0.5, 450e9, 50e9),
+    "h200": Hardware("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 0.5, 450e9, 50e9),
+}
+ALIASES = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
+
+
+def hardware(name: str | None, topology=None) -> Hardware:
+    """The preset `name` (default h100), with the plan topology's bandwidths when stated."""
+    key = ALIASES.get((name or "h100").lower(), (name or "h100").lower())
+    if key not in PRESETS:
+        raise ParcError(f"unknown hardware preset `{name}`", hint="valid: " + ", ".join(PRESETS))
+    hw = PRESETS[key]
+    if topology is not None:
+        from dataclasses import replace
+        hw = replace(hw, intra_bw=topology.intra_bw or hw.intra_bw, inter_bw=topology.inter_bw or hw.inter_bw,
+                     gpus_per_node=topology.gpus_per_node)
+    return hw
+
+
+# ---------------------------------------------------------------- from the traced graph
+
+_VIEWS = ("view", "reshape", "expand", "permute", "transpose", "t.default", "slice", "select", "alias",
+          "detach", "unsqueeze", "squeeze", "split", "chunk", "unbind", "as_strided", "_unsafe_view")
+
+
+def _elements(val) -> int:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return sum(math.prod(v.shape) for v in vals if hasattr(v, "shape"))
+
+
+def _style(path: str, rules) -> str | None:
+    return next((r.style for r in rules if fnmatchcase(path, r.pattern)), None)
+
+
+def _under(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")
+
+
+def _instance(path: str, patterns) -> str | None:
+    """The outermost module on `path` matched by a recompute glob, e.g. `blocks.3`."""
+    parts = path.split(".")
+    for k in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:k])
+        if any(fnmatchcase(prefix, p) for p in patterns):
+            return prefix
+    return None
+
+
+def graph_stats(traced, plan) -> dict:
+    """Per-stage counts of ONE micro-batch (elements and FLOPs, not bytes); JSON-ready.
+
+    Reads the stage of each node from `meta["parc_stage"]` (set by
+    pipeline_split.assign_stages; absent means stage 0).
+    """
+    from parc.passes.pipeline_split import STAGE, crossing, node_flops
+    from parc.trace import module_path
+
+    gm, rules = traced.gm, plan.tensor_parallel.rules if plan.mesh.tp > 1 else ()
+    patterns = plan.recompute.patterns
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
+    keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+            "act_kept_sharded", "act_kept_replicated", "params_sharded", "params_replicated", "tp_bytes", "tp_ops")
+    stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
+    core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
+    path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
+    state_names = {spec.name for spec in traced.state}
+    sharded_of = {}
+    for n in nodes:
+        p = path_of[n]
+        style = _style(p, rules)
+        sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
+            or (style is None and any(_under(p, c) for c in core))
+    inst_act: dict[str, list] = {}   # recompute instance -> [stage, sharded, replicated, input nodes]
+    tp_inputs, tp_outputs = set(), set()
+    for n in nodes:
+        s, p = n.meta.get(STAGE, 0), path_of[n]
+        d = stages[s]
+        f = node_flops(n)
+        tag = "sharded" if sharded_of[n] else "replicated"
+        d[f"flops_{tag}"] += f
+        style = _style(p, rules)
+        outside = [a for a in n.all_input_nodes if (a.op == "placeholder" and a.name not in state_names)
+                   or (a.op != "placeholder" and not _under(path_of[a], p))]
+        if style == "column" or (style == "vocab" and "embedding" not in str(n.target)):
+            tp_inputs.update((a, s) for a in outside)   # backward all-reduce of the input gradient
+        if style == "row" or (style == "vocab" and "embedding" in str(n.target)):
+            tp_outputs.add((p, s))                       # forward all-reduce of the output
+        if n.target is operator.getitem or any(v in str(n.target) for v in _VIEWS):
+            continue
+        e = _elements(n.meta.get("val"))
+        d[f"act_{tag}"] += e
+        inst = _instance(p, patterns) if patterns else None
+        if inst is None:
+            d[f"act_kept_{tag}"] += e
+            continue
+        d["flops_recomputed"] += f
+        rec = inst_act.setdefault(inst, [s, 0, 0, set()])
+        rec[1 if sharded_of[n] else 2] += e
+        rec[3].update(a for a in n.all_input_nodes if not _under(path_of.get(a, ""), inst)
+                      and not (a.op == "placeholder" and a.name in state_names))
+    for a, s in tp_inputs:
+        stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
+        stages[s]["tp_ops"] += 1
+    last = {}
+    for n in nodes:
+        last[(path_of[n], n.meta.get(STAGE, 0))] = n
+    for key in tp_outputs:
+        stages[key[1]]["tp_bytes"] += _elements(last[key].meta.get("val"))
+        stages[key[1]]["tp_ops"] += 1
+    peak = [[0, 0] for _ in range(n_stages)]
+    for s, sh, rep, inputs in inst_act.values():
+        stages[s]["act_kept_replicated"] += sum(_elements(a.meta.get("val")) for a in inputs)
+        peak[s] = max(peak[s], [sh, rep], key=sum)
+    for s, (sh, rep) in enumerate(peak):
+        stages[s]["recompute_peak_sharded"], stages[s]["recompute_peak_replicated"] = sh, rep
+    for spec in traced.state:
+        if spec.kind != "param" or not spec.requires_grad:
+            continue
+        node = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == spec.name), None)
+        used = sorted({u.meta.get(STAGE, 0) for u in node.users}) if node is not None else [0]
+        style = _style(spec.fqn.rsplit(".", 1)[0], rules)
+        if style == "row" and spec.fqn.endswith(".bias"):
+            style = None  # a row layer adds its bias after the all-reduce: every tp rank holds all of it
+        for s in used or [0]:
+            stages[s]["params_sharded" if style in ("column", "row", "vocab") else "params_replicated"] += \
+                math.prod(spec.shape)
+    sends = [sum(_elements(v.meta.get("val")) for v in cut) for cut in crossing(gm, n_stages)] \
+        if n_stages > 1 else []
+    tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
+    return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
+            "tokens_per_sample": tokens}
+
+
+# ---------------------------------------------------------------- the estimate
+
+@dataclass
+class Comm:
+    axis: str
+    collective: str
+    group: int
+    bytes: float          # per rank per step
+    intra: float
+    inter: float
+    seconds: float
+
+
+@dataclass
+class Estimate:
+    hw: Hardware
+    memory: list[dict]                 # per pp rank: params, grads, optimizer, activations, total (bytes)
+    comms: list[Comm]
+    step_seconds: float
+    compute_seconds: float
+    bubble: float                      # idle share of the simulated step, P2P time included
+    schedule_bubble: float             # the schedule's own idle share (free P2P): DESIGN.md's formula
+    inflight: list[int]
+    model_flops: float                 # per step, whole job (3 × forward, no recompute)
+    hardware_flops: float              # per step, whole job, with recompute
+    mfu: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(c.seconds for c in self.comms)
+
+
+def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes per parameter: DESIGN.md's table."""
+    moments = {"adamw": 8, "adam": 8, "sgd": 0}.get(optimizer, 8)
+    if precision == "fp32":
+        return 4, 4, moments
+    return 2, 2, 4 + moments  # fp32 master copy + moments
+
+
+def _ring_fraction(ranks: list[int], per_node: int) -> float:
+    """Share of a ring's hops (rank order, wrapping) that leave a node."""
+    if len(ranks) < 2:
+        return 0.0
+    hops = list(zip(ranks, ranks[1:] + ranks[:1]))
+    return sum(a // per_node != b // per_node for a, b in hops) / len(hops)
+
+
+def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None) -> Comm:
+    """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table."""
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+              "send/recv": 1.0}[name]
+    if name == "all-reduce" and algo == "tree":
+        factor = 2.0 if n > 1 else 0.0
+    volume = factor * size
+    crossing = max((_ring_fraction(g, hw.gpus_per_node) for g in groups), default=0.0)
+    bw, lat = (hw.inter_bw, hw.latency_inter) if crossing else (hw.intra_bw, hw.latency_intra)
+    steps = latency_steps if latency_steps is not None else \
+        (2 * math.ceil(math.log2(max(n, 2))) if algo == "tree" else 2 * (n - 1))
+    return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing, volume / bw + steps * lat)
+
+
+def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
+             params_per_rank: list[int] | None = None) -> Estimate:
+    """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's."""
+    from parc import mesh as meshlib
+    from parc.passes.schedule import build_schedule
+    from parc.passes.simulate import simulate
+
+    m, notes = plan.mesh, []
+    dp, pp, tp = m.dp, m.pp, m.tp
+    acc = plan.accumulation  # the stats are of one micro-batch already (traced at plan.micro_batch)
+    stages = stats["stages"]
+    virtual = plan.pipeline.virtual if plan.pipeline and pp > 1 else 1
+    if len(stages) != pp * virtual:
+        raise ParcError(f"cost model: {len(stages)} stage statistics for pp {pp} × virtual {virtual} stages")
+    groups = groups or {a: meshlib.groups(m, a) for a in ("dp", "pp", "tp")}
+    act_b = 4 if plan.precision == "fp32" else 2
+    peak = hw.flops.get(plan.precision, hw.flops["fp32"]) * hw.achievable
+    pb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
+    z = plan.zero.stage
+
+    def per_tp(d, key):  # one tp rank's share
+        return d[f"{key}_sharded"] / tp + d[f"{key}_replicated"]
+
+    # -- pipeline timing: the bottleneck stage's per-micro costs drive the simulator
+    def stage_times(d):
+        tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce)
+        tp_t = tp_c.seconds if tp > 1 else 0.0
+        f = per_tp(d, "flops") / peak
+        rec = d["flops_recomputed"] / tp / peak
+        return f + tp_t / 2, 2 * f + rec + tp_t / 2
+    times = [stage_times(d) for d in stages]
+    t_f, t_b = max(t[0] for t in times), max(t[1] for t in times)
+    send_bytes = max(stats.get("send_elements") or [0]) * act_b / (tp if plan.tensor_parallel.sequence_parallel else 1)
+    if pp > 1:
+        name = plan.pipeline.schedule if plan.pipeline else "1f1b"
+        p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1)
+        split = {"cost_i": t_b / 2, "cost_w": t_b / 2} if name == "zb_h1" else {}
+        sim = simulate(build_schedule(name, pp, acc, virtual), cost_f=t_f, cost_b=t_b, cost_comm=p2p.seconds,
+                       **split)
+        makespan, bubble, inflight = sim.makespan, sim.bubble_fraction, sim.peak_inflight
+        sched_bubble = simulate(build_schedule(name, pp, acc, virtual), cost_f=t_f or 1.0, cost_b=t_b or 2.0,
+                                **split).bubble_fraction
+    else:
+        makespan, bubble, sched_bubble, inflight = acc * (t_f + t_b), 0.0, 0.0, [1]
+    compute = acc * (t_f + t_b)
+
+    # -- memory per pp rank
+    memory = []
+    for r in range(pp):
+        held = [stages[r + k * pp] for k in range(virtual)]
+        params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
+        kept = sum(per_tp(d, "act_kept") for d in held) / len(held)
+        rpeak = max(per_tp(d, "recompute_peak") for d in held)
+        act = (kept * inflight[r] + rpeak) * act_b
+        memory.append({"pp_rank": r, "params_count": params,
+                       "params": params * pb / (dp if z >= 3 else 1),
+                       "grads": params * gb / (dp if z >= 2 else 1),
+                       "optimizer": params * ob / (dp if z >= 1 else 1),
+                       "activations": act, "inflight": inflight[r]})
+    for row in memory:
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+
+    # -- communication per rank per step (the worst pp rank's sizes)
+    comms = []
+    big = max(memory, key=lambda row: row["params_count"])["params_count"]
+    if dp > 1:
+        if z == 0:
+            comms.append(_collective("dp", "all-reduce", dp, big * gb, groups["dp"], hw, allreduce))
+        else:
+            comms.append(_collective("dp", "reduce-scatter", dp, big * gb, groups["dp"], hw, allreduce))
+            comms.append(_collective("dp", "all-gather", dp, big * pb * (2 if z == 3 else 1), groups["dp"], hw,
+                                     allreduce))
+    if tp > 1:
+        tp_bytes = max(d["tp_bytes"] for d in stages) * act_b * acc * virtual
+        if plan.tensor_parallel.sequence_parallel:
+            for name in ("all-gather", "reduce-scatter"):
+                comms.append(_collective("tp", name, tp, tp_bytes, groups["tp"], hw, allreduce))
+        else:
+            comms.append(_collective("tp", "all-reduce", tp, tp_bytes, groups["tp"], hw, allreduce))
+    if pp > 1:
+        comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
+                                 allreduce, latency_steps=2 * acc * virtual))
+    # tp and pp time is already inside the simulated makespan; dp runs after the last backward
+    dp_time = sum(c.seconds for c in comms if c.axis == "dp")
+    step = makespan + dp_time
+    fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
+    model_flops = 3 * fwd * acc * dp
+    hw_flops = model_flops + sum(d["flops_recomputed"] for d in stages) * acc * dp
+    mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
+    notes.append("communication is not overlapped with compute (an upper bound on step time)")
+    return Estimate(hw, memory, comms, step, compute, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu, notes)

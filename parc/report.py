@@ -1,0 +1,195 @@
+"""`parc report`: the seed's three-step review of a plan — memory, communication, utilization.
+
+Start at `build(compiled, model=, plan=, preset=)`: it gathers the plan and the
+per-stage statistics (from a compiled/ directory's plan.json, or by tracing
+`--model` under `--plan` when there is no artifact: no pass has to run), asks
+`parc.cost.estimate`, and returns a JSON-ready dict. `render` prints it as rich
+tables; `to_json` as text.
+
+1. Memory per pp rank (the tp and dp ranks of one pp rank are alike) with a
+   verdict against the preset's GPU memory: fits, or over by how much.
+2. Communication per step by axis and collective, bytes per rank split into
+   intra-node and inter-node, and its share of the step time.
+3. Utilization: FLOPs per step, the simulated pipeline bubble, step time, MFU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parc import cost
+from parc.errors import ParcError
+
+GiB = cost.GiB
+
+
+def _size(b: float) -> str:
+    """Bytes in the largest binary unit that keeps the number ≥ 1 (tiny test models stay readable)."""
+    for unit, scale in (("TiB", 1024 ** 4), ("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
+    """(plan, stats, notes, artifact params per pp rank or None)."""
+    from parc.frontend import load_plan, parse
+
+    notes = []
+    if compiled is not None:
+        from parc import artifact
+
+        art = artifact.load(compiled)
+        pj = art.plan
+        plan = parse(pj["plan"]["source"], file=pj["plan"]["file"])
+        stats = pj.get("costs", {}).get("graph")
+        if stats is None:  # an artifact from before plan.json carried the statistics
+            notes.append("plan.json has no costs.graph: traced model/model.py again")
+            stats = _trace_stats(compiled / "model" / "model.py", plan)
+        return plan, stats, notes, _artifact_params(pj)
+    if model is None or plan_path is None:
+        raise ParcError("parc report needs a compiled/ directory, or both --model and --plan",
+                        hint="parc report compiled/   or   parc report --model model.py --plan plan.par")
+    plan = load_plan(plan_path)
+    notes.append("analytic: traced the model under the plan; no compile pass ran")
+    return plan, _trace_stats(model, plan), notes, None
+
+
+def _trace_stats(model: Path, plan) -> dict:
+    from parc.passes.pipeline_split import assign_stages
+    from parc.trace import load_user_module, trace
+
+    if not Path(model).is_file():
+        raise ParcError(f"model {model}: no such file")
+    traced = trace(load_user_module(model), plan.micro_batch)
+    virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
+    assign_stages(traced, plan, plan.mesh.pp * virtual)
+    return cost.graph_stats(traced, plan)
+
+
+def _artifact_params(pj: dict) -> list[int]:
+    """Parameters per pp rank as the compiled programs hold them (local shard shapes), max over tp ranks."""
+    pp = pj["mesh"]["pp"]
+    per_stage: dict[tuple[int, int], int] = {}
+    for prog in pj["programs"].values():
+        n = 0
+        for e in prog["state"]:
+            if e["kind"] == "param" and e["requires_grad"]:
+                k = 1
+                for d in e["shape"]:
+                    k *= d
+                n += k
+        per_stage[(prog["stage"], prog["tp_rank"])] = n
+    sums: dict[tuple[int, int], int] = {}  # (pp rank, tp rank) -> params over the rank's stages
+    for (stage, tp_rank), n in per_stage.items():
+        sums[(stage % pp, tp_rank)] = sums.get((stage % pp, tp_rank), 0) + n
+    return [max(v for (r, _), v in sums.items() if r == rank) for rank in range(pp)]
+
+
+def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path | None = None,
+          preset: str | None = None, allreduce: str | None = None) -> dict:
+    plan_obj, stats, notes, art_params = _inputs(compiled, model, plan)
+    topo = plan_obj.topology
+    name = preset or topo.preset
+    if name is None:
+        notes.append("no hardware preset in the plan's topology: assumed h100 (use --preset)")
+    hw = cost.hardware(name, topo)
+    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=art_params)
+    if art_params is not None:
+        notes.append("parameters per rank: counted from the compiled programs' state (their shard shapes)")
+    notes += est.notes
+    m = plan_obj.mesh
+    rows = []
+    for r, row in enumerate(est.memory):
+        d = {f"{k}_bytes": round(v) for k, v in row.items()
+             if k in ("params", "grads", "optimizer", "activations", "total")}
+        d.update(pp_rank=r, params_count=int(row["params_count"]), inflight=row["inflight"])
+        rows.append(d)
+    worst = max(est.memory, key=lambda row: row["total"])
+    over = worst["total"] - hw.memory
+    verdict = (f"fits: the fullest rank (pp {worst['pp_rank']}) needs {_size(worst['total'])} of "
+               f"{_size(hw.memory)}" if over <= 0 else
+               f"does not fit: pp rank {worst['pp_rank']} needs {_size(worst['total'])}, over the "
+               f"{_size(hw.memory)} of a {hw.name} by {_size(over)}")
+    comm = [{"axis": c.axis, "collective": c.collective, "group": c.group, "bytes_per_rank": round(c.bytes),
+             "intra_bytes": round(c.intra), "inter_bytes": round(c.inter), "seconds": c.seconds}
+            for c in est.comms]
+    tokens = plan_obj.global_batch * stats.get("tokens_per_sample", 0)
+    return {
+        "source": "compiled" if compiled is not None else "analytic",
+        "notes": notes,
+        "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
+                     "achievable": hw.achievable, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
+                     "gpus_per_node": hw.gpus_per_node, "allreduce": allreduce or "ring"},
+        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world_size": m.world_size,
+                 "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
+                 "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
+                 "zero": plan_obj.zero.stage, "recompute": list(plan_obj.recompute.patterns),
+                 "schedule": (plan_obj.pipeline.schedule if plan_obj.pipeline else "1f1b") if m.pp > 1 else None},
+        "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
+                   "over_bytes": max(round(over), 0), "verdict": verdict},
+        "communication": {"rows": comm, "seconds": est.comm_seconds,
+                          "share_of_step": round(est.comm_seconds / est.step_seconds, 4) if est.step_seconds else 0},
+        "utilization": {"model_flops_per_step": est.model_flops, "hardware_flops_per_step": est.hardware_flops,
+                        "bubble": est.bubble, "schedule_bubble": est.schedule_bubble, "compute_seconds": est.compute_seconds,
+                        "step_seconds": est.step_seconds, "mfu": est.mfu,
+                        "tokens_per_step": tokens},
+    }
+
+
+def to_json(rep: dict) -> str:
+    return json.dumps(rep, indent=2, ensure_ascii=False)
+
+
+def render(rep: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    p, hw = rep["plan"], rep["hardware"]
+    console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks, "
+                  f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "
+                  f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}, schedule {p['schedule'] or '-'}, "
+                  f"recompute {', '.join(p['recompute']) or 'none'}")
+    console.print(f"[bold]hardware[/]: {hw['name']} ({_size(hw['memory_bytes'])}), {hw['gpus_per_node']} per node, "
+                  f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per GPU, "
+                  f"achievable {hw['achievable']:.0%} of peak, {hw['allreduce']} all-reduce")
+
+    mem = rep["memory"]
+    t = Table(title="1. Memory per rank", title_justify="left")
+    cols = ["pp rank", "params", "grads", "optimizer", "activations", "in flight", "total"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in mem["per_pp_rank"]:
+        t.add_row(str(r["pp_rank"]), *(_size(r[f"{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")),
+                  str(r["inflight"]), _size(r["total_bytes"]))
+    console.print(t)
+    console.print(("[green]" if mem["fits"] else "[red]") + mem["verdict"] + "[/]")
+
+    comm = rep["communication"]
+    t = Table(title="2. Communication per step, per rank", title_justify="left")
+    for c in ("axis", "collective", "group", "volume", "intra-node", "inter-node", "seconds"):
+        t.add_column(c, justify="right")
+    for c in comm["rows"]:
+        t.add_row(c["axis"], c["collective"], str(c["group"]), _size(c["bytes_per_rank"]), _size(c["intra_bytes"]),
+                  _size(c["inter_bytes"]), f"{c['seconds']:.3g}")
+    console.print(t)
+    console.print(f"communication {comm['seconds']:.3g} s = {comm['share_of_step']:.1%} of the step "
+                  f"(tp and pp inside the simulated pipeline, dp after the last backward)")
+
+    u = rep["utilization"]
+    t = Table(title="3. Utilization", title_justify="left")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("model FLOPs per step", f"{u['model_flops_per_step']:.3e}")
+    t.add_row("with recompute", f"{u['hardware_flops_per_step']:.3e}")
+    t.add_row("pipeline bubble (schedule)", f"{u['schedule_bubble']:.1%}")
+    t.add_row("idle share, P2P time included (simulated)", f"{u['bubble']:.1%}")
+    t.add_row("compute time per step", f"{u['compute_seconds']:.3g} s")
+    t.add_row("estimated step time", f"{u['step_seconds']:.3g} s")
+    t.add_row("tokens per step", f"{u['tokens_per_step']:,}")
+    t.add_row("MFU", f"{u['mfu']:.1%}")
+    console.print(t)
+    for n in rep["notes"]:
+        console.print(f"note: {n}")

@@ -1,0 +1,73 @@
+"""Plan review for `parc check`: the checks that need the topology, the schedule or the cost model.
+
+Start at `review(plan, world_size=, stats=, preset=)`. `parc.validate` checks a plan
+against itself; this looks at how it lands on hardware:
+
+- the world size against the topology (nodes × gpus_per_node);
+- tp groups that cross nodes because the mesh order puts one tp group's ranks on
+  two nodes (its all-reduces then run at network speed; tp > gpus_per_node is
+  already a warning of parc.validate);
+- a pipeline with too few micro-batches for pp (the schedule's bubble figure,
+  from `parc.passes.schedule.schedule_diagnostics`);
+- with the model's statistics (`stats`, from `parc.cost.graph_stats`): per-rank
+  memory against the GPU's — an error when the plan names its hardware
+  (`topology preset=`), a warning when the preset is assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parc import cost, mesh as meshlib
+from parc.errors import Diagnostic, Span
+from parc.plan import Plan, Topology
+
+
+def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = None,
+           preset: str | None = None) -> list[Diagnostic]:
+    out: list[Diagnostic] = []
+
+    def diag(message, key, hint=None, severity="warning"):
+        span = plan.spans.get(key) or (Span(plan.file, 1, 1) if plan.source else None)
+        out.append(Diagnostic(message, span, hint, severity, plan.source or None))
+
+    topo, m = plan.topology, plan.mesh
+    stated = topo != Topology()
+    devices = topo.nodes * topo.gpus_per_node
+    if stated and world_size is not None and world_size != devices:
+        diag(f"world size {world_size} ≠ topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = "
+             f"{devices}", "topology", "state the nodes the job runs on", "error")
+    elif stated and m.world_size < devices:
+        diag(f"mesh dp {m.dp} × pp {m.pp} × tp {m.tp} = {m.world_size} ranks leave {devices - m.world_size} of "
+             f"topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = {devices} devices idle",
+             "topology")
+    # tp > gpus_per_node is parc.validate's warning; here: a tp group that would fit a node but is placed on two
+    split = [g for g in meshlib.groups(m, "tp") if len({r // topo.gpus_per_node for r in g}) > 1] \
+        if 1 < m.tp <= topo.gpus_per_node else []
+    if split:
+        g = split[0]
+        nodes = sorted({r // topo.gpus_per_node for r in g})
+        diag(f"{len(split)} tp group{'s' * (len(split) != 1)} cross nodes: ranks {g} sit on nodes {nodes} with "
+             f"gpus_per_node {topo.gpus_per_node}", "mesh.order" if "mesh.order" in plan.spans else "mesh",
+             "put tp innermost (order=tp,pp,dp) so a tp group shares a node")
+    if m.pp > 1:
+        from parc.passes.schedule import schedule_diagnostics
+
+        pipe = plan.pipeline
+        name, virtual = (pipe.schedule, pipe.virtual) if pipe is not None else ("1f1b", 1)
+        span = plan.spans.get("mesh.pp")
+        out += [replace(d, span=d.span or span, source=d.source or plan.source or None)
+                for d in schedule_diagnostics(name, m.pp, plan.accumulation, virtual)]
+    if stats is not None:
+        name = preset or topo.preset
+        hw = cost.hardware(name, topo)
+        est = cost.estimate(plan, stats, hw)
+        worst = max(est.memory, key=lambda row: row["total"])
+        if worst["total"] > hw.memory:
+            gib = cost.GiB
+            parts = " + ".join(f"{k} {worst[k] / gib:.1f}" for k in ("params", "grads", "optimizer", "activations"))
+            diag(f"pp rank {worst['pp_rank']} needs {parts} = {worst['total'] / gib:.1f} GiB > {hw.memory / gib:.1f} "
+                 f"GiB of a {hw.name}" + ("" if name else " (assumed: no topology preset)"), "mesh",
+                 "raise zero stage, recompute \"blocks.*\", or raise tp/pp; `parc report` has the breakdown",
+                 "error" if name else "warning")
+    return out

@@ -1,0 +1,200 @@
+"""The cost model (parc/cost.py), `parc report`, and the hardware checks of `parc check` (parc/review.py).
+
+Arithmetic is tested on hand-made statistics where every figure can be worked out
+by hand; the graph statistics and the report on the tiny GPT (examples/gpt.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parc import cost
+from parc.cli import main
+from parc.frontend import parse
+from parc.passes.schedule import bubble_formula
+from parc.review import review
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+PSI = 1_000_000  # parameters of the hand-made model
+
+
+def _stats(stages: int = 1, psi: int = PSI, act: int = 0, sharded: bool = False) -> dict:
+    """`stages` equal stages holding psi / stages parameters, all replicated (or all tp-sharded)."""
+    one = dict.fromkeys(("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+                         "act_kept_sharded", "act_kept_replicated", "params_sharded", "params_replicated",
+                         "tp_bytes", "tp_ops", "recompute_peak_sharded", "recompute_peak_replicated"), 0)
+    one["params_sharded" if sharded else "params_replicated"] = psi // stages
+    one["act_kept_replicated"] = act
+    one["flops_replicated"] = 1e12
+    return {"stages": [dict(one) for _ in range(stages)], "send_elements": [1000] * (stages - 1),
+            "param_count": psi, "tokens_per_sample": 8}
+
+
+def _mem(plan_text: str, **kw) -> dict:
+    plan = parse(plan_text)
+    est = cost.estimate(plan, _stats(plan.mesh.pp, **kw), cost.hardware("h100"))
+    return est.memory[0]
+
+
+@pytest.mark.parametrize("text,per_param", [
+    ("mesh dp=4\n", (4, 4, 8)),                                    # fp32: 4Ψ / 4Ψ / 8Ψ
+    ("mesh dp=4\nprecision bf16\n", (2, 2, 12)),                   # bf16 + fp32 master: 2Ψ / 2Ψ / 12Ψ
+    ("mesh dp=4\nzero stage=1\nprecision bf16\n", (2, 2, 3)),      # ZeRO-1: optimizer ÷ dp
+    ("mesh dp=4\nzero stage=2\nprecision bf16\n", (2, 0.5, 3)),    # ZeRO-2: grads too
+    ("mesh dp=4\nzero stage=3\nprecision bf16\n", (0.5, 0.5, 3)),  # ZeRO-3: params too
+])
+def test_memory_table(text, per_param):
+    row = _mem(text)
+    assert (row["params"], row["grads"], row["optimizer"]) == tuple(PSI * b for b in per_param)
+
+
+def test_tp_shards_params_and_pp_splits_them():
+    row = _mem("mesh tp=4 pp=2\nbatch global=8 micro=1\n", sharded=True)
+    assert row["params_count"] == PSI / 2 / 4
+
+
+def test_activations_scale_with_inflight_micro_batches():
+    plan = parse("mesh pp=4\nbatch global=16 micro=1\npipeline schedule=1f1b\n")
+    est = cost.estimate(plan, _stats(4, act=1000), cost.hardware("h100"))
+    # 1F1B: pp rank r holds pp − r micro-batches' activations (fp32: 4 bytes each)
+    assert [row["inflight"] for row in est.memory] == [4, 3, 2, 1]
+    assert [row["activations"] for row in est.memory] == [4 * 1000 * 4, 3 * 4000, 2 * 4000, 4000]
+    assert est.schedule_bubble == pytest.approx(bubble_formula("1f1b", 4, 16))
+    assert est.bubble >= est.schedule_bubble  # P2P time can only add idle time
+
+
+def test_dp_all_reduce_volume_and_node_split():
+    # dp 16 over 2 nodes of 8: the ring crosses nodes, so it runs at the inter-node bandwidth
+    plan = parse("mesh dp=16\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
+    est = cost.estimate(plan, _stats(), cost.hardware("h100", plan.topology))
+    (ar,) = est.comms
+    size = PSI * 4
+    assert ar.collective == "all-reduce" and ar.bytes == pytest.approx(2 * 15 / 16 * size)
+    assert ar.inter == pytest.approx(ar.bytes * 2 / 16)  # 2 of the ring's 16 hops leave a node
+    assert ar.seconds == pytest.approx(ar.bytes / 10e9 + 2 * 15 * 10e-6)
+    one_node = parse("mesh dp=8\ntopology nodes=1 gpus_per_node=8\n")
+    (ar8,) = cost.estimate(one_node, _stats(), cost.hardware("h100", one_node.topology)).comms
+    assert ar8.inter == 0 and ar8.intra == pytest.approx(2 * 7 / 8 * size)
+
+
+def test_zero_collectives_keep_dp_volume():
+    plain = cost.estimate(parse("mesh dp=8\n"), _stats(), cost.hardware("h100")).comms
+    z1 = cost.estimate(parse("mesh dp=8\nzero stage=1\n"), _stats(), cost.hardware("h100")).comms
+    z3 = cost.estimate(parse("mesh dp=8\nzero stage=3\n"), _stats(), cost.hardware("h100")).comms
+    assert sum(c.bytes for c in z1) == pytest.approx(sum(c.bytes for c in plain))  # RS + AG = AR
+    assert sum(c.bytes for c in z3) == pytest.approx(1.5 * sum(c.bytes for c in plain))  # ZeRO-3: 3Ψ
+
+
+def test_step_time_and_mfu():
+    plan = parse("mesh dp=2\nbatch global=4 micro=1\n")  # accumulation 2
+    hw = cost.hardware("h100")
+    est = cost.estimate(plan, _stats(), hw)
+    compute = 2 * 3e12 / (hw.flops["fp32"] * hw.achievable)  # 2 micro-batches × (F + 2F)
+    assert est.compute_seconds == pytest.approx(compute)
+    assert est.step_seconds == pytest.approx(compute + est.comms[0].seconds)
+    assert est.mfu == pytest.approx(3e12 * 2 * 2 / (est.step_seconds * 2 * hw.flops["fp32"]))
+
+
+def test_unknown_preset():
+    with pytest.raises(Exception, match="unknown hardware preset `b200`"):
+        cost.hardware("b200")
+
+
+# ---------------------------------------------------------------- graph statistics, report
+
+@pytest.fixture(scope="module")
+def traced():
+    from parc.trace import load_user_module, trace
+
+    return trace(load_user_module(GPT), 2)
+
+
+def test_graph_stats_tiny_gpt(traced):
+    from parc.passes.pipeline_split import assign_stages
+
+    plan = parse('mesh tp=2\ntensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.proj" : row\n'
+                 ' "blocks.*.mlp.fc" : column\n "blocks.*.mlp.proj" : row\n}\n')
+    assign_stages(traced, plan, 1)
+    (s,) = cost.graph_stats(traced, plan)["stages"]
+    assert s["params_sharded"] + s["params_replicated"] == traced.param_count
+    # per layer (hidden 64): qkv 64·192+192, fc 64·256+256 column; attn.proj 64·64, mlp.proj 256·64 row weights
+    per_layer = 64 * 192 + 192 + 64 * 256 + 256 + 64 * 64 + 256 * 64
+    assert s["params_sharded"] == 4 * per_layer
+    assert s["tp_ops"] == 4 * 4  # per layer: 2 column inputs (backward) + 2 row outputs (forward)
+    # a linear's forward costs 2·tokens·in·out FLOPs: the four layers' matmuls are tp-sharded
+    tokens = 2 * 32
+    assert s["flops_sharded"] >= 4 * 2 * tokens * (64 * 192 + 64 * 256 + 64 * 64 + 256 * 64)
+
+
+def test_report_analytic_and_json(tmp_path, capsys):
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=2 pp=2\ntopology nodes=1 gpus_per_node=4 preset=a100\nbatch global=16 micro=2\n"
+                    "precision bf16\n")
+    assert main(["report", "--model", str(GPT), "--plan", str(plan), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["source"] == "analytic" and rep["hardware"]["name"] == "A100-80GB"
+    assert rep["memory"]["fits"] and rep["memory"]["verdict"].startswith("fits")
+    assert [r["inflight"] for r in rep["memory"]["per_pp_rank"]] == [2, 1]
+    assert {(c["axis"], c["collective"]) for c in rep["communication"]["rows"]} == \
+        {("dp", "all-reduce"), ("pp", "send/recv")}
+    assert rep["utilization"]["schedule_bubble"] == pytest.approx(bubble_formula("1f1b", 2, 4))
+    assert 0 < rep["utilization"]["mfu"] < 0.5 and rep["utilization"]["tokens_per_step"] == 16 * 32
+    assert main(["report", "--model", str(GPT), "--plan", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "1. Memory per rank" in out and "2. Communication" in out and "3. Utilization" in out
+
+
+def test_report_needs_an_input(capsys):
+    assert main(["report"]) == 2
+    assert "needs a compiled/ directory, or both --model and --plan" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- parc check additions
+
+def test_memory_that_does_not_fit_is_an_error():
+    plan = parse("mesh dp=1\ntopology preset=a100\nprecision bf16\n", file="p.par")
+    diags = review(plan, stats=_stats(psi=10_000_000_000))  # 10B parameters × 16 bytes on one A100
+    (d,) = [d for d in diags if "needs" in d.message]
+    assert d.severity == "error" and "pp rank 0 needs params 18.6 + grads 18.6 + optimizer 111.8" in d.message
+    assert "> 80.0 GiB of a A100-80GB" in d.message
+    assumed = review(parse("mesh dp=1\nprecision bf16\n"), stats=_stats(psi=10_000_000_000))
+    assert len(assumed) == 1
+    assert assumed[0].severity == "warning" and "assumed" in assumed[0].message
+
+
+def test_tp_group_split_by_rank_order():
+    plan = parse("mesh dp=2 pp=2 tp=4 order=dp,pp,tp\ntopology nodes=2 gpus_per_node=8\nbatch global=8 micro=1\n",
+                 file="p.par")
+    (d,) = review(plan)
+    assert d.message == "4 tp groups cross nodes: ranks [0, 4, 8, 12] sit on nodes [0, 1] with gpus_per_node 8"
+    assert (d.span.line, d.span.col) == (1, 27)
+    assert review(parse("mesh dp=2 pp=2 tp=4\ntopology nodes=2 gpus_per_node=8\nbatch global=8 micro=1\n")) == []
+
+
+def test_world_size_against_topology(tmp_path, capsys):
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=4 tp=4\ntopology nodes=4 gpus_per_node=8\n")
+    assert main(["check", str(plan), "--world-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert f"{plan}:2:1: error: world size 16 ≠ topology nodes 4 × gpus_per_node 8 = 32" in err
+
+
+def test_pipeline_bubble_warning(tmp_path, capsys):
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh pp=4\nbatch global=2 micro=1\npipeline schedule=1f1b\n")
+    assert main(["check", str(plan)]) == 0
+    err = capsys.readouterr().err
+    assert f"{plan}:1:9: warning: 1F1B with 2 micro-batches on pp 4 idles 60% of the step: " \
+           "bubble (p−1)/(m+p−1) = 3/5" in err
+
+
+def test_check_with_model_runs_the_memory_check(tmp_path, capsys):
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=2\ntopology nodes=1 gpus_per_node=2 preset=h100\n")
+    assert main(["check", str(plan), "--model", str(GPT)]) == 0
+    (d,) = review(parse(plan.read_text()), stats=_stats(psi=100_000_000_000))
+    assert d.severity == "error" and d.message.endswith("GiB of a H100-80GB")
