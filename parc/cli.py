@@ -20,6 +20,10 @@ into one readable program per rank, then runs them under torchrun.
   parc check   plan.par [--model model.py] [--world-size N]   find every mistake in a plan
   parc compile model.py --plan plan.par -o compiled/            write the per-rank programs
   torchrun --nproc-per-node N -m parc.run compiled/            train
+  parc export  checkpoints/ -o model.safetensors               one file from a sharded checkpoint
+  parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
+  parc report  compiled/ [--json]                             memory, communication, step time, MFU
+  parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
 """
 
 
@@ -52,9 +56,29 @@ def cmd_check(args) -> int:
         traced = trace(load_user_module(_existing(args.model, "model")), plan.micro_batch)
         module_paths, num_layers = traced.module_paths, traced.num_layers
     warnings = validate(plan, world_size=args.world_size, module_paths=module_paths, num_layers=num_layers)
+    warnings += _review(plan, args, traced if args.model else None)
     _print(warnings)
     print(f"{args.plan}: ok — {_batch_line(plan)}")
     return 0
+
+
+def _review(plan, args, traced) -> list[Diagnostic]:
+    """Topology, schedule and (with the model) memory checks: parc/review.py; errors raise."""
+    from parc.errors import PlanError
+    from parc.review import review
+
+    stats = None
+    if traced is not None:
+        from parc import cost
+        from parc.passes.pipeline_split import assign_stages
+
+        virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
+        assign_stages(traced, plan, plan.mesh.pp * virtual)
+        stats = cost.graph_stats(traced, plan)
+    diags = review(plan, world_size=args.world_size, stats=stats, preset=args.preset)
+    if any(d.severity == "error" for d in diags):
+        raise PlanError(diagnostics=diags)
+    return diags
 
 
 def cmd_compile(args) -> int:
@@ -62,12 +86,70 @@ def cmd_compile(args) -> int:
     from parc.frontend import load_plan
 
     plan = load_plan(_existing(args.plan, "plan"))
-    result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug)
+    result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,
+                           exact_trace=args.exact_trace)
     _print(result.warnings)
+    if plan.mesh.pp > 1:
+        from parc.passes.pipeline_split import stage_lines
+
+        print("\n".join(stage_lines(result.plan_json["stages"], plan.mesh.pp)))
     n = len(result.plan_json["programs"])
     print(f"wrote {args.output}/ in {result.seconds:.1f}s: {n} program{'s' * (n != 1)} for "
           f"{plan.world_size} ranks; {_batch_line(plan)}")
     print(f"run it: torchrun --nproc-per-node {plan.world_size} -m parc.run {args.output}")
+    return 0
+
+
+def cmd_import_deepspeed(args) -> int:
+    from parc import deepspeed
+
+    paths = None
+    if args.model:
+        from parc.trace import load_user_module, trace
+
+        paths = trace(load_user_module(_existing(args.model, "model")), 1).module_paths
+    imp = deepspeed.translate(deepspeed.load_config(_existing(args.config, "DeepSpeed config")),
+                              world_size=args.world_size, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              model_paths=paths, source=args.config.name)
+    out = args.output or args.config.with_suffix(".par")
+    for note in imp.notes:
+        print(f"note: {note}")
+    for key, why in imp.untranslated:
+        print(f"not translated: {key} ({why})")
+    try:
+        deepspeed.write_plan(imp, out)
+    except ParcError:
+        print(f"wrote {out} (it has errors: fix them there)", file=sys.stderr)
+        raise
+    print(f"wrote {out}: {len(imp.translated)} keys translated, {len(imp.untranslated)} not")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from parc import report
+
+    rep = report.build(args.compiled, model=args.model, plan=args.plan, preset=args.preset,
+                       allreduce=args.allreduce)
+    if args.json:
+        print(report.to_json(rep))
+    else:
+        report.render(rep)
+    return 0
+
+
+def cmd_viz(args) -> int:
+    from parc import viz
+
+    for path in viz.draw_all(args.compiled, args.output, trace=args.trace, fmt=args.format):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from parc.export import export
+
+    out = export(args.checkpoint, args.output)
+    print(f"wrote {out}")
     return 0
 
 
@@ -82,6 +164,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("plan", type=Path, help="the .par file")
     c.add_argument("--model", type=Path, help="model file to check the plan against (module paths, layers)")
     c.add_argument("--world-size", type=int, help="the launch's world size, checked against dp × pp × tp")
+    c.add_argument("--preset", help="hardware for the memory check (default: the plan's topology preset)")
     c.set_defaults(fn=cmd_check)
 
     k = sub.add_parser("compile", help="compile a model under a plan into a directory of per-rank programs",
@@ -92,7 +175,51 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--plan", type=Path, required=True, help="the .par file")
     k.add_argument("-o", "--output", type=Path, default=Path("compiled"), help="output directory (default compiled)")
     k.add_argument("--debug", action="store_true", help="log each pass's time and a before/after graph diff")
+    k.add_argument("--exact-trace", action="store_true",
+                   help="export every repeated block instead of replicating block 1 (slower; for models whose "
+                        "code around the blocks branches on the block index)")
     k.set_defaults(fn=cmd_compile)
+
+    e = sub.add_parser("export", help="write one consolidated safetensors file from a sharded checkpoint",
+                       description="Assemble every parameter of a checkpoint written by `parc.run --save-every` "
+                                   "(any dp, any ZeRO stage) into one safetensors file keyed by model FQN.")
+    e.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint, or a --checkpoint-dir (its latest)")
+    e.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"),
+                   help="output file (default model.safetensors)")
+    e.set_defaults(fn=cmd_export)
+
+    d = sub.add_parser("import-deepspeed", help="translate a DeepSpeed JSON config into a .par plan",
+                       description="Write a .par from a DeepSpeed config (batch sizes, ZeRO stage, tp/pp sizes, "
+                                   "optimizer, clipping, bf16/fp16), list the keys it could not translate, and "
+                                   "check the written plan (exit 2 with file:line:col diagnostics if it is wrong).")
+    d.add_argument("config", type=Path, help="ds_config.json")
+    d.add_argument("--model", type=Path, help="model file: propose tensor_parallel rules from its module names")
+    d.add_argument("--world-size", type=int, help="GPUs in the launch: dp = world / (tp × pp)")
+    d.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node: a topology line and the world size)")
+    d.add_argument("--gpus-per-node", type=int, help="GPUs per node")
+    d.add_argument("-o", "--output", type=Path, help="the .par to write (default: the config's name, .par)")
+    d.set_defaults(fn=cmd_import_deepspeed)
+
+    r = sub.add_parser("report", help="memory, communication and utilization estimates of a plan",
+                       description="The three-step review of a plan: memory per rank with a verdict, "
+                                   "communication per step by collective and group (intra/inter node), then "
+                                   "FLOPs, pipeline bubble, step time and MFU. From a compiled/ directory, or "
+                                   "analytically from --model and --plan (tracing only, no passes).")
+    r.add_argument("compiled", type=Path, nargs="?", help="a compiled/ directory")
+    r.add_argument("--model", type=Path, help="model file (with --plan, instead of compiled/)")
+    r.add_argument("--plan", type=Path, help="the .par file (with --model)")
+    r.add_argument("--preset", help="hardware: a100, h100, h200 (default: the plan's topology preset, else h100)")
+    r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.set_defaults(fn=cmd_report)
+
+    v = sub.add_parser("viz", help="draw the device mesh, the pipeline schedule and the stages (SVG and PNG)",
+                       description="Graphviz drawings of a compiled/ directory: mesh.*, schedule.*, stages.*.")
+    v.add_argument("compiled", type=Path, help="a compiled/ directory")
+    v.add_argument("-o", "--output", type=Path, default=Path("viz"), help="output directory (default viz)")
+    v.add_argument("--trace", type=Path, help="a measured Chrome-trace JSON to draw beside the simulated schedule")
+    v.add_argument("--format", choices=("svg", "png", "both"), default="both", help="what to write (default both)")
+    v.set_defaults(fn=cmd_viz)
     return p
 
 

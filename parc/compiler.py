@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parc
-from parc import artifact, codegen, mesh as meshlib
+from parc import artifact, codegen, cost, mesh as meshlib
 from parc.errors import Diagnostic, TraceError
-from parc.passes import PassCtx, grad_buckets, run_passes
+from parc.passes import PassCtx, grad_buckets, pipeline_split, run_passes, tensor_parallel, zero
+from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.plan import Plan
 from parc.trace import Traced, load_user_module, trace
 from parc.validate import validate
@@ -27,7 +28,7 @@ from parc.validate import validate
 log = logging.getLogger("parc.compile")
 
 # The pass pipeline, in order. Each entry is (name, run(graph, plan, ctx) -> graph).
-PASSES: list = []
+PASSES: list = [("tensor_parallel", tensor_parallel.run)]
 
 
 @dataclass
@@ -57,7 +58,7 @@ MAX_INLINE_CONSTANT = 4096  # elements; a bigger tensor made in forward belongs 
 
 
 def _state_entry(spec, shard, constants: dict) -> dict:
-    entry = {"name": spec.name, "fqn": spec.fqn, "kind": spec.kind, "shape": list(spec.shape),
+    entry = {"name": spec.name, "fqn": spec.fqn, "kind": spec.kind, "shape": _local_shape(spec.shape, shard),
              "dtype": spec.dtype, "requires_grad": spec.requires_grad, "shard": shard}
     if spec.fqn in constants:
         value = constants[spec.fqn]
@@ -69,39 +70,90 @@ def _state_entry(spec, shard, constants: dict) -> dict:
     return entry
 
 
+def _local_shape(shape, shard) -> list[int]:
+    """This rank's shape of a state tensor: dim `shard["dim"]` divided by `parts` (blocks keep the total)."""
+    out = list(shape)
+    if shard is not None:
+        out[shard["dim"]] //= shard["parts"]
+    return out
+
+
 def _state_line(spec, shard) -> str:
     where = "full" if shard is None else f"dim {shard['dim']} part {shard['index']}/{shard['parts']}"
-    return f"{spec.name} <- {spec.fqn}  {tuple(spec.shape)}  {where}"
+    if shard is not None and shard.get("blocks", 1) > 1:
+        where += f" of each of {shard['blocks']} blocks"
+    return f"{spec.name} <- {spec.fqn}  {tuple(_local_shape(spec.shape, shard))}  {where}"
 
 
-def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug: bool = False):
+def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug: bool = False, stages: int = 1):
     gm = copy.deepcopy(traced.gm)
     ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank,
-                  shards={s.name: None for s in traced.state})
-    gm = run_passes(gm, plan, ctx, PASSES, debug=debug)
+                  shards={s.name: None for s in traced.state}, notes={"stages": stages})
+    # the split runs after the whole-graph passes (their nodes keep their stage in meta), then
+    # zero runs after every other pass: it partitions the parameters those passes leave
+    split = [("pipeline_split", pipeline_split.run)] if stages > 1 else []
+    gm = run_passes(gm, plan, ctx, PASSES + split + [("zero", zero.run)], debug=debug)
     return gm, ctx
 
 
-def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False) -> CompileResult:
+def _pipeline(plan: Plan) -> tuple[str, int]:
+    """(schedule name, virtual stages per pp rank); pp 1 has no pipeline whatever the plan says."""
+    if plan.mesh.pp == 1:
+        return "", 1
+    pipe = plan.pipeline
+    return (pipe.schedule, pipe.virtual) if pipe is not None else ("1f1b", 1)
+
+
+def _tied(programs: dict, pp: int) -> list[dict]:
+    """Parameters held by more than one stage (a tied embedding and lm head): grads are summed across them."""
+    stages_of: dict[str, set] = {}
+    for prog in programs.values():
+        for e in prog["state"]:
+            if e["kind"] == "param" and e["requires_grad"]:
+                stages_of.setdefault(e["fqn"], set()).add(prog["stage"])
+    tied = []
+    for fqn, stages in sorted(stages_of.items()):
+        if len(stages) < 2:
+            continue
+        ranks = sorted({s % pp for s in stages})
+        if len(ranks) < len(stages):
+            raise TraceError(f"parameter {fqn} is used by stages {sorted(stages)}, two of which share a pp rank; "
+                             f"parc holds a shared parameter once per stage, on distinct pp ranks",
+                             hint="move a cut so that its users fall on stages of different pp ranks")
+        tied.append({"fqn": fqn, "stages": sorted(stages), "pp_ranks": ranks})
+    return tied
+
+
+def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
+                  exact_trace: bool = False) -> CompileResult:
     t0 = time.perf_counter()
     model_file = Path(model_file)
     user = load_user_module(model_file)
-    traced = trace(user, plan.micro_batch)
+    traced = trace(user, plan.micro_batch, fast=not exact_trace)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
 
     m = plan.mesh
+    schedule_name, virtual = _pipeline(plan)
+    n_stages = m.pp * virtual
+    summaries, split_warnings = pipeline_split.assign_stages(traced, plan, n_stages)
+    warnings += split_warnings
+    schedule = None
+    if n_stages > 1:
+        warnings += schedule_diagnostics(schedule_name, m.pp, plan.accumulation, virtual)
+        schedule = build_schedule(schedule_name, m.pp, plan.accumulation, virtual).to_json()
     programs: dict[str, dict] = {}
     files: dict[str, str] = {}
-    for stage in range(1):  # pipeline stages arrive with the pipeline pass
+    for stage in range(n_stages):
         for tp_rank in range(m.tp):
             name = f"stage{stage}_tp{tp_rank}"
-            gm, ctx = compile_program(traced, plan, stage, tp_rank, debug)
+            gm, ctx = compile_program(traced, plan, stage, tp_rank, debug, n_stages)
+            split = ctx.notes.get("pipeline", {"recv": [], "send": [], "last": True})
             placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
             state = [s for s in traced.state if s.name in placeholders]
             src = codegen.program_source(
                 gm, stage=stage, tp_rank=tp_rank, tp=m.tp, model=model_file.name, plan=Path(plan.file).name,
                 state_lines=[_state_line(s, ctx.shards.get(s.name)) for s in state],
-                inputs=[i.name for i in traced.inputs])
+                inputs=[i.name for i in traced.inputs], boundary_lines=_boundary_lines(split, stage, m.pp))
             files[f"programs/{name}.py"] = src
             programs[name] = {
                 "file": f"programs/{name}.py", "stage": stage, "tp_rank": tp_rank,
@@ -109,7 +161,11 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                 "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in traced.inputs],
                 "buckets": grad_buckets.assign(gm, state),
                 "rewrites": dict(sorted(ctx.rewrites.items())),
+                "tp_partial_grads": ctx.notes.get("tp_partial_grads", []),  # passes/tensor_parallel.py
+                "zero": ctx.notes.get("zero"),  # ZeRO partition table (passes/zero.py); None at stage 0
             }
+            if n_stages > 1:
+                programs[name].update(recv=split["recv"], send=split["send"], last=split["last"])
 
     model_src = model_file.read_text()
     dp = m.dp
@@ -123,19 +179,41 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                   "param_count": traced.param_count, "num_layers": traced.num_layers,
                   "tokens_per_sample": _tokens_per_sample(traced)},
         "mesh": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "order": list(m.order), "world_size": m.world_size},
-        "ranks": [{"rank": r, **meshlib.coords(m, r).as_dict(),
-                   "program": f"stage0_tp{meshlib.coords(m, r).tp}"} for r in range(m.world_size)],
+        "ranks": [_rank_entry(m, r, virtual) for r in range(m.world_size)],
         "groups": {axis: meshlib.groups(m, axis) for axis in ("dp", "pp", "tp")},
-        "stages": [{"index": 0, "pp_rank": 0}],
+        "stages": ([{"index": 0, "pp_rank": 0}] if n_stages == 1 else
+                   [{"pp_rank": d["index"] % m.pp, "chunk": d["index"] // m.pp, **d} for d in summaries]),
         "programs": programs,
         "costs": {"param_count": traced.param_count,
-                  "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1)},
+                  "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),
+                  # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/cost.py)
+                  "graph": cost.graph_stats(traced, plan)},
     }
+    if n_stages > 1:
+        plan_json["schedule"] = schedule
+        plan_json["tied"] = _tied(programs, m.pp)
     files["plan.json"] = artifact.dumps(plan_json)
     files["model/model.py"] = model_src
     files.update(_assets(user, model_file))
     artifact.write(Path(out_dir), files)
     return CompileResult(Path(out_dir), warnings, plan_json, time.perf_counter() - t0)
+
+
+def _rank_entry(m, r: int, virtual: int) -> dict:
+    """Rank → coordinates and its program; with virtual stages a rank holds `programs`, chunk order."""
+    c = meshlib.coords(m, r)
+    entry = {"rank": r, **c.as_dict(), "program": f"stage{c.pp}_tp{c.tp}"}
+    if virtual > 1:
+        entry["programs"] = [f"stage{k * m.pp + c.pp}_tp{c.tp}" for k in range(virtual)]
+    return entry
+
+
+def _boundary_lines(split: dict, stage: int, pp: int) -> list[str]:
+    def one(d: dict, verb: str, peer: int) -> str:
+        grad = ", its gradient comes back" if d["grad"] else ""
+        return f"{verb} {d['name']} {tuple(d['shape'])} {d['dtype']} (stage {peer}){grad}"
+    return ([one(d, "recv", stage - 1) for d in split["recv"]] +
+            [one(d, "send", stage + 1) for d in split["send"]])
 
 
 def _assets(user, model_file: Path) -> dict[str, bytes]:

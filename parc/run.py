@@ -35,8 +35,17 @@ def parser() -> argparse.ArgumentParser:
                    help="also train the serial model in-process on the same batches and compare; "
                         "exit 1 past the tolerance")
     p.add_argument("--tolerance", type=float, default=None, help="relative tolerance for --verify (default 1e-4)")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="pipeline (pp > 1): record every action of the last step on each rank, write "
+                        "Chrome-trace JSON (open in Perfetto) to FILE and print the measured bubble fraction")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="process-group timeout in seconds (default 600)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a sharded checkpoint every N steps (needs --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="where --save-every writes step_<N>/ checkpoints and a `latest` pointer")
+    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="continue from a checkpoint (or the latest in a --checkpoint-dir); any dp, any ZeRO stage")
     return p
 
 
@@ -71,13 +80,28 @@ def run(args: argparse.Namespace) -> int:
     ctx = ParallelContext.create(art.plan)
     user = load_user_module(art.root / "model" / "model.py")
     trainer = Trainer(art, ctx, user, args.seed)
+    if args.save_every and args.checkpoint_dir is None:
+        raise LaunchError(f"--save-every {args.save_every} needs --checkpoint-dir DIR to write into")
+    first = 0
+    if args.resume is not None:
+        from parc.runtime import checkpoint
+
+        first = checkpoint.load(trainer, args.resume)  # steps already done: get_batch(step) resumes the data
+        if first >= args.steps:
+            raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
     lead = ctx.rank == 0
     metrics = Metrics(args.steps, args.metrics, enabled=lead)
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
     try:
-        for step in range(args.steps):
+        for step in range(first, args.steps):
+            if args.trace and trainer.pipeline is not None:
+                trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
             result = trainer.step(step)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                from parc.runtime import checkpoint
+
+                checkpoint.save(trainer, args.checkpoint_dir, step + 1)
             local.append(result.loss)
             window.append(result.loss)
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -88,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         metrics.close()
     losses = trainer.global_losses(local)
+    if args.trace and trainer.pipeline is not None:
+        from parc.runtime import pipeline
+
+        events = trainer.pipeline.gather_trace()
+        if lead:
+            pipeline.write_chrome_trace(events, args.trace, args.steps - 1)
+            print(f"trace: {args.trace} (step {args.steps - 1}, the pp ranks of dp 0); measured bubble "
+                  f"{pipeline.measured_bubble(events):.3f} of the step", flush=True)
     status = 0
     if args.verify:
         state = trainer.gathered_state()

@@ -147,6 +147,11 @@ def _check_tensor_parallel(plan: Plan, out: _Report) -> None:
         first.setdefault(rule.pattern, rule)
     if tp.sequence_parallel and plan.mesh.tp == 1:
         out.warn("sequence_parallel with mesh tp 1 has no effect", out.at("tensor_parallel", tp))
+    gpn = plan.topology.gpus_per_node
+    if _positive_int(gpn) and _positive_int(plan.mesh.tp) and plan.mesh.tp > gpn:
+        out.warn(f"mesh tp {plan.mesh.tp} > topology gpus_per_node {gpn}: tp groups span nodes, and TP's per-layer "
+                 "all-reduces lose the in-node bandwidth", out.at("mesh.tp", plan.mesh),
+                 f"use tp ≤ {gpn} and put the rest on dp or pp")
 
 
 def _check_pipeline(plan: Plan, out: _Report, num_layers: int | None) -> None:

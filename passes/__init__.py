@@ -3,7 +3,8 @@
 Start here: every pass is one module with `run(graph, plan, ctx) -> graph` and a
 docstring that states what it assumes and what it guarantees. `run_passes` runs
 them in order, lints the graph after each, checks the contract every pass shares
-(the program still returns exactly one scalar loss), and logs each pass's name,
+(the program still returns exactly one scalar loss; a pipeline stage before
+the last returns the values it sends), and logs each pass's name,
 its rewrite count and, with `debug=True`, its time and a before/after diff.
 """
 
@@ -47,10 +48,17 @@ class Pass(Protocol):
     def __call__(self, graph: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule: ...
 
 
-def _check_contract(gm: fx.GraphModule, name: str) -> None:
+def _check_contract(gm: fx.GraphModule, name: str, ctx: PassCtx | None = None) -> None:
     gm.graph.lint()
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     (result,) = out.args
+    split = ctx.notes.get("pipeline") if ctx is not None else None
+    if split is not None and not split["last"]:
+        # a stage before the last returns the values it sends (passes/pipeline_split.py)
+        if not (isinstance(result, (tuple, list)) and len(result) == len(split["send"])):
+            raise RuntimeError(f"pass {name} broke the stage contract: output must be the "
+                               f"{len(split['send'])} sent values, got {result!r}")
+        return
     if not (isinstance(result, (tuple, list)) and len(result) == 1):
         raise RuntimeError(f"pass {name} broke the program contract: output must be (loss,), got {result!r}")
 
@@ -61,7 +69,7 @@ def run_passes(gm: fx.GraphModule, plan, ctx: PassCtx, passes: list[tuple[str, C
         before = gm.code if debug else None
         t0 = time.perf_counter()
         gm = fn(gm, plan, ctx)
-        _check_contract(gm, name)
+        _check_contract(gm, name, ctx)
         dt = time.perf_counter() - t0
         log.info("pass %-18s stage %d tp %d: %d rewrites", name, ctx.stage, ctx.tp_rank, ctx.rewrites.get(name, 0))
         if debug:

@@ -24,9 +24,18 @@ def build_reference(user, seed: int) -> torch.nn.Module:
 
 
 def shard(tensor: torch.Tensor, spec: dict | None) -> torch.Tensor:
+    """This rank's slice. With `blocks` k (a fused qkv), chunk `index` of each of k equal blocks, concatenated."""
     if spec is None:
         return tensor
-    return tensor.chunk(spec["parts"], dim=spec["dim"])[spec["index"]]
+    blocks = tensor.chunk(spec.get("blocks", 1), dim=spec["dim"])
+    return torch.cat([b.chunk(spec["parts"], dim=spec["dim"])[spec["index"]] for b in blocks], dim=spec["dim"])
+
+
+def unshard(parts: list[torch.Tensor], spec: dict) -> torch.Tensor:
+    """The full tensor from every rank's `shard(..., spec)`, in rank order (inverse of `shard`)."""
+    k, dim = spec.get("blocks", 1), spec["dim"]
+    per_rank = [p.chunk(k, dim=dim) for p in parts]
+    return torch.cat([per_rank[r][b] for b in range(k) for r in range(len(parts))], dim=dim)
 
 
 def materialize(entries: list[dict], model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:

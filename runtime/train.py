@@ -11,6 +11,7 @@ dp rank i takes samples [i·G/dp, (i+1)·G/dp) of the global batch `get_batch(st
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -20,8 +21,11 @@ import torch.distributed as dist
 from parc.artifact import Artifact
 from parc.codegen import load_program
 from parc.runtime.context import ParallelContext
+from parc.runtime import pipeline
 from parc.runtime.data_parallel import GradBuckets
-from parc.runtime.state import build_reference, materialize
+from parc.runtime.zero import ZeroOptimizer
+from parc.runtime.state import build_reference, materialize, unshard
+from parc.runtime import ops, tensor_parallel
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -45,17 +49,43 @@ class Trainer:
         plan = art.plan
         self.name = plan["ranks"][ctx.rank]["program"]
         self.entry = plan["programs"][self.name]
+        self.pp = plan["mesh"]["pp"]
+        if self.pp > 1:  # every stage program of this rank: one state list, stage after stage
+            self.entry = pipeline.merged_entry(plan, ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
         reference = build_reference(user, seed)
         self.state = materialize(self.entry["state"], reference, ctx.device)
         del reference
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
-        self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"])
+        ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/ops.py resolves them to groups
+        self.tp_partial = [self.params[n] for n in self.entry.get("tp_partial_grads", []) if n in self.params]
         self.opt_cfg = plan["plan"]["optimizer"]
-        self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
+        self.zero = None
+        if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.zero)
+            self.zero = ZeroOptimizer(self.params, self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
+                                      ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg))
+            self.buckets = self.optimizer = self.zero
+        elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
+            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"])
+            self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
+        else:
+            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"])
+            self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
         torch.manual_seed(seed + 1 + ctx.rank)  # dropout streams: distinct per rank, fixed per run
+        self.pipeline = None
+        if self.pp > 1:  # runtime/pipeline.py runs the micro-batch loop; it calls back `before_grad`
+            self.pipeline = pipeline.build_executor(self)
+            self.tied = pipeline.tied_params(plan, ctx.rank, self.entry, self.state)
+            self.clip_skip = pipeline.tied_skip(plan, ctx.coord["pp"], self.entry)
+
+    def before_grad(self, stage: int, last: bool) -> None:
+        """Pipeline callback: a backward of `stage` is about to accumulate grads; `last` arms the dp sync."""
+        if isinstance(self.buckets, pipeline.StageBuckets):
+            self.buckets.start(stage, last)
+        else:  # one stage on this rank
+            self.buckets.start_micro_batch(sync=last)
 
     def local_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of global batch `step`."""
@@ -69,13 +99,27 @@ class Trainer:
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
-        for k, mb in enumerate(micro_batches):
-            self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
-            (loss,) = self.forward(*self.state, *mb)
-            (loss / self.accumulation).backward()
-            total += loss.detach()
-        self.buckets.finish()
-        if self.opt_cfg["grad_clip"] is not None:
+        with self.zero.active() if self.zero else contextlib.nullcontext():
+            if self.pipeline is not None:
+                total += self.pipeline.run(micro_batches, self)
+            else:
+                for k, mb in enumerate(micro_batches):
+                    self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
+                    (loss,) = self.forward(*self.state, *mb)
+                    (loss / self.accumulation).backward()
+                    total += loss.detach()
+            self.buckets.finish()
+        if self.tp_partial:  # sequence parallelism: replicated params used on a sequence slice
+            tensor_parallel.sum_partial_grads(self.tp_partial)
+        if self.pipeline is not None:
+            self.pipeline.sync_tied(self.tied)
+        if self.opt_cfg["grad_clip"] is not None and self.pipeline is not None and not self.zero:
+            pipeline.clip_grad_norm(self.params, self.opt_cfg["grad_clip"], self.ctx, self.clip_skip)
+        elif self.opt_cfg["grad_clip"] is not None and self.zero:
+            self.zero.clip_grad_norm_(self.opt_cfg["grad_clip"])  # norm over shards, summed across dp
+        elif self.opt_cfg["grad_clip"] is not None and self.ctx.degree["tp"] > 1:  # shards' squares summed over tp
+            tensor_parallel.clip_program_grads(self.params, self.entry, self.opt_cfg["grad_clip"], self.ctx.degree["tp"])
+        elif self.opt_cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.opt_cfg["grad_clip"])
         self.optimizer.step()
         self.buckets.zero()
@@ -84,6 +128,8 @@ class Trainer:
     def global_losses(self, local: list[torch.Tensor]) -> list[float]:
         """Mean over the dp group of each step's loss: the loss of the global batch."""
         stacked = torch.stack(local)
+        if self.pp > 1:  # only the last stage computed a loss; the others hold zeros
+            dist.all_reduce(stacked, group=self.ctx.groups["pp"])
         if self.ctx.degree["dp"] > 1:
             dist.all_reduce(stacked, group=self.ctx.groups["dp"])
             stacked /= self.ctx.degree["dp"]
@@ -92,13 +138,19 @@ class Trainer:
     def gathered_state(self) -> dict[str, torch.Tensor]:
         """Full parameters by model FQN, on CPU; tp shards are gathered along their dim."""
         out = {}
+        whole = self.zero.full_params() if self.zero else {}  # ZeRO-3 keeps only shards: gather over dp
         for e, t in zip(self.entry["state"], self.state):
             if e["kind"] != "param":
                 continue
-            full = t.detach()
+            full = whole.get(e["name"], t).detach()
             if e["shard"] is not None:
                 parts = [torch.empty_like(full) for _ in range(e["shard"]["parts"])]
                 dist.all_gather(parts, full.contiguous(), group=self.ctx.groups["tp"])
-                full = torch.cat(parts, dim=e["shard"]["dim"])
+                full = unshard(parts, e["shard"])
             out[e["fqn"]] = full.cpu()
+        if self.pp > 1:  # every stage's parameters, merged on rank 0 (tied copies are equal)
+            parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
+            dist.gather_object(out, parts, dst=0)
+            if self.ctx.rank == 0:
+                out = {k: v for part in parts for k, v in part.items()}
         return out

@@ -65,18 +65,25 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
         optimizer.step()
         losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.named_parameters()}
+    # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
+    # have kept either name
+    return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def compare(parallel_losses: list[float], serial_losses: list[float], parallel_state: dict[str, torch.Tensor],
             serial_state: dict[str, torch.Tensor], tolerance: float = DEFAULT_TOLERANCE) -> Verdict:
     loss_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(parallel_losses, serial_losses)), default=0.0)
-    missing = sorted(set(serial_state) - set(parallel_state))
+    aliases: dict[int, list[str]] = {}
+    for fqn, ref in serial_state.items():
+        aliases.setdefault(ref.data_ptr(), []).append(fqn)
+    missing = sorted(names[0] for names in aliases.values() if not any(n in parallel_state for n in names))
     if missing:
         raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
     diff2 = ref2 = 0.0
     worst, worst_rel = "-", 0.0
     for fqn, ref in serial_state.items():
+        if fqn not in parallel_state:  # another name of a tied tensor, compared under that name
+            continue
         d2 = (parallel_state[fqn].double() - ref.double()).square().sum().item()
         r2 = ref.double().square().sum().item()
         diff2, ref2 = diff2 + d2, ref2 + r2
