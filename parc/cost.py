@@ -13,8 +13,8 @@ need the passes to have run:
 - `hw`, a `Hardware` preset (A100-80GB, H100, H200 nodes); the plan's `topology`
   intra=/inter= override its bandwidths (both are per GPU, one direction).
 
-Memory follows DESIGN.md's table (fp32 4Ψ/4Ψ/8Ψ; bf16 + fp32 master 2Ψ/2Ψ/12Ψ;
-ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
+Memory follows DESIGN.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16 is
+autocast over fp32 masters, so the same — see docs/precision.md; ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed. Times: compute at `peak × achievable`; a ring
@@ -221,11 +221,16 @@ class Estimate:
 
 
 def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes per parameter: DESIGN.md's table."""
+    """(params, grads, optimizer state) bytes per parameter, as parc's runtime holds them.
+
+    bf16 runs by autocast (runtime/precision.py): the parameters stay fp32 and are
+    themselves the master weights, gradients are fp32, so the table is fp32's —
+    4Ψ / 4Ψ / 8Ψ, not DESIGN.md's 2Ψ / 2Ψ / 12Ψ of a bf16 copy beside fp32 masters
+    (same 16Ψ in all, but ZeRO shards a different part of it). The bf16 saving is
+    in activations and matmul time, modelled in `estimate`.
+    """
     moments = {"adamw": 8, "adam": 8, "sgd": 0}.get(optimizer, 8)
-    if precision == "fp32":
-        return 4, 4, moments
-    return 2, 2, 4 + moments  # fp32 master copy + moments
+    return 4, 4, moments
 
 
 def _ring_fraction(ranks: list[int], per_node: int) -> float:

@@ -68,6 +68,6 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
             parts = " + ".join(f"{k} {worst[k] / gib:.1f}" for k in ("params", "grads", "optimizer", "activations"))
             diag(f"pp rank {worst['pp_rank']} needs {parts} = {worst['total'] / gib:.1f} GiB > {hw.memory / gib:.1f} "
                  f"GiB of a {hw.name}" + ("" if name else " (assumed: no topology preset)"), "mesh",
-                 "raise zero stage, recompute \"blocks.*\", or raise tp/pp; `parc report` has the breakdown",
+                 "raise zero stage or tp/pp (recompute is not implemented yet); `parc report` has the breakdown",
                  "error" if name else "warning")
     return out

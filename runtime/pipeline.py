@@ -307,6 +307,7 @@ class StageBuckets:
 def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
     """Stages of this rank from the trainer's loaded state (`trainer.state` follows `merged_entry` order)."""
     from parc.codegen import load_program
+    from parc.runtime import precision
 
     art, ctx, plan = trainer.art, trainer.ctx, trainer.art.plan
     stages, offset = {}, 0
@@ -316,34 +317,8 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
         state = trainer.state[offset:offset + n]
         offset += n
         fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
+        fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device)  # bf16: autocast around each stage
         stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
                                       prog["recv"], prog["send"], prog["last"])
     schedule = Schedule.from_json(plan["schedule"])
     return PipelineExecutor(ctx, schedule, stages, 1.0 / trainer.accumulation, trace)
-
-
-def tied_params(plan_json: dict, rank: int, entry: dict, state: list[torch.Tensor]) -> list[tuple]:
-    """(tensor, group) per tied parameter this rank holds. Collective: every rank must call it."""
-    by_fqn = {e["fqn"]: t for e, t in zip(entry["state"], state)}
-    return [(by_fqn[fqn], pg) for fqn, pg in tied_groups(plan_json, rank)]
-
-
-def clip_grad_norm(params: dict[str, torch.Tensor], max_norm: float, ctx, skip: set[str]) -> torch.Tensor:
-    """Global-norm clipping across the pp group: each stage adds its squares, tied copies count once."""
-    sq = torch.zeros((), device=ctx.device, dtype=torch.float64)
-    for name, p in params.items():
-        if p.grad is not None and name not in skip:
-            sq += p.grad.detach().double().square().sum()
-    dist.all_reduce(sq, group=ctx.groups["pp"])
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params.values():
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
-
-
-def tied_skip(plan_json: dict, pp_coord: int, entry: dict) -> set[str]:
-    """Placeholder names of tied copies that another pp rank counts in the grad norm."""
-    fqns = {t["fqn"] for t in plan_json.get("tied", []) if t["pp_ranks"][0] != pp_coord}
-    return {e["name"] for e in entry["state"] if e["fqn"] in fqns}

@@ -25,7 +25,7 @@ from parc.runtime import pipeline
 from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import build_reference, materialize, unshard
-from parc.runtime import ops, tensor_parallel
+from parc.runtime import grad_norm, ops, precision, tensor_parallel
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -41,6 +41,7 @@ def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimiz
 class StepResult:
     loss: torch.Tensor   # this rank's mean micro-batch loss, detached
     seconds: float
+    grad_norm: float | None = None  # the global norm before clipping (plans with `clip=` only)
 
 
 class Trainer:
@@ -53,6 +54,7 @@ class Trainer:
         if self.pp > 1:  # every stage program of this rank: one state list, stage after stage
             self.entry = pipeline.merged_entry(plan, ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
+        self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device)  # bf16: autocast
         reference = build_reference(user, seed)
         self.state = materialize(self.entry["state"], reference, ctx.device)
         del reference
@@ -73,12 +75,15 @@ class Trainer:
             self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
-        torch.manual_seed(seed + 1 + ctx.rank)  # dropout streams: distinct per rank, fixed per run
+        torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
         self.pipeline = None
+        self.tied: list[tuple[str, object]] = []  # (placeholder name, group of the pp ranks holding it)
+        self.tied_elsewhere: set[str] = set()     # tied copies another pp rank counts in the grad norm
         if self.pp > 1:  # runtime/pipeline.py runs the micro-batch loop; it calls back `before_grad`
             self.pipeline = pipeline.build_executor(self)
-            self.tied = pipeline.tied_params(plan, ctx.rank, self.entry, self.state)
-            self.clip_skip = pipeline.tied_skip(plan, ctx.coord["pp"], self.entry)
+            name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
+            self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
+            self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
 
     def before_grad(self, stage: int, last: bool) -> None:
         """Pipeline callback: a backward of `stage` is about to accumulate grads; `last` arms the dp sync."""
@@ -109,21 +114,50 @@ class Trainer:
                     (loss / self.accumulation).backward()
                     total += loss.detach()
             self.buckets.finish()
-        if self.tp_partial:  # sequence parallelism: replicated params used on a sequence slice
-            tensor_parallel.sum_partial_grads(self.tp_partial)
-        if self.pipeline is not None:
-            self.pipeline.sync_tied(self.tied)
-        if self.opt_cfg["grad_clip"] is not None and self.pipeline is not None and not self.zero:
-            pipeline.clip_grad_norm(self.params, self.opt_cfg["grad_clip"], self.ctx, self.clip_skip)
-        elif self.opt_cfg["grad_clip"] is not None and self.zero:
-            self.zero.clip_grad_norm_(self.opt_cfg["grad_clip"])  # norm over shards, summed across dp
-        elif self.opt_cfg["grad_clip"] is not None and self.ctx.degree["tp"] > 1:  # shards' squares summed over tp
-            tensor_parallel.clip_program_grads(self.params, self.entry, self.opt_cfg["grad_clip"], self.ctx.degree["tp"])
-        elif self.opt_cfg["grad_clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.opt_cfg["grad_clip"])
+        self._complete_grads()
+        norm = None
+        if self.opt_cfg["grad_clip"] is not None:
+            norm = self.clip(self.opt_cfg["grad_clip"]).item()
         self.optimizer.step()
         self.buckets.zero()
-        return StepResult(total / self.accumulation, time.perf_counter() - t0)
+        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm)
+
+    def _complete_grads(self) -> None:
+        """The sums a gradient still lacks after the dp sync: sequence-parallel partials over tp, tied
+        copies over the pp ranks holding them. Under ZeRO they act on this rank's reduced ranges: the
+        dp reduce-scatter already ran, and sums over different axes commute."""
+        if not self.zero:
+            if self.tp_partial:  # sequence parallelism: replicated params used on a sequence slice
+                tensor_parallel.sum_partial_grads(self.tp_partial)
+            if self.pipeline is not None:
+                self.pipeline.sync_tied([(self.params[n], pg) for n, pg in self.tied if n in self.params])
+            return
+        ranges = self.zero.grad_ranges()
+        # tp ranks of one dp rank cut identical buckets (equal local shapes), so these lists agree
+        partial = [ranges[n][0] for n in self.entry.get("tp_partial_grads", []) if n in ranges]
+        if partial:
+            tensor_parallel.sum_over_axis(partial)
+        for name, pg in self.tied:
+            # the tied copies' ranges differ between stages (different buckets): sum whole gradients
+            full = torch.zeros(self.params[name].numel(), dtype=torch.float32, device=self.ctx.device)
+            if name in ranges:
+                view, a, e = ranges[name]
+                full[a:e] = view
+            if self.ctx.degree["dp"] > 1:
+                dist.all_reduce(full, group=self.ctx.groups["dp"])
+            dist.all_reduce(full, group=pg)
+            if name in ranges:
+                view.copy_(full[a:e])
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip to the serial model's global norm (`parc.runtime.grad_norm`); return that norm."""
+        names = grad_norm.counted(self.entry, self.ctx, self.tied_elsewhere)
+        if self.zero:  # each dp rank owns its ranges: sum over dp too
+            ranges = self.zero.grad_ranges()
+            owned = [ranges[n][0] for n in sorted(names) if n in ranges]
+            return grad_norm.clip_(owned, self.zero.master_grads(), max_norm, self.ctx, ("dp", "tp", "pp"))
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        return grad_norm.clip_(grad_norm.owned_pieces(self.params, names), grads, max_norm, self.ctx, ("tp", "pp"))
 
     def global_losses(self, local: list[torch.Tensor]) -> list[float]:
         """Mean over the dp group of each step's loss: the loss of the global batch."""

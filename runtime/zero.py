@@ -44,7 +44,7 @@ class ZeroOptimizer:
     """Sharded parameters/gradients/optimizer state of one program's dp group.
 
     Interface used by the Trainer: `start_micro_batch(sync)`, `finish()`,
-    `clip_grad_norm_(max_norm)`, `step()`, `zero()`, `active()` (context for
+    `grad_ranges()`, `step()`, `zero()`, `active()` (context for
     the micro-batch loop), `full_params()` (gathered, for --verify/checkpoints).
     """
 
@@ -183,21 +183,26 @@ class ZeroOptimizer:
 
     # --- the update --------------------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the whole model: squares summed over the dp group.
+    def grad_ranges(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """After `finish`: name → (view of this rank's reduced gradient, start, end) for each parameter
+        whose elements [start, end) (flattened) fall in this rank's range of its bucket.
 
-        Each element of the gradient lives in exactly one rank's range (padding is zero), so the sum of
-        the ranks' squared norms is the squared norm of the full gradient.
+        Each element lives in exactly one dp rank's range (padding is zero), so these views are what
+        this rank owns for the global norm (`parc.runtime.grad_norm`); writing them in place changes
+        what the optimizer sees (tp-partial and tied sums after the dp reduce-scatter).
         """
-        local = sum(m.grad.float().square().sum() for m in self.master)
-        total = torch.as_tensor(local, dtype=torch.float32, device=self.master[0].device).clone()
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m in self.master:
-            m.grad.mul_(coef)
-        return norm
+        out = {}
+        for b, bucket in enumerate(self.buckets):
+            lo, hi = self.rank * bucket["shard"], (self.rank + 1) * bucket["shard"]
+            for s in bucket["params"]:
+                a, e = max(s["offset"], lo), min(s["offset"] + s["numel"], hi)
+                if a < e:
+                    out[s["name"]] = (self.master[b].grad[a - lo:e - lo], a - s["offset"], e - s["offset"])
+        return out
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer updates from (what clipping scales)."""
+        return [m.grad for m in self.master]
 
     def step(self) -> None:
         self.optimizer.step()

@@ -1,0 +1,48 @@
+"""Which combinations of features the runtime can train, checked before compiling.
+
+Start here when `parc compile` refuses a plan that `parc check` accepts. The
+plan language can state more than the runtime implements; a plan asking for
+something parc would silently ignore, or run without a test proving it matches
+the serial model, is refused here with the reason. What is proven (tests/):
+
+  dp × tp × pp with sequence parallelism, every schedule        test_3d, test_pipeline, test_tensor_parallel
+  ZeRO-1/2/3 alone (dp)                                          test_zero
+  ZeRO-1/2 with pp (one stage per rank) and tp                   test_3d, test_zero_combos
+  ZeRO-3 with tp                                                 test_zero_combos
+
+Assumes: the plan passed `parc.validate.validate`.
+Guarantees: returns only if the runtime implements every feature the plan asks for.
+"""
+
+from __future__ import annotations
+
+from parc.errors import Diagnostic, PlanError
+from parc.plan import Plan
+
+
+def check(plan: Plan) -> None:
+    """Raise PlanError naming each requested feature the runtime does not (provably) implement."""
+    out: list[Diagnostic] = []
+
+    def refuse(message: str, key: str, node, hint: str) -> None:
+        span = plan.spans.get(key) or getattr(node, "span", None)
+        out.append(Diagnostic(message, span, hint, "error", plan.source or None))
+
+    if plan.recompute.patterns:
+        refuse("recompute (activation checkpointing) is not implemented yet: parc would train holding every "
+               "activation while the plan and `parc report` assume recomputation",
+               "recompute.patterns[0]", plan.recompute, "remove the `recompute` line; budget the memory without it")
+    z, m, pipe = plan.zero.stage, plan.mesh, plan.pipeline
+    virtual = pipe.virtual if pipe is not None else 1
+    if z == 3 and m.pp > 1:
+        refuse(f"zero stage=3 with pp {m.pp} > 1 is not supported: ZeRO-3 re-gathers each layer's weights over dp "
+               f"in every micro-batch's forward and again in its backward, so a pipeline of {plan.accumulation} "
+               f"micro-batches per step would gather the weights 2 × {plan.accumulation} times a step, and its "
+               f"gather-on-demand runtime is not proven under the pipeline executor by any test",
+               "zero.stage", plan.zero, "use zero stage=1 or 2 with pp, or pp=1 with zero stage=3")
+    if z >= 1 and m.pp > 1 and virtual > 1:
+        refuse(f"zero stage={z} with virtual stages ({virtual} per pp rank) is not supported: ZeRO partitions one "
+               f"program per rank, and with virtual > 1 a rank runs {virtual}",
+               "pipeline.virtual", pipe, "use schedule=1f1b with ZeRO, or drop zero")
+    if out:
+        raise PlanError(diagnostics=out)

@@ -1,0 +1,71 @@
+"""ZeRO composed with tensor parallelism and with every non-interleaved pipeline schedule.
+
+One 4-rank world trains each case against the serial model. ZeRO-3 under tp
+must also hold only its share: the parameter bytes each rank keeps equal the
+partition table's analytic figure for its (tp rank) program.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import compile_text
+from parc import artifact
+from parc.runtime.context import ParallelContext
+from parc.runtime.launch import spawn
+from parc.runtime.train import Trainer
+from parc.runtime.verify import compare, train_serial
+from parc.runtime.zero import analytic_bytes
+from parc.trace import load_user_module
+from test_zero import LOSS_TOL, PARAM_TOL, _storage_bytes
+
+TP_RULES = """tensor_parallel {
+    "blocks.*.attn.qkv": column
+    "blocks.*.attn.proj": row
+    "blocks.*.mlp.fc": column
+    "blocks.*.mlp.proj": row
+}"""
+CASES = {
+    "zero3_tp2": f"mesh dp=2 tp=2\nbatch global=8 micro=2\nzero stage=3\n{TP_RULES}\n",
+    "zero2_pp2_gpipe": "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=2\npipeline schedule=gpipe\n",
+    "zero1_pp2_zb_h1": "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=1\npipeline schedule=zb_h1\n",
+}
+OPTIMIZER = "optimizer adamw lr=1e-2 clip=1.0\n"  # clip active: the global norm spans every axis
+STEPS = 3
+
+
+def _body(ctx, roots: list[str]):
+    out = []
+    for root in roots:
+        art = artifact.load(Path(root))
+        trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+        losses = trainer.global_losses([trainer.step(s).loss for s in range(STEPS)])
+        held = _storage_bytes(trainer.zero.held()["params"])
+        out.append({"losses": losses, "state": trainer.gathered_state(), "params_held": held,
+                    "program": trainer.name})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    roots = {name: compile_text(text + OPTIMIZER, tmp_path_factory.mktemp(name) / "c").root
+             for name, text in CASES.items()}
+    results = spawn(4, _body, [str(r) for r in roots.values()])
+    return {name: (roots[name], [r[i] for r in results]) for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_serial(trained, name):
+    root, ranks = trained[name]
+    art = artifact.load(root)
+    serial_losses, serial_state = train_serial(load_user_module(root / "model/model.py"), art.plan, 0, STEPS)
+    verdict = compare(ranks[0]["losses"], serial_losses, ranks[0]["state"], serial_state)
+    assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, verdict.render()
+
+
+def test_zero3_under_tp_holds_its_share(trained):
+    root, ranks = trained["zero3_tp2"]
+    art = artifact.load(root)
+    for r in ranks:
+        table = art.plan["programs"][r["program"]]["zero"]
+        assert r["params_held"] == analytic_bytes(table)["params"], (r["program"], r["params_held"])
