@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parc
-from parc import artifact, codegen, cost, mesh as meshlib
+from parc import artifact, codegen, cost, mesh as meshlib, support
 from parc.errors import Diagnostic, TraceError
 from parc.passes import PassCtx, grad_buckets, pipeline_split, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.plan import Plan
+from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
 from parc.validate import validate
 
@@ -85,14 +86,27 @@ def _state_line(spec, shard) -> str:
     return f"{spec.name} <- {spec.fqn}  {tuple(_local_shape(spec.shape, shard))}  {where}"
 
 
-def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug: bool = False, stages: int = 1):
-    gm = copy.deepcopy(traced.gm)
-    ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank,
-                  shards={s.name: None for s in traced.state}, notes={"stages": stages})
+def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug: bool = False, stages: int = 1,
+                    whole: dict | None = None):
+    """One program. `whole`, shared by the calls of one compile, keeps each tp rank's graph after the
+    whole-graph passes (which do not depend on the stage), so with pp stages they run once per tp rank,
+    not once per program; pipeline_split copies the stage's nodes out of it and leaves it intact."""
+    whole = {} if whole is None else whole
+    if tp_rank not in whole:
+        gm = copy.deepcopy(traced.gm)
+        ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank, shards={s.name: None for s in traced.state},
+                      notes={"stages": stages, "tp_shape_cache": whole.setdefault("tp_shapes", {})})
+        whole[tp_rank] = (run_passes(gm, plan, ctx, PASSES, debug=debug), ctx)
+    gm, base = whole[tp_rank]
+    notes = {k: v for k, v in base.notes.items() if k != "tp_shape_cache"}
+    ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank, shards=dict(base.shards),
+                  rewrites=dict(base.rewrites), notes=notes)
+    if stage == stages - 1:  # its last program (zero below may edit the graph in place when stages == 1)
+        del whole[tp_rank]
     # the split runs after the whole-graph passes (their nodes keep their stage in meta), then
     # zero runs after every other pass: it partitions the parameters those passes leave
     split = [("pipeline_split", pipeline_split.run)] if stages > 1 else []
-    gm = run_passes(gm, plan, ctx, PASSES + split + [("zero", zero.run)], debug=debug)
+    gm = run_passes(gm, plan, ctx, split + [("zero", zero.run)], debug=debug)
     return gm, ctx
 
 
@@ -128,6 +142,8 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                   exact_trace: bool = False) -> CompileResult:
     t0 = time.perf_counter()
     model_file = Path(model_file)
+    precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
+    support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
     user = load_user_module(model_file)
     traced = trace(user, plan.micro_batch, fast=not exact_trace)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
@@ -143,10 +159,11 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         schedule = build_schedule(schedule_name, m.pp, plan.accumulation, virtual).to_json()
     programs: dict[str, dict] = {}
     files: dict[str, str] = {}
+    whole: dict = {}  # tp rank → its graph after the whole-graph passes, shared by its stages
     for stage in range(n_stages):
         for tp_rank in range(m.tp):
             name = f"stage{stage}_tp{tp_rank}"
-            gm, ctx = compile_program(traced, plan, stage, tp_rank, debug, n_stages)
+            gm, ctx = compile_program(traced, plan, stage, tp_rank, debug, n_stages, whole)
             split = ctx.notes.get("pipeline", {"recv": [], "send": [], "last": True})
             placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
             state = [s for s in traced.state if s.name in placeholders]

@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import Diagnostic, ParcError
+from parc.replicate import _graph_module
 from parc.trace import module_path
 
 STAGE = "parc_stage"
@@ -273,8 +274,12 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if stages == 1:
         return gm
     s = ctx.stage
-    stage_of, const, grad = _stage_of(gm), _constant_only(gm), _needs_grad(gm, ctx.traced)
-    cuts = crossing(gm, stages)
+    # the same whole graph serves every stage of a tp rank (parc/compiler.py), and this pass only reads
+    # it: its analysis is made once per graph, not once per stage
+    if gm.meta.get("parc_split", (None,))[0] != stages:
+        gm.meta["parc_split"] = (stages, _stage_of(gm), _constant_only(gm), _needs_grad(gm, ctx.traced),
+                                 crossing(gm, stages))
+    _, stage_of, const, grad, cuts = gm.meta["parc_split"]
     recv = cuts[s - 1] if s > 0 else []
     send = cuts[s] if s < stages - 1 else []
     for n in recv + send:
@@ -324,7 +329,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     ctx.notes["pipeline"] = {"recv": [_spec(n, n in grad) for n in recv], "send": [_spec(n, n in grad) for n in send],
                              "last": s == stages - 1}
     ctx.count("pipeline_split", len(recv) + len(send))
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return _graph_module(torch.nn.Module(), graph)  # lazy: codegen prints the graph, nothing runs its code
 
 
 def stage_lines(summaries: list[dict], pp: int) -> list[str]:
