@@ -181,6 +181,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         node.meta["parc_fqn"] = fqn  # lets module_path() place state placeholders
         state.append(StateInput(spec.arg.name, fqn, kind, tuple(val.shape), _dtype(val.dtype),
                                 kind == "param" and bool(get(model, fqn).requires_grad)))
+    state = _drop_tied_aliases(gm, model, state)
     return Traced(
         gm=gm, state=state, inputs=inputs,
         module_paths=[n for n, _ in model.named_modules() if n],
@@ -188,6 +189,28 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         param_count=sum(p.numel() for p in model.parameters()),
         constants=constants, program=ep,
     )
+
+
+def _drop_tied_aliases(gm: torch.fx.GraphModule, model: torch.nn.Module, state: list[StateInput]) -> list[StateInput]:
+    """torch.export lifts a tied parameter (HF's `lm_head.weight is transformer.wte.weight`) once per name but
+    uses only one placeholder; the other has no users. Kept, it would be a second, never-updated copy of the
+    tensor on every rank, reported (gathered_state) under the other name. Such a placeholder is removed."""
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    owners: dict[int, int] = {}  # id(tensor) → how many state entries name it
+    for s in state:
+        if s.kind == "param":
+            owners[id(get(model, s.fqn))] = owners.get(id(get(model, s.fqn)), 0) + 1
+    keep = []
+    for s in state:
+        node = placeholders[s.name]
+        if s.kind == "param" and not node.users and owners[id(get(model, s.fqn))] > 1:
+            owners[id(get(model, s.fqn))] -= 1
+            gm.graph.erase_node(node)
+            continue
+        keep.append(s)
+    if len(keep) != len(state):
+        gm.recompile()
+    return keep
 
 
 def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:

@@ -22,6 +22,11 @@ order, giving every value a layout — replicated (None) or a `Shard`
 - `replicate`: the module stays whole on every rank (the default for any module
   no rule names).
 
+Linears written as matmuls (`x @ w.t() + b`, `addmm(b, x, w.t())`) and HF's
+transposed `Conv1D` (`addmm(b, x, w)` with w (in, out)) are first rewritten to
+`aten.linear` in the modules a rule names (`_as_linears`); a Conv1D weight is
+sharded along its other dim.
+
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output
 `(loss,)`) and `meta["val"]` holds the traced (full) shapes.
 Guarantees: `ctx.shards` gives each sharded placeholder's slice (`blocks` > 1
@@ -43,7 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import ParcError
-from parc.passes.tp_layouts import Layouts, Shard, shape
+from parc.passes.tp_layouts import SDPA, Layouts, Shard, shape
 from parc.trace import module_path
 
 aten = torch.ops.aten
@@ -57,13 +62,14 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if tp == 1 or not rules:
         return gm
     rw = _Rewriter(gm, plan, ctx)
+    _as_linears(gm, rw)
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             rw.visit(node)
     rw.finish()
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    _propagate_local_shapes(gm, ctx)
+    _local_shapes(gm, ctx)
     return gm
 
 
@@ -75,6 +81,7 @@ class _Rewriter:
         self.lay = Layouts(gm, self.tp, self.rank, self.sp)
         self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
         self.sharded: dict[fx.Node, fx.Node] = {}  # sharded param placeholder → its one allowed user
+        self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by _as_linears for an (in, out) weight → w
 
     # --- dispatch -----------------------------------------------------------------
 
@@ -89,8 +96,17 @@ class _Rewriter:
                                 f"used by `{node.name}` in module `{module_path(node)}` (tied weights?)",
                                 hint="untie the weights, or mark one of the modules `replicate`")
         t = node.target
-        rule = self.rule_for(node) if t in (aten.linear.default, aten.embedding.default) else None
-        if rule is not None and _is_param(node.args[0 if t is aten.embedding.default else 1]):
+        if node in self.conv1d:  # the transposed view of a Conv1D weight: sharded with the linear it feeds
+            self.lay.of[node] = None
+            return
+        rule = self.rule_for(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
+        if rule is not None and rule.style != "replicate" and not _handled(node, self.is_weight):
+            p = next(a for a in node.all_input_nodes if _is_param(a))
+            raise ParcError(f"`{rule.style}` on module `{module_path(node)}`: its parameter `{p.name}` is used by "
+                            f"`{node.name}` ({getattr(t, '__name__', t)}), which parc cannot shard; parc shards "
+                            "`aten.linear` weights/biases and `aten.embedding` tables",
+                            rule.span, "write the layer as nn.Linear / F.linear, or mark the module `replicate`")
+        if rule is not None and self.is_weight(node.args[0 if t is aten.embedding.default else 1]):
             style = rule.style
             if t is aten.embedding.default:
                 if style not in ("vocab", "replicate"):
@@ -105,8 +121,40 @@ class _Rewriter:
         if t is aten.cross_entropy_loss.default and self.lay.get(node.args[0]) is not None:
             return self.cross_entropy(node)
         self.lay.of[node] = self.lay.propagate(node)
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags \
+                and any(self.lay.get(a) is not None for a in node.all_input_nodes):
+            self.own_stream(node)
+
+    def own_stream(self, node: fx.Node) -> None:
+        """A dropout on a sharded value draws from this tp rank's stream (runtime/ops.py "dropout streams")."""
+        t = node.target
+        if t is aten.dropout.default:
+            p = node.args[1] if node.args[2] else 0.0
+        elif t in SDPA:
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        else:
+            return self.lay.fail(node, "a random op on a sharded value: parc gives a tp-rank stream only to "
+                                 "dropout and attention dropout", self.lay.get(node.args[0]))
+        if not p:
+            return
+        x = node.args[0]
+        enter = self.call(node, parc_ops.tp_rng_enter.default, (x, "tp"), x, self.lay.get(x))
+        node.replace_input_with(x, enter)
+        users = list(node.users)
+        leave = self.call(node.next, parc_ops.tp_rng_exit.default, (node, "tp"), node, self.lay.get(node))
+        for u in users:
+            u.replace_input_with(node, leave)
 
     # --- helpers ------------------------------------------------------------------
+
+    def is_weight(self, a) -> bool:
+        return _is_param(a) or a in self.conv1d
+
+    def shard_weight(self, node: fx.Node, w: fx.Node, dim: int, rule, blocks: int = 1) -> None:
+        """Shard a linear's (out, in) weight along `dim`; a Conv1D weight w (in, out), seen as `t(w)`, along 1 - dim."""
+        if w in self.conv1d:
+            return self.shard_param(self.conv1d[w], w, 1 - dim, rule, blocks)
+        self.shard_param(w, node, dim, rule, blocks)
 
     def call(self, before: fx.Node, op, args, like: fx.Node, layout=None) -> fx.Node:
         with self.gm.graph.inserting_before(before):
@@ -173,7 +221,7 @@ class _Rewriter:
         x, w, *rest = node.args
         b = rest[0] if rest else None
         blocks = _fused_blocks(node)
-        self.shard_param(w, node, 0, rule, blocks)
+        self.shard_weight(node, w, 0, rule, blocks)
         if isinstance(b, fx.Node):
             self.shard_param(b, node, 0, rule, blocks)
         node.replace_input_with(x, self.replicated_input(node, x, rule))
@@ -190,7 +238,7 @@ class _Rewriter:
                             f"(features), but `{x.name}` is {got}", rule.span,
                             "make the layer that feeds it `column` (Megatron pairs column → row), "
                             "or mark this one `column`/`replicate`")
-        self.shard_param(w, node, 1, rule)
+        self.shard_weight(node, w, 1, rule)
         node.args = (x, w)  # the bias is added once, after the reduction
         self.lay.of[node] = "partial"
         red, layout = self.reduce_output(node, node, rule)
@@ -256,6 +304,91 @@ class _Rewriter:
         self.ctx.notes["tp_partial_grads"] = partial
 
 
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+MATMULS = {aten.matmul.default, aten.mm.default, aten.addmm.default}
+
+
+def _as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
+    """Rewrite `x @ w.t() (+ b)` in a module a column/row/vocab rule names into `aten.linear(x, w, b)`, which
+    the rules shard: matmul/mm/addmm of a transposed (out, in) parameter, with a following bias add folded in.
+    Modules no such rule names keep their ops (their programs are unchanged)."""
+    for wt in [n for n in gm.graph.nodes if n.target in TRANSPOSES and _is_param(n.args[0])]:
+        w, users = wt.args[0], list(wt.users)
+        rule = rw.rule_for(wt)
+        if rule is None or rule.style == "replicate" or len(users) != 1 or len(shape(w)) != 2 \
+                or (wt.target is aten.transpose.int and sorted(a % 2 for a in wt.args[1:3]) != [0, 1]):
+            continue
+        mm = users[0]
+        if mm.target not in MATMULS or mm.args[-1] is not wt or len(mm.args) != (3 if mm.target is aten.addmm.default else 2) \
+                or mm.kwargs:
+            continue
+        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
+        out = mm
+        adds = list(mm.users)
+        if b is None and len(adds) == 1 and adds[0].target is aten.add.Tensor and adds[0].args[0] is mm \
+                and _is_param(adds[0].args[1]) and shape(adds[0].args[1]) == (shape(w)[0],) and not adds[0].kwargs:
+            b, out = adds[0].args[1], adds[0]  # the bias add of `x @ w.t() + b`
+        with gm.graph.inserting_before(mm):
+            lin = gm.graph.call_function(aten.linear.default, (x, w) if b is None else (x, w, b))
+        lin.meta = dict(mm.meta)
+        lin.meta["val"] = out.meta["val"]
+        out.replace_all_uses_with(lin)
+        for dead in ([out, mm] if out is not mm else [mm]) + [wt]:
+            gm.graph.erase_node(dead)
+        rw.ctx.count(NAME)
+    _conv1d_as_linears(gm, rw)
+
+
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _conv1d_as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
+    """Rewrite HF's transposed `Conv1D` — `addmm(b, x, w)`, `mm(x, w)`, `matmul(x, w)` of an UNtransposed
+    (in, out) parameter w — in a module a column/row/vocab rule names into `aten.linear(x, t(w), b)`. `t(w)` is
+    recorded in `rw.conv1d`, so the rules shard w itself along the other dim (column: dim 1, row: dim 0) and the
+    runtime slices the user's (in, out) tensor. Conv1D flattens its input to 2-D and views the result back
+    (`x.view(-1, in)` … `.view(*lead, out)`); those views are folded into the linear, so that a fused c_attn's
+    output reaches its split directly and is sharded per block."""
+    for mm in [n for n in gm.graph.nodes if n.target in MATMULS]:
+        w = mm.args[-1]
+        n_args = 3 if mm.target is aten.addmm.default else 2
+        if not _is_param(w) or len(mm.args) != n_args or mm.kwargs or len(shape(w)) != 2:
+            continue
+        rule = rw.rule_for(mm)
+        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
+        if rule is None or rule.style == "replicate" or not isinstance(x, fx.Node) or len(shape(x)) < 2 \
+                or (b is not None and not (isinstance(b, fx.Node) and shape(b) == (shape(w)[1],))):
+            continue
+        (n_in, n_out), out = shape(w), mm
+        if x.target in VIEW_OPS and len(x.users) == 1 and shape(x0 := x.args[0])[-1:] == (n_in,) \
+                and len(mm.users) == 1 and (v := next(iter(mm.users))).target in VIEW_OPS \
+                and shape(v) == shape(x0)[:-1] + (n_out,):
+            x, out = x0, v  # x.view(-1, in) → addmm → .view(*lead, out): one linear on x
+        with gm.graph.inserting_before(mm):
+            wt = gm.graph.call_function(aten.t.default, (w,))
+            lin = gm.graph.call_function(aten.linear.default, (x, wt) if b is None else (x, wt, b))
+        wt.meta = {"nn_module_stack": mm.meta.get("nn_module_stack"), "val": w.meta["val"].t()}
+        lin.meta = dict(mm.meta)
+        lin.meta["val"] = out.meta["val"]
+        old_x = mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
+        out.replace_all_uses_with(lin)
+        for dead in [out, mm] if out is not mm else [mm]:
+            gm.graph.erase_node(dead)
+        if old_x is not x and not old_x.users:
+            gm.graph.erase_node(old_x)
+        rw.conv1d[wt] = w
+        rw.ctx.count(NAME)
+
+
+def _handled(node: fx.Node, is_weight=None) -> bool:
+    """A node whose parameter inputs sit where a rule can shard them: a linear's weight (and bias), an embedding table."""
+    is_weight = is_weight or _is_param
+    params = [i for i, a in enumerate(node.args) if is_weight(a)]
+    if node.target is aten.linear.default:
+        return bool(params) and params[0] == 1 and not any(_is_param(v) for v in node.kwargs.values())
+    return node.target is aten.embedding.default and params == [0]
+
+
 def _is_param(n) -> bool:
     return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
 
@@ -269,6 +402,25 @@ def _fused_blocks(node: fx.Node) -> int:
     dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
     pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
     return len(pieces) if dim == last and len(set(pieces)) == 1 and len(pieces) > 1 else 1
+
+
+def _local_shapes(gm: fx.GraphModule, ctx) -> None:
+    """Give every node its local shape. The tp ranks' rewritten graphs differ only in shard indices and
+    vocab offsets, which change no shape, so when the compiler shares `ctx.notes["tp_shape_cache"]`
+    across the ranks of one compile, the first rank's propagated shapes are reused by the others
+    (checked: same nodes, same ops, same shard dims), saving one fake-tensor run of the whole graph per rank."""
+    cache = ctx.notes.get("tp_shape_cache")
+    nodes = list(gm.graph.nodes)
+    key = (tuple((n.name, str(n.target)) for n in nodes),
+           tuple(sorted((k, v["dim"], v["parts"], v.get("blocks", 1)) for k, v in ctx.shards.items() if v)))
+    if cache is not None and cache.get("key") == key:
+        for n, val in zip(nodes, cache["vals"]):
+            if val is not None:
+                n.meta["val"] = val
+        return
+    _propagate_local_shapes(gm, ctx)
+    if cache is not None:
+        cache.update(key=key, vals=[n.meta.get("val") for n in nodes])
 
 
 def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
