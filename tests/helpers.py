@@ -20,6 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 
 
+def gpt_tp_rules(sequence_parallel: bool = False) -> str:
+    """Megatron's layout for examples/gpt.py: qkv and fc column, the projections row, embedding and head vocab."""
+    return """tensor_parallel {
+    "blocks.*.attn.qkv"  : column
+    "blocks.*.attn.proj" : row
+    "blocks.*.mlp.fc"    : column
+    "blocks.*.mlp.proj"  : row
+    "wte"                : vocab
+    "lm_head"            : vocab
+""" + ("    sequence_parallel\n" if sequence_parallel else "") + "}\n"
+
+
 def compile_text(plan_text: str, out: Path, model: Path = GPT):
     plan = parse(plan_text, file=str(out.parent / "test.par"))
     compile_model(model, plan, out)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GPT, ROOT, compile_text
+from helpers import GPT, ROOT, compile_text, gpt_tp_rules
 from parc import artifact, support
 from parc.compiler import compile_model
 from parc.errors import PlanError
@@ -79,16 +79,7 @@ optimizer adamw lr=1e-2 clip=0.5
 GPT_NO_ZERO = """
 mesh dp=2 pp=2 tp=2
 batch global=8 micro=2
-tensor_parallel {
-    "blocks.*.attn.qkv"  : column
-    "blocks.*.attn.proj" : row
-    "blocks.*.mlp.fc"    : column
-    "blocks.*.mlp.proj"  : row
-    "wte"                : vocab
-    "lm_head"            : vocab
-    sequence_parallel
-}
-pipeline schedule=1f1b
+""" + gpt_tp_rules(sequence_parallel=True) + """pipeline schedule=1f1b
 optimizer adamw lr=1e-2 clip=0.5
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import compile_text
+from helpers import compile_text, gpt_tp_rules
 from parc import artifact
 from parc.export import export, load_model_state
 from parc.runtime import checkpoint
@@ -154,15 +154,7 @@ def test_reshard_zero3_dp4_to_dp2_and_export(tmp_path):
 # by its own magnitude, see runtime/verify.py). A missing optimizer state (Adam restarting at step 1) or a
 # wrong data position moves parameters by ~1e-2.
 NEXT_LOSS_TOL, NEXT_PARAM_TOL = 1e-5, 1e-4
-GPT_TP = """tensor_parallel {
-    "blocks.*.attn.qkv"  : column
-    "blocks.*.attn.proj" : row
-    "blocks.*.mlp.fc"    : column
-    "blocks.*.mlp.proj"  : row
-    "wte"                : vocab
-    "lm_head"            : vocab
-}
-"""
+GPT_TP = gpt_tp_rules()
 
 
 def _session(ctx, compiled: str, resume: str | None, steps: int, save_to: str):

@@ -4,7 +4,7 @@ per compile, not once per tp rank; the programs are those of a fresh compile per
 
 import copy
 
-from helpers import GPT, compile_text
+from helpers import GPT, compile_text, gpt_tp_rules
 from parc import compiler
 from parc.frontend import parse
 from parc.passes import PassCtx, pipeline_split, run_passes, tensor_parallel, zero
@@ -13,15 +13,7 @@ from parc.trace import load_user_module, trace
 PLAN = """
 mesh pp=2 tp=2
 batch global=4 micro=1
-tensor_parallel {
-    "blocks.*.attn.qkv"  : column
-    "blocks.*.attn.proj" : row
-    "blocks.*.mlp.fc"    : column
-    "blocks.*.mlp.proj"  : row
-    "wte"                : vocab
-    "lm_head"            : vocab
-}
-pipeline schedule=1f1b
+""" + gpt_tp_rules() + """pipeline schedule=1f1b
 """
 
 

@@ -9,22 +9,10 @@ reports the time).
 import math
 import time
 
-from helpers import ROOT, compile_text
+from helpers import ROOT, compile_text, gpt_tp_rules
 
 GPT3 = ROOT / "bench" / "gpt3.py"
-PLAN = """
-mesh tp=8
-batch global=1 micro=1
-tensor_parallel {
-    "blocks.*.attn.qkv"  : column
-    "blocks.*.attn.proj" : row
-    "blocks.*.mlp.fc"    : column
-    "blocks.*.mlp.proj"  : row
-    "wte"                : vocab
-    "lm_head"            : vocab
-    sequence_parallel
-}
-"""
+PLAN = "mesh tp=8\nbatch global=1 micro=1\n" + gpt_tp_rules(sequence_parallel=True)
 
 
 def test_gpt3_compiles_with_tp8_on_meta(tmp_path):

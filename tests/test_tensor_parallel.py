@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import ROOT, compile_text, parallel_vs_serial
+from helpers import ROOT, compile_text, gpt_tp_rules, parallel_vs_serial
 from parc.errors import ParcError
 
 # fp32, dropout 0. TP sums the same products in another order (a matmul split
@@ -14,17 +14,6 @@ from parc.errors import ParcError
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 
-GPT_RULES = """
-tensor_parallel {
-    "blocks.*.attn.qkv"  : column
-    "blocks.*.attn.proj" : row
-    "blocks.*.mlp.fc"    : column
-    "blocks.*.mlp.proj"  : row
-    "wte"                : vocab
-    "lm_head"            : vocab
-    %s
-}
-"""
 LLAMA = ROOT / "tests" / "models" / "llama_tiny.py"
 LLAMA_RULES = """
 tensor_parallel {
@@ -43,7 +32,7 @@ tensor_parallel {
 
 def gpt_plan(tp: int, sp: bool = False, clip: str = "clip=1.0") -> str:
     return f"mesh tp={tp}\nbatch global=4 micro=2\noptimizer adamw lr=1e-2 {clip}\n" + \
-        GPT_RULES % ("sequence_parallel" if sp else "")
+        gpt_tp_rules(sp)
 
 
 def _check(verdict):
