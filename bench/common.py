@@ -7,6 +7,7 @@ same noise; the figure to read is the ratio of medians.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -24,6 +25,14 @@ def compile_plan(plan_text: str, model: Path = ROOT / "examples" / "gpt.py") -> 
     out = Path(tempfile.mkdtemp(prefix="parc-bench-")) / "compiled"
     compile_model(model, parse(plan_text, file="bench.par"), out)
     return out
+
+
+def pair_args(doc: str, steps: int = 4, rounds: int = 5) -> argparse.Namespace:
+    """The flags every side-by-side benchmark takes."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=steps, help="steps per contender per round")
+    return p.parse_args()
 
 
 def timed(fn) -> float:

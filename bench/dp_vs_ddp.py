@@ -9,10 +9,9 @@ Target: parc/DDP ≤ 1.05.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from common import compile_plan, interleave, report
+from common import compile_plan, interleave, pair_args, report
 
 PLAN = """
 mesh dp=2
@@ -58,10 +57,7 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=4, help="steps per contender per round")
-    args = p.parse_args()
+    args = pair_args(__doc__)
     from parc.runtime.launch import spawn
 
     times = spawn(2, _body, str(compile_plan(PLAN)), args.rounds, args.steps)[0]

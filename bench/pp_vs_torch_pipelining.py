@@ -13,10 +13,9 @@ Target: parc/torch ≤ 1.0.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from common import compile_plan, interleave, report
+from common import compile_plan, interleave, pair_args, report
 
 M = 8
 
@@ -121,10 +120,7 @@ def _body(ctx, compiled: dict, rounds: int, steps: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    args = p.parse_args()
+    args = pair_args(__doc__, steps=3)
     from parc.runtime.launch import spawn
 
     compiled = {s: str(compile_plan(_plan(s))) for s in ("gpipe", "1f1b", "zb_h1")}
