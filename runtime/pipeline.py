@@ -102,7 +102,8 @@ class PipelineExecutor:
                 i = end
                 continue
             a = acts[i]
-            t = time.perf_counter()
+            self._wait(self._micro(a.stage, a.micro), "RECV_F" if a.kind == "F" else "RECV_B")
+            t = time.perf_counter()  # after the wait: a compute slice is compute only
             loss = self._compute(a, micro_batches, hooks)
             if loss is not None:
                 total += loss
@@ -178,7 +179,6 @@ class PipelineExecutor:
         s, j = a.stage, a.micro
         st, mb = self.stages[s], self._micro(s, j)
         if a.kind == "F":
-            self._wait(mb, "RECV_F")
             for x, spec in zip(mb.inputs, st.recv):
                 x.requires_grad_(spec["grad"])
             out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
@@ -186,7 +186,6 @@ class PipelineExecutor:
             self._inflight[s] += 1
             self.peak_inflight[s] = max(self.peak_inflight[s], self._inflight[s])
             return out[0].detach() if st.last else None
-        self._wait(mb, "RECV_B")
         tensors, grads = self._grad_pairs(st, mb)
         leaves = [x for x, spec in zip(mb.inputs, st.recv) if spec["grad"]]
         if a.kind == "I":

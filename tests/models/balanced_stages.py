@@ -1,27 +1,56 @@
-"""Four identical, compute-heavy blocks: balanced pipeline stages for measuring the bubble.
+"""Four identical blocks whose compute takes a fixed wall time: balanced stages for measuring the bubble.
 
-Each block is a few (B, W) × (W, W) matmuls, enough real compute that a stage's
-forward takes milliseconds and communication of one (B, W) activation is small
-next to it.
+The bubble is a property of the schedule only if every forward and backward
+takes the same time on every rank. Real matmuls do not on a shared 2-core
+machine: four ranks contend for the cores, so a rank's "idle" time also
+includes time spent waiting for a CPU. Each block therefore holds its compute
+with `parctest::hold`, a custom op that sleeps a fixed time in forward and
+twice as long in backward (the usual B = 2F) and uses no CPU while it does, and
+the real work around it is tiny. The op is a graph node like any aten op: it is
+traced, written into each stage's program and run there.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 
-WIDTH, DEPTH = 256, 4
+WIDTH = 32
+FORWARD_MS = 50.0  # long next to a P2P hop (~1-5 ms when the cores are contended)  # per block; backward holds 2 × this
+
+
+@torch.library.custom_op("parctest::hold", mutates_args=())
+def hold(x: torch.Tensor, ms: float) -> torch.Tensor:
+    time.sleep(ms / 1000)
+    return x.clone()
+
+
+@hold.register_fake
+def _(x, ms):
+    return torch.empty_like(x)
+
+
+def _hold_backward(ctx, grad):
+    time.sleep(2 * ctx.ms / 1000)
+    return grad, None
+
+
+def _hold_setup(ctx, inputs, output):
+    ctx.ms = inputs[1]
+
+
+hold.register_autograd(_hold_backward, setup_context=_hold_setup)
 
 
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fcs = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+        self.fc = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fc in self.fcs:
-            x = torch.relu(fc(x))
-        return x  # (B, W)
+        return hold(torch.relu(self.fc(x)), FORWARD_MS)  # (B, W)
 
 
 class Balanced(nn.Module):
