@@ -19,7 +19,7 @@ from pathlib import Path
 import parc
 from parc import artifact, codegen, cost, mesh as meshlib, support
 from parc.errors import Diagnostic, TraceError
-from parc.passes import PassCtx, grad_buckets, pipeline_split, run_passes, tensor_parallel, zero
+from parc.passes import PassCtx, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.plan import Plan
 from parc.runtime import precision
@@ -104,9 +104,10 @@ def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug:
     if stage == stages - 1:  # its last program (zero below may edit the graph in place when stages == 1)
         del whole[tp_rank]
     # the split runs after the whole-graph passes (their nodes keep their stage in meta), then
-    # zero runs after every other pass: it partitions the parameters those passes leave
+    # zero runs after the passes whose parameters it partitions; recompute runs last, wrapping
+    # each recomputed module's nodes, collectives included, as the other passes left them
     split = [("pipeline_split", pipeline_split.run)] if stages > 1 else []
-    gm = run_passes(gm, plan, ctx, split + [("zero", zero.run)], debug=debug)
+    gm = run_passes(gm, plan, ctx, split + [("zero", zero.run), ("recompute", recompute.run)], debug=debug)
     return gm, ctx
 
 

@@ -9,6 +9,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-1/2/3 alone (dp)                                          test_zero
   ZeRO-1/2 with pp (one stage per rank) and tp                   test_3d, test_zero_combos
   ZeRO-3 with tp                                                 test_zero_combos
+  recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
 
 Assumes: the plan passed `parc.validate.validate`.
 Guarantees: returns only if the runtime implements every feature the plan asks for.
@@ -28,11 +29,12 @@ def check(plan: Plan) -> None:
         span = plan.spans.get(key) or getattr(node, "span", None)
         out.append(Diagnostic(message, span, hint, "error", plan.source or None))
 
-    if plan.recompute.patterns:
-        refuse("recompute (activation checkpointing) is not implemented yet: parc would train holding every "
-               "activation while the plan and `parc report` assume recomputation",
-               "recompute.patterns[0]", plan.recompute, "remove the `recompute` line; budget the memory without it")
     z, m, pipe = plan.zero.stage, plan.mesh, plan.pipeline
+    if plan.recompute.patterns and z == 3:
+        refuse("recompute with zero stage=3 is not supported: a recomputed region would gather its layer's "
+               "weights a third time in backward, and no test proves the gather-on-demand runtime inside a "
+               "recomputed region", "recompute.patterns[0]", plan.recompute,
+               "use zero stage=1 or 2 with recompute, or drop the `recompute` line")
     virtual = pipe.virtual if pipe is not None else 1
     if z == 3 and m.pp > 1:
         refuse(f"zero stage=3 with pp {m.pp} > 1 is not supported: ZeRO-3 re-gathers each layer's weights over dp "

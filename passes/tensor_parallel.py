@@ -142,6 +142,7 @@ class _Rewriter:
         node.replace_input_with(x, enter)
         users = list(node.users)
         leave = self.call(node.next, parc_ops.tp_rng_exit.default, (node, "tp"), node, self.lay.get(node))
+        leave.meta["nn_module_stack"] = node.meta.get("nn_module_stack")  # the dropout's module, not the next op's
         for u in users:
             u.replace_input_with(node, leave)
 

@@ -152,14 +152,10 @@ def test_ranks_follow_the_stated_order(runs):
     ("mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=3\n", "zero stage=3 with pp 2 > 1 is not supported"),
     ("mesh dp=2 pp=2\nbatch global=8 micro=2\npipeline schedule=interleaved_1f1b virtual=2\nzero stage=1\n",
      "virtual stages (2 per pp rank)"),
-    ('mesh dp=2\nbatch global=8 micro=2\nrecompute "blocks.*"\n', "recompute (activation checkpointing) is not implemented"),
+    ('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\n', "recompute with zero stage=3"),
 ])
 def test_unsupported_combinations_are_refused(text, needle):
     with pytest.raises(PlanError) as e:
         support.check(parse(text, file="t.par"))
     assert needle in e.value.render()
 
-
-def test_compile_refuses_recompute(tmp_path):
-    with pytest.raises(PlanError, match="recompute"):
-        compile_text('mesh dp=2\nbatch global=8 micro=2\nrecompute "blocks.*"\n', tmp_path / "c")

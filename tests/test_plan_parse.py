@@ -39,7 +39,7 @@ def test_3d_plan_means_what_it_says():
     assert plan.tensor_parallel.rules[0] == TPRule("blocks.*.attn.qkv", "column")
     assert plan.tensor_parallel.sequence_parallel
     assert plan.pipeline == Pipeline("1f1b", stages=None, virtual=1, cuts=None)
-    assert plan.zero.stage == 1 and plan.recompute.patterns == ()  # recompute is refused (parc/support.py)
+    assert plan.zero.stage == 1 and plan.recompute.patterns == ("blocks.*",)
     assert plan.optimizer.betas == (0.9, 0.95) and plan.optimizer.grad_clip == 1.0
 
 
@@ -50,8 +50,8 @@ def test_every_node_has_its_span():
     assert plan.tensor_parallel.span.line == 7 and plan.tensor_parallel.span.end_line == 16
     assert plan.tensor_parallel.rules[1].span.line == 9 and plan.tensor_parallel.rules[1].span.col == 5
     assert plan.spans["batch.global"] == Span(file, 5, 14, 5, 16)
-    assert plan.spans["precision"] == Span(file, 20, 11, 20, 15)  # the name, not the keyword
-    for node in (plan.topology, plan.batch, plan.pipeline, plan.zero, plan.optimizer):  # 3d.par has no recompute
+    assert plan.spans["precision"] == Span(file, 21, 11, 21, 15)  # the name, not the keyword
+    for node in (plan.topology, plan.batch, plan.pipeline, plan.zero, plan.recompute, plan.optimizer):
         assert node.span is not None and node.span.file == file
 
 
