@@ -31,7 +31,9 @@ import operator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+from parc import activations
 from parc.errors import ParcError
+from parc.passes.recompute import instance
 
 GiB = 1024 ** 3
 
@@ -74,10 +76,6 @@ def hardware(name: str | None, topology=None) -> Hardware:
 
 # ---------------------------------------------------------------- from the traced graph
 
-_VIEWS = ("view", "reshape", "expand", "permute", "transpose", "t.default", "slice", "select", "alias",
-          "detach", "unsqueeze", "squeeze", "split", "chunk", "unbind", "as_strided", "_unsafe_view")
-
-
 def _elements(val) -> int:
     vals = val if isinstance(val, (tuple, list)) else [val]
     return sum(math.prod(v.shape) for v in vals if hasattr(v, "shape"))
@@ -89,16 +87,6 @@ def _style(path: str, rules) -> str | None:
 
 def _under(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
-
-
-def _instance(path: str, patterns) -> str | None:
-    """The outermost module on `path` matched by a recompute glob, e.g. `blocks.3`."""
-    parts = path.split(".")
-    for k in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:k])
-        if any(fnmatchcase(prefix, p) for p in patterns):
-            return prefix
-    return None
 
 
 def graph_stats(traced, plan) -> dict:
@@ -115,7 +103,7 @@ def graph_stats(traced, plan) -> dict:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
-            "act_kept_sharded", "act_kept_replicated", "params_sharded", "params_replicated", "tp_bytes", "tp_ops")
+            "params_sharded", "params_replicated", "tp_bytes", "tp_ops")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -126,7 +114,6 @@ def graph_stats(traced, plan) -> dict:
         style = _style(p, rules)
         sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
             or (style is None and any(_under(p, c) for c in core))
-    inst_act: dict[str, list] = {}   # recompute instance -> [stage, sharded, replicated, input nodes]
     tp_inputs, tp_outputs = set(), set()
     for n in nodes:
         s, p = n.meta.get(STAGE, 0), path_of[n]
@@ -141,19 +128,11 @@ def graph_stats(traced, plan) -> dict:
             tp_inputs.update((a, s) for a in outside)   # backward all-reduce of the input gradient
         if style == "row" or (style == "vocab" and "embedding" in str(n.target)):
             tp_outputs.add((p, s))                       # forward all-reduce of the output
-        if n.target is operator.getitem or any(v in str(n.target) for v in _VIEWS):
+        if n.target is operator.getitem or any(v in str(n.target) for v in activations.VIEWS):
             continue
-        e = _elements(n.meta.get("val"))
-        d[f"act_{tag}"] += e
-        inst = _instance(p, patterns) if patterns else None
-        if inst is None:
-            d[f"act_kept_{tag}"] += e
-            continue
-        d["flops_recomputed"] += f
-        rec = inst_act.setdefault(inst, [s, 0, 0, set()])
-        rec[1 if sharded_of[n] else 2] += e
-        rec[3].update(a for a in n.all_input_nodes if not _under(path_of.get(a, ""), inst)
-                      and not (a.op == "placeholder" and a.name in state_names))
+        d[f"act_{tag}"] += _elements(n.meta.get("val"))
+        if patterns and instance(p, patterns) is not None:
+            d["flops_recomputed"] += f
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
         stages[s]["tp_ops"] += 1
@@ -163,12 +142,13 @@ def graph_stats(traced, plan) -> dict:
     for key in tp_outputs:
         stages[key[1]]["tp_bytes"] += _elements(last[key].meta.get("val"))
         stages[key[1]]["tp_ops"] += 1
-    peak = [[0, 0] for _ in range(n_stages)]
-    for s, sh, rep, inputs in inst_act.values():
-        stages[s]["act_kept_replicated"] += sum(_elements(a.meta.get("val")) for a in inputs)
-        peak[s] = max(peak[s], [sh, rep], key=sum)
-    for s, (sh, rep) in enumerate(peak):
-        stages[s]["recompute_peak_sharded"], stages[s]["recompute_peak_replicated"] = sh, rep
+    kept = activations.kept_bytes(
+        gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
+        instance_of=lambda n: instance(path_of.get(n, ""), patterns) if patterns else None,
+        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32")
+    for d, k in zip(stages, kept):
+        d.update({f"kept_bytes_{t}": k[f"kept_{t}"] for t in ("sharded", "replicated")},
+                 **{f"recompute_peak_bytes_{t}": k[f"peak_{t}"] for t in ("sharded", "replicated")})
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -306,14 +286,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     for r in range(pp):
         held = [stages[r + k * pp] for k in range(virtual)]
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
-        kept = sum(per_tp(d, "act_kept") for d in held) / len(held)
-        rpeak = max(per_tp(d, "recompute_peak") for d in held)
-        act = (kept * inflight[r] + rpeak) * act_b
+        kept = sum(per_tp(d, "kept_bytes") for d in held) / len(held)
+        rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
+        act = kept * inflight[r] + rpeak
         memory.append({"pp_rank": r, "params_count": params,
                        "params": params * pb / (dp if z >= 3 else 1),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
-                       "activations": act, "inflight": inflight[r]})
+                       "activations": act, "inflight": inflight[r],
+                       "activations_kept": kept * inflight[r], "recompute_peak": rpeak})
     for row in memory:
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
 

@@ -103,7 +103,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     rows = []
     for r, row in enumerate(est.memory):
         d = {f"{k}_bytes": round(v) for k, v in row.items()
-             if k in ("params", "grads", "optimizer", "activations", "total")}
+             if k in ("params", "grads", "optimizer", "activations", "activations_kept", "recompute_peak", "total")}
         d.update(pp_rank=r, params_count=int(row["params_count"]), inflight=row["inflight"])
         rows.append(d)
     worst = max(est.memory, key=lambda row: row["total"])

@@ -31,6 +31,7 @@ and end (`trace_events`, Chrome-trace JSON via `write_chrome_trace`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -181,8 +182,12 @@ class PipelineExecutor:
         if a.kind == "F":
             for x, spec in zip(mb.inputs, st.recv):
                 x.requires_grad_(spec["grad"])
-            out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
+            probe = getattr(hooks, "probe", None)  # runtime/memory.py, when measuring activations
+            with probe.tracking() if probe else contextlib.nullcontext():
+                out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
             mb.outputs = list(out)
+            if probe:
+                probe.sample()
             self._inflight[s] += 1
             self.peak_inflight[s] = max(self.peak_inflight[s], self._inflight[s])
             return out[0].detach() if st.last else None

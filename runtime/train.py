@@ -23,6 +23,7 @@ from parc.codegen import load_program
 from parc.runtime.context import ParallelContext
 from parc.runtime import pipeline
 from parc.runtime.data_parallel import GradBuckets
+from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import build_reference, materialize, unshard
 from parc.runtime import grad_norm, ops, precision, tensor_parallel
@@ -76,6 +77,7 @@ class Trainer:
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
         torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
+        self.probe: ActivationProbe | None = None  # set to measure activations (runtime/memory.py)
         self.pipeline = None
         self.tied: list[tuple[str, object]] = []  # (placeholder name, group of the pp ranks holding it)
         self.tied_elsewhere: set[str] = set()     # tied copies another pp rank counts in the grad norm
@@ -104,13 +106,18 @@ class Trainer:
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
+        if self.probe:
+            self.probe.ignore(t for mb in micro_batches for t in mb)
         with self.zero.active() if self.zero else contextlib.nullcontext():
             if self.pipeline is not None:
                 total += self.pipeline.run(micro_batches, self)
             else:
                 for k, mb in enumerate(micro_batches):
                     self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
-                    (loss,) = self.forward(*self.state, *mb)
+                    with self.probe.tracking() if self.probe else contextlib.nullcontext():
+                        (loss,) = self.forward(*self.state, *mb)
+                    if self.probe:
+                        self.probe.sample()
                     (loss / self.accumulation).backward()
                     total += loss.detach()
             self.buckets.finish()

@@ -25,10 +25,10 @@ PSI = 1_000_000  # parameters of the hand-made model
 def _stats(stages: int = 1, psi: int = PSI, act: int = 0, sharded: bool = False) -> dict:
     """`stages` equal stages holding psi / stages parameters, all replicated (or all tp-sharded)."""
     one = dict.fromkeys(("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
-                         "act_kept_sharded", "act_kept_replicated", "params_sharded", "params_replicated",
-                         "tp_bytes", "tp_ops", "recompute_peak_sharded", "recompute_peak_replicated"), 0)
+                         "kept_bytes_sharded", "kept_bytes_replicated", "params_sharded", "params_replicated",
+                         "tp_bytes", "tp_ops", "recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"), 0)
     one["params_sharded" if sharded else "params_replicated"] = psi // stages
-    one["act_kept_replicated"] = act
+    one["kept_bytes_replicated"] = act
     one["flops_replicated"] = 1e12
     return {"stages": [dict(one) for _ in range(stages)], "send_elements": [1000] * (stages - 1),
             "param_count": psi, "tokens_per_sample": 8}
@@ -60,10 +60,10 @@ def test_tp_shards_params_and_pp_splits_them():
 
 def test_activations_scale_with_inflight_micro_batches():
     plan = parse("mesh pp=4\nbatch global=16 micro=1\npipeline schedule=1f1b\n")
-    est = cost.estimate(plan, _stats(4, act=1000), cost.hardware("h100"))
-    # 1F1B: pp rank r holds pp − r micro-batches' activations (fp32: 4 bytes each)
+    est = cost.estimate(plan, _stats(4, act=4000), cost.hardware("h100"))
+    # 1F1B: pp rank r holds pp − r micro-batches' activations (4000 bytes each)
     assert [row["inflight"] for row in est.memory] == [4, 3, 2, 1]
-    assert [row["activations"] for row in est.memory] == [4 * 1000 * 4, 3 * 4000, 2 * 4000, 4000]
+    assert [row["activations"] for row in est.memory] == [4 * 4000, 3 * 4000, 2 * 4000, 4000]
     assert est.schedule_bubble == pytest.approx(bubble_formula("1f1b", 4, 16))
     assert est.bubble >= est.schedule_bubble  # P2P time can only add idle time
 

@@ -1,0 +1,208 @@
+"""What one micro-batch's forward keeps alive for its backward: the activation half of the cost model.
+
+Start at `kept_bytes`. An op's output costs memory after the forward only if
+something keeps it: an op that saves it for backward (a linear saves its input,
+a GELU its input, a softmax its own output), a recomputed region's checkpoint
+(which holds its inputs), or the pipeline (a stage holds what it sent until the
+backward comes back). An output that only flows into a residual add, a
+collective or a p=0 dropout is freed as soon as they ran. So, per node:
+
+- follow its uses through views, getitems and p=0 dropouts (aliases, no new
+  memory) to the ops that consume the data, and ask each whether it saves it;
+- count each distinct copy once. Under tensor parallelism the copy a column
+  layer saves is the one its input collective made (all-gathered under sequence
+  parallelism: the full sequence); under `precision bf16` the copy a matmul saves
+  is autocast's bf16 cast of an fp32 input;
+- add what ops keep besides their inputs: attention's log-sum-exp, layer norm's
+  mean and reciprocal std, cross-entropy's log-softmax, a dropout's mask, and
+  under bf16 autocast's bf16 copy of each weight a matmul reads (cached for the
+  forward, saved by the matmul for its input gradient).
+
+Sizes: a value of the tp-sharded core (between a column and a row layer) is
+1/tp per rank; a value of the replicated region is 1/tp under sequence
+parallelism (a slice of the sequence), else full. `tests/test_report_memory.py`
+holds the result to what a run keeps, measured by runtime/memory.py.
+
+Under `recompute`, what a recomputed module's nodes keep for each other is not
+kept: it is that module's working set, rebuilt in backward; the largest one per
+stage is reported as the recompute peak.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch.fx as fx
+
+# matmul-like ops autocast runs in bf16 (runtime/precision.py); their outputs are bf16
+LOWERED = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.matmul.", "aten.baddbmm.",
+           "aten.scaled_dot_product_attention.", "aten.conv")
+# ops autocast keeps in fp32
+FP32 = ("aten.layer_norm.", "aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.",
+        "aten.cross_entropy_loss.", "aten.nll_loss", "aten.rms_norm.", "parc.vocab_parallel_cross_entropy.")
+VIEWS = ("view", "reshape", "expand", "permute", "transpose", "t.default", "slice", "select", "alias",
+         "detach", "unsqueeze", "squeeze", "split", "chunk", "unbind", "as_strided", "_unsafe_view")
+# consumers whose backward needs none of their tensor inputs
+NO_SAVE = ("aten.add.", "aten.sub.", "aten.cat.", "aten.clone.", "aten._to_copy.", "aten.neg.", "aten.sum.",
+           "aten.mean.", "aten.embedding.", "aten.cross_entropy_loss.", "parc.identity_allreduce.",
+           "parc.allreduce_identity.", "parc.allgather_reducescatter.", "parc.reducescatter_allgather.",
+           "parc.split_allgather.", "parc.tp_rng_enter.", "parc.tp_rng_exit.", "parc.vocab_parallel_cross_entropy.")
+SAVES_OUTPUT = ("aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.", "aten.relu.",
+                "aten.tanh.", "aten.sigmoid.", "aten.exp.", "aten.scaled_dot_product_attention.")
+# ops that multiply by a python number save nothing; by a tensor, the other operand
+SCALAR_FREE = ("aten.mul.", "aten.div.")
+
+
+def _name(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_function" else n.op
+
+
+def _is(n: fx.Node, names) -> bool:
+    t = _name(n)
+    return any(t.startswith(x) or x in t for x in names)
+
+
+def _numel(n) -> int:
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return math.prod(val.shape) if hasattr(val, "shape") else 0
+
+
+def is_alias(n: fx.Node) -> bool:
+    """A node whose output is its input's memory: a view, a getitem, a p=0 or eval dropout."""
+    if n.target is operator.getitem or _is(n, VIEWS):
+        return True
+    if "aten.dropout." in _name(n):
+        p = n.args[1] if len(n.args) > 1 else 0.0
+        train = n.args[2] if len(n.args) > 2 else True
+        return p == 0 or not train
+    return False
+
+
+def _saves(c: fx.Node, value: fx.Node) -> bool:
+    """Does consumer `c` save `value` (one of its inputs) for backward?"""
+    if c.op != "call_function":
+        return False
+    if _is(c, NO_SAVE):
+        return False
+    if _is(c, SCALAR_FREE):
+        return any(isinstance(a, fx.Node) and a is not value for a in c.args)
+    return True
+
+
+def _consumers(n: fx.Node) -> list[fx.Node]:
+    """The ops that read `n`'s memory: users, looking through aliases."""
+    out, todo = [], list(n.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "call_function" and is_alias(u):
+            todo.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+def _aux(n: fx.Node) -> int:
+    """Elements an op keeps besides its inputs and output (all fp32)."""
+    if _is(n, ("aten.scaled_dot_product_attention.",)):
+        return _numel(n) // n.args[0].meta["val"].shape[-1]   # log-sum-exp: (B, nh, T)
+    if _is(n, ("aten.layer_norm.",)):
+        return 2 * _numel(n) // math.prod(n.args[1])          # mean, rstd: one per normalized row
+    if _is(n, ("aten.rms_norm.",)):
+        return _numel(n) // n.meta["val"].shape[-1]
+    if _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy.")):
+        return _numel(n.args[0])                               # the (N, V) log-softmax
+    if "aten.dropout." in _name(n) and not is_alias(n):
+        return _numel(n)                                       # the mask
+    return 0
+
+
+def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
+               bf16: bool, n_stages: int) -> list[dict]:
+    """Per stage: bytes one micro-batch keeps after its forward, and the largest recomputed working set.
+
+    Returns [{"kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"}] in bytes; a
+    `sharded` figure is for all tp ranks together (a rank holds 1/tp of it).
+    """
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    size = _dtype_sizes(nodes, bf16)
+    out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"), 0)
+           for _ in range(n_stages)]
+    working: dict[tuple[str, int], list[int]] = {}  # (recompute instance, stage) -> [sharded, replicated]
+
+    def own_scale(n) -> str:
+        return "sharded" if sharded_of.get(n) or (tp > 1 and sequence_parallel) else "replicated"
+
+    for n in nodes:
+        if is_alias(n) or not _numel(n):
+            continue
+        s, inst = stage_of(n), instance_of(n)
+        copies: set[tuple] = set()   # (stage, scale, bytes per element, which copy)
+        if _is(n, SAVES_OUTPUT):
+            copies.add((s, own_scale(n), size[n], "own" if inst is None else "region"))
+        for c in _consumers(n):
+            if c.op == "output":
+                continue
+            cs, cinst = stage_of(c), instance_of(c)
+            if cs != s:  # the sender holds what it sent, the receiver its buffer, until the backward
+                copies.add((s, own_scale(n), size[n], "own"))
+                copies.add((cs, own_scale(n), size[n], "own"))
+            if cinst is not None and cinst != inst:
+                copies.add((cs, own_scale(n), size[n], "own"))     # a checkpoint holds its inputs
+                continue
+            if not _saves(c, n):
+                continue
+            if inst is not None and cinst == inst:
+                copies.add((cs, own_scale(n), size[n], "region"))  # rebuilt in backward
+                continue
+            core = tp > 1 and sharded_of.get(c) and not sharded_of.get(n)
+            scale = "replicated" if core else own_scale(n)         # the gathered copy is the full sequence
+            cast = bf16 and _is(c, LOWERED) and size[n] == 4
+            copies.add((cs, scale, 2 if cast else size[n], "gathered" if core else "cast" if cast else "own"))
+        aux = _aux(n) * 4
+        if aux:  # a cross-entropy's log-softmax has its logits' layout (vocab-parallel: 1/tp)
+            ce = _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy."))
+            copies.add((s, own_scale(n.args[0] if ce else n), 0, "aux"))
+        for cs, scale, b, which in copies:
+            nbytes = aux if which == "aux" else _numel(n) * b
+            if which == "region" or (inst is not None and which == "aux"):
+                w = working.setdefault((inst, cs), [0, 0])
+                w[0 if scale == "sharded" else 1] += nbytes
+            else:
+                out[cs][f"kept_{scale}"] += nbytes
+    if bf16:  # autocast casts each weight a matmul reads to bf16 once per forward; the matmul saves it
+        for p in gm.graph.nodes:
+            if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
+                continue
+            for c in {c for c in _consumers(p) if c.op == "call_function" and _is(c, LOWERED)}:
+                out[stage_of(c)]["kept_sharded" if sharded_of.get(c) else "kept_replicated"] += _numel(p) * 2
+                break
+    for (_, s), (sh, rep) in working.items():
+        if sh / tp + rep > out[s]["peak_sharded"] / tp + out[s]["peak_replicated"]:
+            out[s]["peak_sharded"], out[s]["peak_replicated"] = sh, rep
+    return out
+
+
+def _dtype_sizes(nodes: list[fx.Node], bf16: bool) -> dict[fx.Node, int]:
+    """Bytes per element of each node's output as the runtime computes it (autocast under bf16)."""
+    size: dict[fx.Node, int] = {}
+
+    def of(a) -> int:
+        if a in size:
+            return size[a]
+        val = a.meta.get("val")
+        return val.element_size() if hasattr(val, "element_size") else 4
+
+    for n in nodes:
+        val = n.meta.get("val")
+        native = val.element_size() if hasattr(val, "element_size") else 4
+        if not bf16 or not getattr(val, "is_floating_point", lambda: False)():
+            size[n] = native
+        elif _is(n, LOWERED):
+            size[n] = 2
+        elif _is(n, FP32):
+            size[n] = 4
+        else:  # elementwise: type promotion of its float tensor inputs
+            ins = [of(a) for a in n.all_input_nodes if getattr(a.meta.get("val"), "is_floating_point", lambda: False)()]
+            size[n] = max(ins) if ins else native
+    return size

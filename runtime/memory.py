@@ -1,0 +1,97 @@
+"""Measured memory of one rank, by kind, to hold `parc report` to account (tests/test_report_memory.py).
+
+Start at `ActivationProbe`. A CPU has no allocator statistics to read, so the
+probe measures activations as what they are: the tensors a forward creates that
+are still alive when it ends, because autograd saved them for backward or the
+pipeline holds them to send and to backpropagate through. While tracking, a
+dispatch mode keeps a weak reference to every tensor an op returns, and a
+saved-tensor hook keeps one to every tensor autograd saves (a custom op may save
+a tensor it made internally, which the dispatch mode does not see). `sample()`
+sums the distinct storages still alive, leaving out the rank's state (weights,
+gradients, optimizer) and the step's batch (a micro-batch is a slice of it, so
+a target that the loss saves would keep the whole batch alive). A weak reference dies exactly when the tensor is freed:
+PyTorch keeps a tensor's Python object alive while C++ (a saved variable) holds it.
+
+`held_state` counts the state the same way, from the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def storage_bytes(tensors, exclude: frozenset[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind `tensors`, leaving out storages at the `exclude` addresses."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class ActivationProbe(TorchDispatchMode):
+    """Peak bytes of live forward-created tensors, sampled after each forward (`sample`)."""
+
+    def __init__(self, state: list[torch.Tensor]):
+        super().__init__()
+        self._state = state
+        self._inputs: set[int] = set()
+        self._refs: list[weakref.ref] = []
+        self.peak = 0
+
+    def ignore(self, tensors) -> None:
+        """Leave out the storages of `tensors`: the step's batch, which the model's cost does not count."""
+        self._inputs |= {t.untyped_storage().data_ptr() for t in tensors}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def _saved(self, t: torch.Tensor) -> torch.Tensor:
+        self._refs.append(weakref.ref(t))
+        return t
+
+    @contextlib.contextmanager
+    def tracking(self):
+        """Around one forward: track what it creates and what autograd saves."""
+        with torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t), self:
+            yield
+
+    def sample(self) -> int:
+        """Live tracked bytes now (state excluded); updates and returns the running peak's sample."""
+        alive = [t for t in (r() for r in self._refs) if t is not None]
+        self._refs = [weakref.ref(t) for t in alive]
+        exclude = frozenset(t.untyped_storage().data_ptr() for t in self._state_tensors()) | self._inputs
+        now = storage_bytes(alive, exclude)
+        self.peak = max(self.peak, now)
+        return now
+
+    def _state_tensors(self):
+        for p in self._state:
+            yield p
+            if p.grad is not None:
+                yield p.grad
+
+
+def held_state(trainer) -> dict[str, int]:
+    """Bytes of the state a rank keeps between steps: trainable weights, gradients, optimizer state.
+
+    Adam's per-tensor `step` counters are 0-dim tensors, a few bytes outside every
+    memory formula: they are left out. Measure after a step, when every buffer exists.
+    """
+    if trainer.zero is not None:
+        held = trainer.zero.held()
+        params, grads, opt = held["params"], held["grads"], held["optimizer"]
+    else:
+        params = [p.detach() for p in trainer.params.values()]
+        grads = [p.grad for p in trainer.params.values() if p.grad is not None]  # views of the flat buckets
+        opt = [v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads),
+            "optimizer": storage_bytes([t for t in opt if t.dim() > 0])}

@@ -1,0 +1,114 @@
+"""`parc report`'s memory figures against what every example plan really holds, rank by rank.
+
+For each plan in examples/, the report's per-rank rows (parc/cost.py) are held to
+a run of that plan on CPU ranks (runtime/memory.py):
+
+- state: weights, gradients and optimizer state, counted from the tensors each
+  rank keeps after a step. They must equal the prediction exactly;
+- activations: the peak bytes a rank keeps alive for backward, sampled after
+  each forward, over the in-flight micro-batches its schedule holds. They must
+  be within 10% of the prediction's kept activations.
+
+The report's recompute peak (the working set one recomputed module rebuilds
+in backward) is not part of what is measured: it exists only inside backward,
+next to gradient buffers the report does not model, so it is checked in
+tests/test_recompute.py by how much less a forward keeps, not here.
+
+Plans of one world size train in one spawned world (`_measure_many`), and the
+same runs are checked against the serial model: what is measured is a plan
+training correctly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from helpers import GPT, ROOT
+from parc import artifact, report
+from parc.compiler import compile_model
+from parc.frontend import load_plan
+from parc.runtime.context import ParallelContext
+from parc.runtime.launch import spawn
+from parc.runtime.memory import ActivationProbe, held_state
+from parc.runtime.train import Trainer
+from parc.runtime.verify import compare, train_serial
+from parc.trace import load_user_module
+
+EXAMPLES = ("dp", "tp", "pp", "zero", "3d")
+# The cost model sizes what each op saves from its traced shapes and dtypes; what
+# it leaves out is small (int64 position ids, a 0-dim loss). Across the examples
+# it is within 3.3% of the measured; 10% is the issue's bound.
+ACTIVATION_TOL = 0.10
+
+
+def _measure_many(ctx, compiled: list[str]) -> list[list[dict]] | None:
+    """Per plan: every rank's measured state bytes and activation peak (on rank 0)."""
+    out = []
+    for root in compiled:
+        art = artifact.load(Path(root))
+        pctx = ParallelContext.create(art.plan)
+        trainer = Trainer(art, pctx, load_user_module(art.root / "model" / "model.py"), seed=0)
+        local = [trainer.step(0).loss]  # every gradient and optimizer buffer now exists
+        trainer.probe = ActivationProbe(trainer.state)
+        local.append(trainer.step(1).loss)
+        mine = {"rank": ctx.rank, "pp": pctx.coord["pp"], "activations": trainer.probe.peak, **held_state(trainer)}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        losses, state = trainer.global_losses(local), trainer.gathered_state()
+        out.append({"ranks": ranks, "losses": losses, "state": state})
+    return out if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report_memory")
+    compiled, by_world = {}, {}
+    for name in EXAMPLES:
+        plan = load_plan(ROOT / "examples" / f"{name}.par")
+        compiled[name] = compile_model(GPT, plan, tmp / name).out_dir
+        by_world.setdefault(plan.mesh.world_size, []).append(name)
+    runs = {}
+    for world, names in by_world.items():
+        results = spawn(world, _measure_many, [str(compiled[n]) for n in names], timeout=600)[0]
+        runs.update(zip(names, results))
+    return {name: (report.build(compiled[name]), runs[name]["ranks"], runs[name], compiled[name])
+            for name in EXAMPLES}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_state_memory_equals_report_exactly(measured, name):
+    rep, ranks, _, _ = measured[name]
+    rows = rep["memory"]["per_pp_rank"]
+    for r in ranks:
+        row = rows[r["pp"]]
+        assert (r["params"], r["grads"], r["optimizer"]) == \
+            (row["params_bytes"], row["grads_bytes"], row["optimizer_bytes"]), (name, r, row)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_activation_memory_within_10_percent(measured, name):
+    rep, ranks, _, _ = measured[name]
+    rows = rep["memory"]["per_pp_rank"]
+    for r in ranks:
+        predicted = rows[r["pp"]]["activations_kept_bytes"]
+        assert abs(predicted - r["activations"]) <= ACTIVATION_TOL * r["activations"], (name, r, predicted)
+        # the total the report prints is the kept part plus the recompute peak, nothing else
+        row = rows[r["pp"]]
+        assert abs(row["activations_bytes"] - predicted - row["recompute_peak_bytes"]) <= 1  # rounding
+
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_measured_runs_match_serial(measured, name):
+    """The runs measured above are the plans training correctly (pp.par and 3d.par recompute)."""
+    _, _, run, root = measured[name]
+    art = artifact.load(root)
+    serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
+    verdict = compare(run["losses"], serial_losses, run["state"], serial_state)
+    # fp32: 1e-4, as every equivalence test (runtime/verify.py explains it); bf16 (zero.par, serial
+    # also under autocast): 2e-3, as tests/test_precision.py
+    tol = 2e-3 if art.plan["plan"]["precision"] == "bf16" else 1e-4
+    assert verdict.loss_rel < tol and verdict.param_rel < tol, verdict.render()
