@@ -63,9 +63,19 @@ def cmd_check(args) -> int:
 
 
 def _review(plan, args, traced) -> list[Diagnostic]:
-    """Topology, schedule and (with the model) memory checks: parc/review.py; errors raise."""
-    from parc.errors import PlanError
+    """What `parc compile` would refuse (parc/support.py, precision), then topology, schedule and (with the
+    model) memory checks (parc/review.py). Every error is collected, then raised together."""
+    from parc import support
+    from parc.errors import ParcError, PlanError
     from parc.review import review
+    from parc.runtime import precision
+
+    refused: list[Diagnostic] = []
+    for check in (precision.check_supported, support.check):
+        try:
+            check(plan)
+        except ParcError as e:
+            refused += e.diagnostics
 
     stats = None
     if traced is not None:
@@ -75,7 +85,7 @@ def _review(plan, args, traced) -> list[Diagnostic]:
         virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
         assign_stages(traced, plan, plan.mesh.pp * virtual)
         stats = cost.graph_stats(traced, plan)
-    diags = review(plan, world_size=args.world_size, stats=stats, preset=args.preset)
+    diags = refused + review(plan, world_size=args.world_size, stats=stats, preset=args.preset)
     if any(d.severity == "error" for d in diags):
         raise PlanError(diagnostics=diags)
     return diags

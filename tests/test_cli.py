@@ -52,6 +52,16 @@ def test_plan_errors_exit_2_without_traceback(tmp_path):
     assert "bad.par:2:" in r.stderr  # the seed's batch arithmetic
 
 
+
+def test_check_reports_what_compile_would_refuse(tmp_path):
+    """`parc check` lists the runtime's refusals (parc/support.py, fp16) with the plan's other errors."""
+    plan = tmp_path / "refused.par"
+    plan.write_text('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n')
+    r = _run([sys.executable, "-m", "parc.cli", "check", str(plan)], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "refused.par:4:11: error: recompute with zero stage=3" in r.stderr
+    assert "refused.par:5:11: error: precision fp16" in r.stderr
+
 def test_help_explains_the_commands():
     r = _run([sys.executable, "-m", "parc.cli", "--help"], ROOT)
     assert r.returncode == 0 and "compile" in r.stdout and "check" in r.stdout
