@@ -72,7 +72,7 @@ def _regions(names: dict) -> list[str]:
         out.append(f"def {name}(*args):\n"
                    f'    """{inst}: keeps only its inputs in forward and runs again in backward."""\n'
                    f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False{stop})")
-        out.append(_flat(body.graph.python_code(root_module="self").src, inner))
+        out.append(_flat(body.python_code(root_module="self").src, inner))
     return out
 
 

@@ -39,7 +39,7 @@ from parc.errors import TraceError
 from parc.trace import module_path
 
 NAME = "recompute"
-REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body GraphModule)}
+REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body fx.Graph)}
 
 
 def instance(path: str, patterns) -> str | None:
@@ -71,19 +71,23 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     return gm
 
 
-def early_stop(body: fx.GraphModule) -> bool:
+def early_stop(body: fx.Graph) -> bool:
     """Whether backward may stop re-running the region at its last saved value (torch's default).
     Not with tp dropout streams: their enter/exit pair on a stack (runtime/ops.py), and a recompute
     stopped between the two leaves an enter's saved generator state there, one per region per backward."""
-    return not any(str(n.target).startswith("parc.tp_rng_") for n in body.graph.nodes)
+    return not any(str(n.target).startswith("parc.tp_rng_") for n in body.nodes)
 
 
-def region_function(inst: str, body: fx.GraphModule):
-    """The callable a region's call node targets: checkpoint(body). FX prints it as `recompute_<inst>`."""
-    stop = early_stop(body)
+def region_function(inst: str, body: fx.Graph):
+    """The callable a region's call node targets: checkpoint(body). FX prints it as `recompute_<inst>`.
+    The runtime runs the generated program's text; in-process, the body's module is built on first call
+    (building one per region eagerly costs a recompile each, seconds for a GPT-3-sized plan)."""
+    stop, module = early_stop(body), []
 
     def fn(*args):
-        return checkpoint(body, *args, use_reentrant=False, early_stop=stop)
+        if not module:
+            module.append(fx.GraphModule(torch.nn.Module(), body))
+        return checkpoint(module[0], *args, use_reentrant=False, early_stop=stop)
     fn.__name__ = fn.__qualname__ = inst.replace(".", "_")
     fn.__module__ = "recompute"
     fn.parc_region = (inst, body)
@@ -119,7 +123,7 @@ def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node]) -> None:
     for n in nodes:
         env[n] = body.node_copy(n, lambda x: env[x])
     body.output(tuple(env[o] for o in outputs))
-    fn = region_function(inst, fx.GraphModule(torch.nn.Module(), body))
+    fn = region_function(inst, body)
 
     with graph.inserting_before(first):
         call = graph.call_function(fn, tuple(inputs))
