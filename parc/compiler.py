@@ -181,6 +181,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                 "rewrites": dict(sorted(ctx.rewrites.items())),
                 "tp_partial_grads": ctx.notes.get("tp_partial_grads", []),  # passes/tensor_parallel.py
                 "zero": ctx.notes.get("zero"),  # ZeRO partition table (passes/zero.py); None at stage 0
+                "recompute": ctx.notes.get("recompute", []),  # checkpointed module instances (passes/recompute.py)
             }
             if n_stages > 1:
                 programs[name].update(recv=split["recv"], send=split["send"], last=split["last"])

@@ -241,6 +241,10 @@ def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
                 lines = [name] + [f"{op} × {n}" for op, n in sorted(calls.items())] or [name]
                 if not calls:
                     lines.append("(no collectives)")
+                recomputed = pj["programs"][name].get("recompute") or []
+                if recomputed:
+                    lines.append(f"recomputed: {recomputed[0]} … {recomputed[-1]} ({len(recomputed)})"
+                                 if len(recomputed) > 1 else f"recomputed: {recomputed[0]}")
                 c.node(name, "\\n".join(lines))
     for s, names in sorted(by_stage.items()):
         nxt = by_stage.get(s + 1)

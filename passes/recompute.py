@@ -66,7 +66,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     for inst, nodes in regions.items():
         _cut_out(gm, inst, nodes)
         ctx.count(NAME)
-    ctx.notes["recompute"] = sorted(regions)
+    ctx.notes["recompute"] = list(regions)  # graph order
     gm.graph.lint()
     return gm
 

@@ -25,6 +25,7 @@ tensor_parallel {
     "blocks.*.mlp.proj"  : row
 }
 pipeline schedule=1f1b stages=auto
+recompute "blocks.*"
 """
 
 
@@ -55,6 +56,7 @@ def test_viz_cli_writes_all_drawings(compiled, tmp_path, capsys):
     stages = " ".join(_texts(tmp_path / "stages.svg"))
     assert "stage0_tp0" in stages and "stage1_tp1" in stages
     assert "allreduce" in stages or "reduce" in stages  # the TP collectives the programs call
+    assert "recomputed: blocks.0 … blocks.1 (2)" in stages and "recomputed: blocks.2 … blocks.3 (2)" in stages
 
 
 def test_simulated_trace_round_trips_through_the_trace_format(compiled, tmp_path):
