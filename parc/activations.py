@@ -16,7 +16,8 @@ collective or a p=0 dropout is freed as soon as they ran. So, per node:
 - add what ops keep besides their inputs: attention's log-sum-exp, layer norm's
   mean and reciprocal std, cross-entropy's log-softmax, a dropout's mask, and
   under bf16 autocast's bf16 copy of each weight a matmul reads (cached for the
-  forward, saved by the matmul for its input gradient).
+  forward, saved by the matmul for its input gradient; made once per step for
+  weights only matmuls read, see `autocast_weights`).
 
 Sizes: a value of the tp-sharded core (between a column and a row layer) is
 1/tp per rank; a value of the replicated region is 1/tp under sequence
@@ -118,16 +119,18 @@ def _aux(n: fx.Node) -> int:
 
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
-               bf16: bool, n_stages: int) -> list[dict]:
-    """Per stage: bytes one micro-batch keeps after its forward, and the largest recomputed working set.
+               bf16: bool, n_stages: int, step_casts: bool = True) -> list[dict]:
+    """Per stage: bytes one micro-batch keeps after its forward, the largest recomputed working set, and
+    (bf16) the bf16 weight copies made once per step (`step_casts`: not under ZeRO-3, whose gathered
+    weights autocast casts at each use).
 
-    Returns [{"kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"}] in bytes; a
-    `sharded` figure is for all tp ranks together (a rank holds 1/tp of it).
+    Returns [{"kept_*", "peak_*", "casts_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
+    for all tp ranks together (a rank holds 1/tp of it).
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     size = _dtype_sizes(nodes, bf16)
-    out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"), 0)
-           for _ in range(n_stages)]
+    out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated", "casts_sharded",
+                          "casts_replicated"), 0) for _ in range(n_stages)]
     working: dict[tuple[str, int], list[int]] = {}  # (recompute instance, stage) -> [sharded, replicated]
 
     def own_scale(n) -> str:
@@ -170,16 +173,36 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
                 w[0 if scale == "sharded" else 1] += nbytes
             else:
                 out[cs][f"kept_{scale}"] += nbytes
-    if bf16:  # autocast casts each weight a matmul reads to bf16 once per forward; the matmul saves it
+    if bf16:  # the bf16 copy of each weight a matmul reads, saved by the matmul for its input gradient
+        once = autocast_weights(gm) if step_casts else set()
         for p in gm.graph.nodes:
             if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
                 continue
-            for c in {c for c in _consumers(p) if c.op == "call_function" and _is(c, LOWERED)}:
-                out[stage_of(c)]["kept_sharded" if sharded_of.get(c) else "kept_replicated"] += _numel(p) * 2
-                break
+            c = next((c for c in _consumers(p) if c.op == "call_function" and _is(c, LOWERED)), None)
+            if c is not None:  # one per step (runtime/precision.py StepCasts), else one per forward
+                key = ("casts" if p.name in once else "kept") + ("_sharded" if sharded_of.get(c) else "_replicated")
+                out[stage_of(c)][key] += _numel(p) * 2
     for (_, s), (sh, rep) in working.items():
         if sh / tp + rep > out[s]["peak_sharded"] / tp + out[s]["peak_replicated"]:
             out[s]["peak_sharded"], out[s]["peak_replicated"] = sh, rep
+    return out
+
+
+def autocast_weights(gm: fx.GraphModule) -> set[str]:
+    """Placeholders of trainable weights that only autocast-lowered ops (matmuls) read.
+
+    Under bf16 the runtime casts these once per step (runtime/precision.py StepCasts):
+    exactly the cast autocast would make, since autocast casts every input of a
+    lowered op. A weight anything else reads (an embedding, a layer norm, a tied
+    embedding + head) stays fp32 for autocast to cast at each use.
+    """
+    out = set()
+    for p in gm.graph.nodes:
+        if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
+            continue
+        users = _consumers(p)
+        if users and all(c.op == "call_function" and _is(c, LOWERED) for c in users):
+            out.add(p.name)
     return out
 
 

@@ -145,10 +145,12 @@ def graph_stats(traced, plan) -> dict:
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
         instance_of=lambda n: instance(path_of.get(n, ""), patterns) if patterns else None,
-        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32")
+        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
+        step_casts=plan.zero.stage < 3)
     for d, k in zip(stages, kept):
-        d.update({f"kept_bytes_{t}": k[f"kept_{t}"] for t in ("sharded", "replicated")},
-                 **{f"recompute_peak_bytes_{t}": k[f"peak_{t}"] for t in ("sharded", "replicated")})
+        for t in ("sharded", "replicated"):
+            d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"],
+                      f"weight_casts_bytes_{t}": k[f"casts_{t}"]})
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -288,13 +290,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
         kept = sum(per_tp(d, "kept_bytes") for d in held) / len(held)
         rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
-        act = kept * inflight[r] + rpeak
+        casts = sum(d.get("weight_casts_bytes_sharded", 0) / tp + d.get("weight_casts_bytes_replicated", 0)
+                    for d in held)  # bf16 weight copies, once per step: not per micro-batch in flight
+        act = kept * inflight[r] + casts + rpeak
         memory.append({"pp_rank": r, "params_count": params,
                        "params": params * pb / (dp if z >= 3 else 1),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
                        "activations": act, "inflight": inflight[r],
-                       "activations_kept": kept * inflight[r], "recompute_peak": rpeak})
+                       "activations_kept": kept * inflight[r] + casts, "recompute_peak": rpeak})
     for row in memory:
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
 

@@ -321,7 +321,7 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
         state = trainer.state[offset:offset + n]
         offset += n
         fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
-        fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device)  # bf16: autocast around each stage
+        fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device, trainer.casts)  # bf16: autocast
         stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
                                       prog["recv"], prog["send"], prog["last"])
     schedule = Schedule.from_json(plan["schedule"])

@@ -11,6 +11,15 @@
 - fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
   scaling, which parc does not implement; silently training in fp32 would lie.
 
+Weights that only matmuls read (the compiler marks them `"autocast_weight"` in
+plan.json; parc/activations.py `autocast_weights`) are cast to bf16 once per step
+by `StepCasts`, not by autocast once per micro-batch forward: autocast's cast cache
+lives for one forward, and each matmul saves the copy it used, so a pipeline rank
+with p micro-batches in flight held p bf16 copies of its weights. The one copy is
+the same `to(bfloat16)` autocast would have made, so the numbers do not change;
+its gradient flows back into the fp32 weight through the cast, in every
+micro-batch's backward. `Trainer.step` clears the copies after the last backward.
+
 The wrapper is applied where a program is loaded (runtime/train.py,
 runtime/pipeline.py), and the serial reference (runtime/verify.py) uses the same
 `autocast`, so --verify compares bf16 with bf16.
@@ -45,8 +54,34 @@ def autocast(precision: str, device) -> contextlib.AbstractContextManager:
     return torch.autocast(torch.device(device).type, dtype=_DTYPES[precision])
 
 
-def wrap(forward, precision: str, device):
-    """`forward` run under `precision`'s autocast; its low-precision float outputs are returned as fp32.
+class StepCasts:
+    """One bf16 copy per step of each weight only matmuls read (see the module docstring)."""
+
+    def __init__(self, tensors, dtype: torch.dtype = torch.bfloat16):
+        self._ids = {id(t) for t in tensors}
+        self._dtype = dtype
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def __call__(self, args: tuple) -> tuple:
+        return tuple(self._cast(a) if id(a) in self._ids else a for a in args)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        c = self._cache.get(id(t))
+        if c is None:
+            c = self._cache[id(t)] = t.to(self._dtype)  # differentiable: grads reach the fp32 weight
+        return c
+
+    def clear(self) -> None:
+        """After the step's last backward: the weights are about to change."""
+        self._cache.clear()
+
+
+def wrap(forward, precision: str, device, casts: StepCasts | None = None):
+    """`forward` run under `precision`'s autocast; its low-precision float outputs are returned as fp32;
+    `casts` replaces the weights it covers by their bf16 copies of this step.
 
     Why cast outputs back: a pipeline stage's outputs are sent into receive buffers
     allocated with the traced (fp32) dtype, and the loss is reported and verified in
@@ -59,6 +94,8 @@ def wrap(forward, precision: str, device):
 
     @functools.wraps(forward)
     def run(*args):
+        if casts:
+            args = casts(args)
         with autocast(precision, device):
             out = forward(*args)
         return tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == low else o for o in out)

@@ -55,10 +55,12 @@ class Trainer:
         if self.pp > 1:  # every stage program of this rank: one state list, stage after stage
             self.entry = pipeline.merged_entry(plan, ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
-        self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device)  # bf16: autocast
         reference = build_reference(user, seed)
         self.state = materialize(self.entry["state"], reference, ctx.device)
         del reference
+        self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
+            [t for e, t in zip(self.entry["state"], self.state) if e.get("autocast_weight")])
+        self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
         ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/ops.py resolves them to groups
         self.tp_partial = [self.params[n] for n in self.entry.get("tp_partial_grads", []) if n in self.params]
@@ -121,6 +123,7 @@ class Trainer:
                     (loss / self.accumulation).backward()
                     total += loss.detach()
             self.buckets.finish()
+        self.casts.clear()
         self._complete_grads()
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
