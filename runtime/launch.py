@@ -37,9 +37,9 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
     import torch
     import torch.distributed as dist
 
-    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(env)  # after: a test may pose as several hosts (LOCAL_WORLD_SIZE)
     torch.set_num_threads(1)  # several ranks share two cores: oversubscription only slows them
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,9 +1,10 @@
 """Materialize a program's state inputs on this rank from the user's model.
 
-Every rank builds the full model on CPU under the same seed — so every rank, and
-the serial reference, starts from the same weights — then keeps only its shard
-of each tensor (plan.json's `shard`: a slice of `dim` into `parts` equal parts)
-and moves it to the rank's device. Parameters become leaf tensors that require
+One rank per host builds the full model on CPU under the seed — so every rank,
+and the serial reference, starts from the same weights — and sends every other
+rank of its host that rank's shard of each tensor (plan.json's `shard`: a slice
+of `dim` into `parts` equal parts), on the rank's device (`load_state`). A host
+holds one full model while the ranks start, not one per rank. Parameters become leaf tensors that require
 grad; buffers and constants do not. A tensor the model creates inside forward
 from data (`torch.tensor(2.0)`) has no FQN in the model: its value travels in
 plan.json (`value`), written by the compiler from the trace.
@@ -11,7 +12,11 @@ plan.json (`value`), written by the compiler from the trace.
 
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
+import torch.distributed as dist
 
 from parc.trace import get
 
@@ -49,5 +54,37 @@ def materialize(entries: list[dict], model: torch.nn.Module, device: torch.devic
         if tuple(t.shape) != tuple(e["shape"]):
             raise RuntimeError(f"{e['fqn']}: model gives shape {tuple(t.shape)} but the program was compiled for "
                                f"{tuple(e['shape'])}; the model file changed since `parc compile`?")
+        out.append(t.requires_grad_(e["kind"] == "param" and e["requires_grad"]))
+    return out
+
+
+def host_ranks(rank: int, world: int) -> list[int]:
+    """The ranks on this rank's host: torchrun numbers them contiguously, LOCAL_WORLD_SIZE to a host
+    (unset, as under tests' `spawn`: one host)."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    first = rank - rank % per_host
+    return list(range(first, min(first + per_host, world)))
+
+
+def load_state(entries_of: Callable[[int], list[dict]], rank: int, world: int, user, seed: int,
+               device: torch.device) -> list[torch.Tensor]:
+    """This rank's state (`entries_of(r)`: rank r's state entries). The host's first rank builds the
+    model and sends each other rank of the host its shards, in entry order; they receive into buffers
+    of the compiled shapes. Collective over the host's ranks."""
+    ranks = host_ranks(rank, world) if dist.is_available() and dist.is_initialized() else [rank]
+    if rank == ranks[0]:
+        model = build_reference(user, seed)
+        for r in ranks[1:]:
+            for e, t in zip(entries_of(r), materialize(entries_of(r), model, device)):
+                if "value" not in e:
+                    dist.send(t.detach().contiguous(), dst=r)
+        return materialize(entries_of(rank), model, device)
+    out = []
+    for e in entries_of(rank):
+        if "value" in e:
+            t = torch.tensor(e["value"], dtype=getattr(torch, e["dtype"]), device=device)
+        else:
+            t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
+            dist.recv(t, src=ranks[0])
         out.append(t.requires_grad_(e["kind"] == "param" and e["requires_grad"]))
     return out

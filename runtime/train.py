@@ -1,7 +1,7 @@
 """The training loop a rank runs under `torchrun -m parc.run`.
 
 Start here for the runtime. `Trainer` loads this rank's program from the
-artifact, materializes its state from the user's model (same seed everywhere),
+artifact, gets its state from the model built once per host under the seed (runtime/state.py),
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
@@ -25,7 +25,7 @@ from parc.runtime import pipeline
 from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
-from parc.runtime.state import build_reference, materialize, unshard
+from parc.runtime.state import load_state, unshard
 from parc.runtime import grad_norm, ops, precision, tensor_parallel
 
 
@@ -50,14 +50,11 @@ class Trainer:
         self.art, self.ctx, self.user = art, ctx, user
         plan = art.plan
         self.name = plan["ranks"][ctx.rank]["program"]
-        self.entry = plan["programs"][self.name]
         self.pp = plan["mesh"]["pp"]
-        if self.pp > 1:  # every stage program of this rank: one state list, stage after stage
-            self.entry = pipeline.merged_entry(plan, ctx.rank)
+        self.entry = self._entry_of(ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
-        reference = build_reference(user, seed)
-        self.state = materialize(self.entry["state"], reference, ctx.device)
-        del reference
+        self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
+                                ctx.device)  # one model built per host, shards sent to its ranks
         self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
             [t for e, t in zip(self.entry["state"], self.state) if e.get("autocast_weight")])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
@@ -88,6 +85,13 @@ class Trainer:
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
             self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
+
+    def _entry_of(self, rank: int) -> dict:
+        """Rank `rank`'s program entry; with pp, every stage program of the rank, one state list in stage order."""
+        plan = self.art.plan
+        if self.pp > 1:
+            return pipeline.merged_entry(plan, rank)
+        return plan["programs"][plan["ranks"][rank]["program"]]
 
     def before_grad(self, stage: int, last: bool) -> None:
         """Pipeline callback: a backward of `stage` is about to accumulate grads; `last` arms the dp sync."""
