@@ -42,7 +42,7 @@ def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimiz
 class StepResult:
     loss: torch.Tensor   # this rank's mean micro-batch loss, detached
     seconds: float
-    grad_norm: float | None = None  # the global norm before clipping (plans with `clip=` only)
+    grad_norm: torch.Tensor | None = None  # the global norm before clipping (plans with `clip=` only), 0-dim
 
 
 class Trainer:
@@ -131,7 +131,7 @@ class Trainer:
         self._complete_grads()
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
-            norm = self.clip(self.opt_cfg["grad_clip"]).item()
+            norm = self.clip(self.opt_cfg["grad_clip"])  # a tensor: reading it would sync the device
         self.optimizer.step()
         self.buckets.zero()
         return StepResult(total / self.accumulation, time.perf_counter() - t0, norm)

@@ -93,7 +93,7 @@ def _cases_body(ctx, roots: list[str]):
         results = [trainer.step(s) for s in range(STEPS)]
         losses = trainer.global_losses([r.loss for r in results])
         state = trainer.gathered_state()
-        out.append({"losses": losses, "norms": [r.grad_norm for r in results],
+        out.append({"losses": losses, "norms": [float(r.grad_norm) for r in results],
                     "state": state if ctx.rank == 0 else None})
     return out
 
