@@ -31,9 +31,7 @@ import operator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-from parc import activations
 from parc.errors import ParcError
-from parc.passes.recompute import instance
 
 GiB = 1024 ** 3
 
@@ -95,6 +93,7 @@ def graph_stats(traced, plan) -> dict:
     Reads the stage of each node from `meta["parc_stage"]` (set by
     pipeline_split.assign_stages; absent means stage 0).
     """
+    from parc import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
     from parc.trace import module_path
 
@@ -131,7 +130,7 @@ def graph_stats(traced, plan) -> dict:
         if n.target is operator.getitem or any(v in str(n.target) for v in activations.VIEWS):
             continue
         d[f"act_{tag}"] += _elements(n.meta.get("val"))
-        if patterns and instance(p, patterns) is not None:
+        if patterns and plan.recompute.instance(p) is not None:
             d["flops_recomputed"] += f
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
@@ -144,7 +143,7 @@ def graph_stats(traced, plan) -> dict:
         stages[key[1]]["tp_ops"] += 1
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
-        instance_of=lambda n: instance(path_of.get(n, ""), patterns) if patterns else None,
+        instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         step_casts=plan.zero.stage < 3)
     for d, k in zip(stages, kept):
@@ -274,10 +273,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         name = plan.pipeline.schedule if plan.pipeline else "1f1b"
         p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1)
         split = {"cost_i": t_b / 2, "cost_w": t_b / 2} if name == "zb_h1" else {}
-        sim = simulate(build_schedule(name, pp, acc, virtual), cost_f=t_f, cost_b=t_b, cost_comm=p2p.seconds,
+        schedule = build_schedule(name, pp, acc, virtual)
+        sim = simulate(schedule, cost_f=t_f, cost_b=t_b, cost_comm=p2p.seconds,
                        **split)
         makespan, bubble, inflight = sim.makespan, sim.bubble_fraction, sim.peak_inflight
-        sched_bubble = simulate(build_schedule(name, pp, acc, virtual), cost_f=t_f or 1.0, cost_b=t_b or 2.0,
+        sched_bubble = simulate(schedule, cost_f=t_f or 1.0, cost_b=t_b or 2.0,
                                 **split).bubble_fraction
     else:
         makespan, bubble, sched_bubble, inflight = acc * (t_f + t_b), 0.0, 0.0, [1]

@@ -12,6 +12,7 @@ no ZeRO, no pipeline, no tensor-parallel rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Literal
 
 from parc.errors import Span
@@ -103,6 +104,16 @@ class Zero:
 class Recompute:
     patterns: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False)
+
+    def instance(self, path: str) -> str | None:
+        """The outermost module on `path` a glob matches, e.g. `blocks.3` for "blocks.*"; None if none does.
+        A recomputed region is every node of one instance (passes/recompute.py)."""
+        parts = path.split(".") if path else []
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if any(fnmatchcase(prefix, p) for p in self.patterns):
+                return prefix
+        return None
 
 
 @dataclass(frozen=True)

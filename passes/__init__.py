@@ -14,9 +14,10 @@ import difflib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-import torch.fx as fx
+if TYPE_CHECKING:  # the report imports parc.passes.schedule without torch
+    import torch.fx as fx
 
 log = logging.getLogger("parc.passes")
 

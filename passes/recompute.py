@@ -42,24 +42,13 @@ NAME = "recompute"
 REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body fx.Graph)}
 
 
-def instance(path: str, patterns) -> str | None:
-    """The outermost module on `path` matched by a recompute glob, e.g. `blocks.3`; None if none is."""
-    parts = path.split(".") if path else []
-    for k in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:k])
-        if any(fnmatchcase(prefix, p) for p in patterns):
-            return prefix
-    return None
-
-
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    patterns = plan.recompute.patterns
-    if not patterns:
+    if not plan.recompute.patterns:
         return gm
     regions: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            inst = instance(module_path(n), patterns)
+            inst = plan.recompute.instance(module_path(n))
             if inst is not None:
                 regions.setdefault(inst, []).append(n)
     gm.meta[REGIONS] = {}
@@ -67,8 +56,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         _cut_out(gm, inst, nodes)
         ctx.count(NAME)
     ctx.notes["recompute"] = list(regions)  # graph order
-    gm.graph.lint()
-    return gm
+    return gm  # run_passes lints it
 
 
 def early_stop(body: fx.Graph) -> bool:

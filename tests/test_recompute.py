@@ -30,6 +30,7 @@ from parc.frontend import parse
 from parc.passes import PassCtx, recompute
 from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
+from parc.plan import Recompute
 from parc.runtime.state import build_reference, materialize
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
@@ -105,11 +106,13 @@ def test_no_recompute_line_is_a_noop(programs):
 
 
 def test_instance_is_the_outermost_matching_module():
-    assert recompute.instance("blocks.3.attn.qkv", ["blocks.*"]) == "blocks.3"
-    assert recompute.instance("blocks.3.attn.qkv", ["blocks.*.attn", "blocks.*"]) == "blocks.3"
-    assert recompute.instance("blocks.3.attn.qkv", ["blocks.*.attn"]) == "blocks.3.attn"
-    assert recompute.instance("lm_head", ["blocks.*"]) is None
-    assert recompute.instance("", ["blocks.*"]) is None
+    def instance(path, patterns):
+        return Recompute(tuple(patterns)).instance(path)
+    assert instance("blocks.3.attn.qkv", ["blocks.*"]) == "blocks.3"
+    assert instance("blocks.3.attn.qkv", ["blocks.*.attn", "blocks.*"]) == "blocks.3"
+    assert instance("blocks.3.attn.qkv", ["blocks.*.attn"]) == "blocks.3.attn"
+    assert instance("lm_head", ["blocks.*"]) is None
+    assert instance("", ["blocks.*"]) is None
 
 
 def _run(art, counting=None, saving=None):
