@@ -9,7 +9,6 @@ Target: parc/DDP ≤ 1.05.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from common import compile_plan, interleave, pair_args, report
 
@@ -21,20 +20,15 @@ optimizer adamw lr=3e-4
 
 
 def _body(ctx, compiled: str, rounds: int, steps: int):
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from parc import artifact
-    from parc.runtime.context import ParallelContext
     from parc.runtime.train import Trainer, make_optimizer
     from parc.runtime.state import build_reference
-    from parc.trace import load_user_module
 
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     user = trainer.user
     ddp = DDP(build_reference(user, 0))
-    opt = make_optimizer(list(ddp.parameters()), art.plan["plan"]["optimizer"])
+    opt = make_optimizer(list(ddp.parameters()), trainer.art.plan["plan"]["optimizer"])
     counter = {"parc": 0, "ddp": 0}
 
     def parc_step():

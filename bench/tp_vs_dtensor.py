@@ -18,7 +18,6 @@ Target: parc/DTensor ≤ 0.8.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from common import compile_plan, interleave, pair_args, report
 
@@ -59,17 +58,13 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from parc import artifact
-    from parc.runtime.context import ParallelContext
     from parc.runtime.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
-    from parc.trace import load_user_module
 
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     user = trainer.user
     model = _dtensor_model(build_reference(user, 0), ctx.world_size)
-    opt = make_optimizer(list(model.parameters()), art.plan["plan"]["optimizer"])
+    opt = make_optimizer(list(model.parameters()), trainer.art.plan["plan"]["optimizer"])
     counter = {"parc": 0, "dtensor": 0}
 
     def parc_step():

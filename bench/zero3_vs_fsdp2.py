@@ -9,7 +9,6 @@ Target: parc/FSDP2 ≤ 1.0.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from common import compile_plan, interleave, pair_args, report
 
@@ -26,21 +25,17 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from parc import artifact
-    from parc.runtime.context import ParallelContext
     from parc.runtime.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
-    from parc.trace import load_user_module
 
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     user = trainer.user
     model = build_reference(user, 0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = make_optimizer(list(model.parameters()), art.plan["plan"]["optimizer"])
+    opt = make_optimizer(list(model.parameters()), trainer.art.plan["plan"]["optimizer"])
     counter = {"parc": 0, "fsdp2": 0}
 
     def parc_step():

@@ -7,7 +7,7 @@ without a traceback. Messages show the arithmetic (`1024 ≠ 4 × 8 × 8 = 256`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 

@@ -71,11 +71,10 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from parc import artifact
-    from parc.runtime.context import ParallelContext, init_distributed
+    from parc.runtime.context import init_distributed
     from parc.runtime.metrics import Metrics
     from parc.runtime.train import Trainer
     from parc.runtime import verify as verifier
-    from parc.trace import load_user_module
 
     art = artifact.load(args.compiled)
     world = int(os.environ["WORLD_SIZE"])
@@ -88,9 +87,8 @@ def run(args: argparse.Namespace) -> int:
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     init_distributed(args.timeout)
-    ctx = ParallelContext.create(art.plan)
-    user = load_user_module(art.root / "model" / "model.py")
-    trainer = Trainer(art, ctx, user, args.seed)
+    trainer = Trainer.load(art, args.seed)
+    ctx, user = trainer.ctx, trainer.user
     if args.save_every and args.checkpoint_dir is None:
         raise LaunchError(f"--save-every {args.save_every} needs --checkpoint-dir DIR to write into")
     first = 0

@@ -29,7 +29,6 @@ both nodes, never a silently different program.
 from __future__ import annotations
 
 import operator
-from fnmatch import fnmatchcase
 
 import torch
 import torch.fx as fx
@@ -78,7 +77,7 @@ def region_function(inst: str, body: fx.Graph):
         return checkpoint(module[0], *args, use_reentrant=False, early_stop=stop)
     fn.__name__ = fn.__qualname__ = inst.replace(".", "_")
     fn.__module__ = "recompute"
-    fn.parc_region = (inst, body)
+    fn.parc_region = (inst, body, stop)  # parc/codegen.py writes the same call
     return fn
 
 
@@ -123,4 +122,4 @@ def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node]) -> None:
             o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
     for n in reversed(nodes):
         graph.erase_node(n)
-    gm.meta[REGIONS][fn.__name__] = (inst, fn.parc_region[1])
+    gm.meta[REGIONS][fn.__name__] = (inst, body)

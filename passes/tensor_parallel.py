@@ -48,7 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import ParcError
-from parc.passes.tp_layouts import SDPA, Layouts, Shard, shape
+from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
 from parc.trace import module_path
 
 aten = torch.ops.aten
@@ -340,9 +340,6 @@ def _as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
     _conv1d_as_linears(gm, rw)
 
 
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
-
 def _conv1d_as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
     """Rewrite HF's transposed `Conv1D` — `addmm(b, x, w)`, `mm(x, w)`, `matmul(x, w)` of an UNtransposed
     (in, out) parameter w — in a module a column/row/vocab rule names into `aten.linear(x, t(w), b)`. `t(w)` is
@@ -361,8 +358,8 @@ def _conv1d_as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
                 or (b is not None and not (isinstance(b, fx.Node) and shape(b) == (shape(w)[1],))):
             continue
         (n_in, n_out), out = shape(w), mm
-        if x.target in VIEW_OPS and len(x.users) == 1 and shape(x0 := x.args[0])[-1:] == (n_in,) \
-                and len(mm.users) == 1 and (v := next(iter(mm.users))).target in VIEW_OPS \
+        if x.target in VIEWS and len(x.users) == 1 and shape(x0 := x.args[0])[-1:] == (n_in,) \
+                and len(mm.users) == 1 and (v := next(iter(mm.users))).target in VIEWS \
                 and shape(v) == shape(x0)[:-1] + (n_out,):
             x, out = x0, v  # x.view(-1, in) → addmm → .view(*lead, out): one linear on x
         with gm.graph.inserting_before(mm):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,15 @@ class Trainer:
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
             self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
+
+    @classmethod
+    def load(cls, art: Artifact | str | Path, seed: int = 0) -> Trainer:
+        """This rank's trainer for a compiled/ directory (or a loaded artifact); the process group is up."""
+        from parc import artifact
+        from parc.trace import load_user_module
+
+        art = art if isinstance(art, Artifact) else artifact.load(Path(art))
+        return cls(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), seed)
 
     def _entry_of(self, rank: int) -> dict:
         """Rank `rank`'s program entry; with pp, every stage program of the rank, one state list in stage order."""

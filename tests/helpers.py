@@ -10,7 +10,6 @@ import torch
 from parc import artifact
 from parc.compiler import compile_model
 from parc.frontend import parse
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
@@ -32,6 +31,21 @@ def gpt_tp_rules(sequence_parallel: bool = False) -> str:
 """ + ("    sequence_parallel\n" if sequence_parallel else "") + "}\n"
 
 
+def llama_tp_rules(sequence_parallel: bool = False) -> str:
+    """Megatron's layout for HF Llama: q/k/v and gate/up column, o and down row, embedding and head vocab."""
+    return """tensor_parallel {
+    "model.layers.*.self_attn.q_proj" : column
+    "model.layers.*.self_attn.k_proj" : column
+    "model.layers.*.self_attn.v_proj" : column
+    "model.layers.*.self_attn.o_proj" : row
+    "model.layers.*.mlp.gate_proj"    : column
+    "model.layers.*.mlp.up_proj"      : column
+    "model.layers.*.mlp.down_proj"    : row
+    "model.embed_tokens"              : vocab
+    "lm_head"                         : vocab
+""" + ("    sequence_parallel\n" if sequence_parallel else "") + "}\n"
+
+
 def compile_text(plan_text: str, out: Path, model: Path = GPT):
     plan = parse(plan_text, file=str(out.parent / "test.par"))
     compile_model(model, plan, out)
@@ -39,10 +53,7 @@ def compile_text(plan_text: str, out: Path, model: Path = GPT):
 
 
 def _train_body(ctx, compiled: str, steps: int, seed: int):
-    art = artifact.load(Path(compiled))
-    pctx = ParallelContext.create(art.plan)
-    user = load_user_module(art.root / "model" / "model.py")
-    trainer = Trainer(art, pctx, user, seed)
+    trainer = Trainer.load(compiled, seed)
     local = [trainer.step(s).loss for s in range(steps)]
     losses = trainer.global_losses(local)
     state = trainer.gathered_state()

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GPT, ROOT, compile_text, gpt_tp_rules
+from helpers import GPT, ROOT, compile_text, gpt_tp_rules, llama_tp_rules
 from parc import artifact, support
 from parc.compiler import compile_model
 from parc.errors import PlanError
 from parc.frontend import load_plan, parse
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.state import build_reference
 from parc.runtime.train import Trainer
@@ -43,19 +42,7 @@ NORM_TOL = 1e-5
 LLAMA_3D = """
 mesh dp=2 pp=2 tp=2
 batch global=8 micro=2
-tensor_parallel {
-    "model.layers.*.self_attn.q_proj" : column
-    "model.layers.*.self_attn.k_proj" : column
-    "model.layers.*.self_attn.v_proj" : column
-    "model.layers.*.self_attn.o_proj" : row
-    "model.layers.*.mlp.gate_proj"    : column
-    "model.layers.*.mlp.up_proj"      : column
-    "model.layers.*.mlp.down_proj"    : row
-    "model.embed_tokens"              : vocab
-    "lm_head"                         : vocab
-    sequence_parallel
-}
-pipeline schedule=1f1b
+""" + llama_tp_rules(sequence_parallel=True) + """pipeline schedule=1f1b
 zero stage=1
 optimizer adamw lr=1e-2 clip=0.5
 """
@@ -87,9 +74,7 @@ optimizer adamw lr=1e-2 clip=0.5
 def _cases_body(ctx, roots: list[str]):
     out = []
     for root in roots:
-        art = artifact.load(Path(root))
-        pctx = ParallelContext.create(art.plan)
-        trainer = Trainer(art, pctx, load_user_module(art.root / "model" / "model.py"), 0)
+        trainer = Trainer.load(root, 0)
         results = [trainer.step(s) for s in range(STEPS)]
         losses = trainer.global_losses([r.loss for r in results])
         state = trainer.gathered_state()

@@ -18,10 +18,8 @@ from pathlib import Path
 import torch
 
 from helpers import compile_text, gpt_tp_rules
-from parc import artifact
 from parc.export import export, load_model_state
 from parc.runtime import checkpoint
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import free_port, spawn
 from parc.runtime.train import Trainer
 from parc.trace import load_user_module
@@ -103,8 +101,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
 
 def _train_save(ctx, compiled: str, steps: int, out: str):
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     for s in range(steps):
         trainer.step(s)
     checkpoint.save(trainer, out, steps)
@@ -113,8 +110,7 @@ def _train_save(ctx, compiled: str, steps: int, out: str):
 
 
 def _load(ctx, compiled: str, ckpt: str):
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     step = checkpoint.load(trainer, ckpt)
     first_opt = trainer.optimizer.optimizer.state if trainer.zero else trainer.optimizer.state
     return {"step": step, "state": trainer.gathered_state(), "has_opt_state": len(first_opt) > 0}
@@ -159,8 +155,7 @@ GPT_TP = gpt_tp_rules()
 
 def _session(ctx, compiled: str, resume: str | None, steps: int, save_to: str):
     """Train (or resume) to `steps` steps, save, note the state; then one more step under this plan."""
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     first = checkpoint.load(trainer, resume) if resume else 0
     for s in range(first, steps):
         trainer.step(s)

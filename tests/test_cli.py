@@ -2,10 +2,8 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from helpers import GPT, ROOT
 

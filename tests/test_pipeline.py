@@ -23,7 +23,6 @@ from parc.passes import PassCtx, pipeline_split
 from parc.passes.schedule import Schedule
 from parc.passes.simulate import simulate
 from parc.runtime import pipeline
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
@@ -52,10 +51,7 @@ def _train_many(ctx, cases: list[tuple[str, str, bool]], steps: int):
     """Train every compiled case in turn; rank 0 returns losses, state, stage-0 in-flight peak, bubble."""
     out = {}
     for key, compiled, traced in cases:
-        art = artifact.load(Path(compiled))
-        pctx = ParallelContext.create(art.plan)
-        user = load_user_module(art.root / "model" / "model.py")
-        trainer = Trainer(art, pctx, user, 0)
+        trainer = Trainer.load(compiled, 0)
         local = []
         for s in range(steps):
             trainer.pipeline.trace = traced and s == steps - 1  # trace a warm step

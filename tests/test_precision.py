@@ -6,7 +6,6 @@ one plan apart from `zero`, so one serial bf16 run (runtime/verify.py, autocast
 too) is the reference for both.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from parc import artifact
 from parc.compiler import compile_model
 from parc.errors import ParcError
 from parc.frontend import parse
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
@@ -54,9 +52,7 @@ class _MatmulDtypes(TorchDispatchMode):
 def _body(ctx, roots: list[str]):
     out = []
     for root in roots:
-        art = artifact.load(Path(root))
-        pctx = ParallelContext.create(art.plan)
-        trainer = Trainer(art, pctx, load_user_module(art.root / "model" / "model.py"), seed=0)
+        trainer = Trainer.load(root, 0)
         local = [trainer.step(s).loss for s in range(STEPS)]
         params = list(trainer.params.values())
         masters = {p.dtype for p in params}

@@ -28,7 +28,6 @@ from parc.codegen import load_program
 from parc.errors import PlanError, TraceError
 from parc.frontend import parse
 from parc.passes import PassCtx, recompute
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.plan import Recompute
 from parc.runtime.state import build_reference, materialize
@@ -302,10 +301,7 @@ def _train_many(ctx, cases: list[tuple[str, str]], steps: int):
     """Train every compiled case in turn, each with its own process groups; rank 0 returns the results."""
     out = {}
     for key, compiled in cases:
-        art = artifact.load(Path(compiled))
-        pctx = ParallelContext.create(art.plan)
-        user = load_user_module(art.root / "model" / "model.py")
-        trainer = Trainer(art, pctx, user, 0)
+        trainer = Trainer.load(compiled, 0)
         local = [trainer.step(s).loss for s in range(steps)]
         losses = trainer.global_losses(local)
         state = trainer.gathered_state()

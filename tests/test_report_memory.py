@@ -21,7 +21,6 @@ training correctly.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -30,7 +29,6 @@ from helpers import GPT, ROOT
 from parc import artifact, report
 from parc.compiler import compile_model
 from parc.frontend import load_plan, parse
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.memory import ActivationProbe, held_state
 from parc.runtime.train import Trainer
@@ -52,13 +50,11 @@ def _measure_many(ctx, compiled: list[str]) -> list[list[dict]] | None:
     """Per plan: every rank's measured state bytes and activation peak (on rank 0)."""
     out = []
     for root in compiled:
-        art = artifact.load(Path(root))
-        pctx = ParallelContext.create(art.plan)
-        trainer = Trainer(art, pctx, load_user_module(art.root / "model" / "model.py"), seed=0)
+        trainer = Trainer.load(root, 0)
         local = [trainer.step(0).loss]  # every gradient and optimizer buffer now exists
         trainer.probe = ActivationProbe(trainer.state)
         local.append(trainer.step(1).loss)
-        mine = {"rank": ctx.rank, "pp": pctx.coord["pp"], "activations": trainer.probe.peak, **held_state(trainer)}
+        mine = {"rank": ctx.rank, "pp": trainer.ctx.coord["pp"], "activations": trainer.probe.peak, **held_state(trainer)}
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         losses, state = trainer.global_losses(local), trainer.gathered_state()

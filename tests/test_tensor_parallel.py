@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import ROOT, compile_text, gpt_tp_rules, parallel_vs_serial
+from helpers import ROOT, compile_text, gpt_tp_rules, llama_tp_rules, parallel_vs_serial
 from parc.errors import ParcError
 
 # fp32, dropout 0. TP sums the same products in another order (a matmul split
@@ -15,19 +15,7 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 
 LLAMA = ROOT / "tests" / "models" / "llama_tiny.py"
-LLAMA_RULES = """
-tensor_parallel {
-    "model.layers.*.self_attn.q_proj" : column
-    "model.layers.*.self_attn.k_proj" : column
-    "model.layers.*.self_attn.v_proj" : column
-    "model.layers.*.self_attn.o_proj" : row
-    "model.layers.*.mlp.gate_proj"    : column
-    "model.layers.*.mlp.up_proj"      : column
-    "model.layers.*.mlp.down_proj"    : row
-    "model.embed_tokens"              : vocab
-    "lm_head"                         : vocab
-}
-"""
+LLAMA_RULES = llama_tp_rules()
 
 
 def gpt_plan(tp: int, sp: bool = False, clip: str = "clip=1.0") -> str:

@@ -10,25 +10,20 @@ per step the tp-aware grad-norm (1) and with SP the partial LayerNorm grads (1).
 """
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from helpers import compile_text
-from parc import artifact
 from parc.runtime import ops
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
-from parc.trace import load_user_module
 from test_tensor_parallel import gpt_plan
 
 L = 4
 
 
 def _count_body(ctx, compiled: str):
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     with ops.record() as log:
         trainer.step(0)
     return Counter(log)

@@ -3,17 +3,13 @@ sharded regions (attention on local heads) draw a different mask per tp rank
 (runtime/ops.py "dropout streams", passes/tensor_parallel.py `own_stream`)."""
 
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from helpers import ROOT, compile_text
-from parc import artifact
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
-from parc.trace import load_user_module
 
 DROPOUT_GPT = ROOT / "tests" / "models" / "gpt_dropout.py"  # examples/gpt.py with dropout 0.1
 PLAN = """
@@ -29,9 +25,7 @@ tensor_parallel {
 
 
 def _masks_body(ctx, compiled: str):
-    art = artifact.load(Path(compiled))
-    pctx = ParallelContext.create(art.plan)
-    trainer = Trainer(art, pctx, load_user_module(art.root / "model" / "model.py"), seed=3)
+    trainer = Trainer.load(compiled, 3)
     ones = torch.ones(4096)
     replicated = torch.ops.aten.dropout.default(ones, 0.5, True)  # as a replicated-region line of a program
     x = torch.ops.parc.tp_rng_enter.default(ones, "tp")  # as a sharded-region dropout is bracketed
@@ -39,7 +33,7 @@ def _masks_body(ctx, compiled: str):
     after = torch.ops.aten.dropout.default(ones, 0.5, True)  # the replicated stream is still in step
     masks = torch.stack([replicated, sharded, after]) != 0
     gathered = [torch.empty_like(masks) for _ in range(2)]
-    dist.all_gather(gathered, masks, group=pctx.groups["tp"])
+    dist.all_gather(gathered, masks, group=trainer.ctx.groups["tp"])
     losses = trainer.global_losses([trainer.step(s).loss for s in range(2)])
     return {"masks": gathered, "losses": losses}
 

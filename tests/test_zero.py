@@ -7,17 +7,15 @@ are summed by kind. Ψ' below is the padded parameter count (each bucket rounded
 up to dp equal, aligned ranges); the padding is reported by the test.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from helpers import compile_text
-from parc import artifact
 from parc.passes import zero as zero_pass
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
+from parc.runtime.memory import storage_bytes
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.runtime.zero import analytic_bytes, analytic_comm_bytes
@@ -49,19 +47,8 @@ def _recording(sent: dict):
     return originals
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def _body(ctx, compiled: str):
-    art = artifact.load(Path(compiled))
-    pctx = ParallelContext.create(art.plan)
-    user = load_user_module(art.root / "model" / "model.py")
-    trainer = Trainer(art, pctx, user, seed=0)
+    trainer = Trainer.load(compiled, 0)
     sent_per_step, local = [], []
     for s in range(STEPS):
         sent: dict = {}
@@ -75,9 +62,9 @@ def _body(ctx, compiled: str):
     held = trainer.zero.held()
     # Adam's per-tensor `step` counters are 0-dim tensors: one scalar per bucket, outside the formula
     scalars = [t for t in held["optimizer"] if t.dim() == 0]
-    memory = {"params": _storage_bytes(held["params"]), "grads": _storage_bytes(held["grads"]),
-              "optimizer": _storage_bytes([t for t in held["optimizer"] if t.dim() > 0]),
-              "scalars": _storage_bytes(scalars), "stand_ins": _storage_bytes(held["stand_ins"])}
+    memory = {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
+              "optimizer": storage_bytes([t for t in held["optimizer"] if t.dim() > 0]),
+              "scalars": storage_bytes(scalars), "stand_ins": storage_bytes(held["stand_ins"])}
     losses = trainer.global_losses(local)
     state = trainer.gathered_state()
     return {"losses": losses, "state": state if ctx.rank == 0 else None, "sent": sent_per_step, "memory": memory,
@@ -167,8 +154,7 @@ def test_partition_table_is_balanced_and_aligned():
 
 
 def _dp_traffic_body(ctx, compiled: str):
-    art = artifact.load(Path(compiled))
-    trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+    trainer = Trainer.load(compiled, 0)
     per_step = []
     for s in range(2):
         sent: dict = {}

@@ -5,19 +5,18 @@ must also hold only its share: the parameter bytes each rank keeps equal the
 partition table's analytic figure for its (tp rank) program.
 """
 
-from pathlib import Path
 
 import pytest
 
 from helpers import compile_text
 from parc import artifact
-from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
+from parc.runtime.memory import storage_bytes
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.runtime.zero import analytic_bytes
 from parc.trace import load_user_module
-from test_zero import LOSS_TOL, PARAM_TOL, _storage_bytes
+from test_zero import LOSS_TOL, PARAM_TOL
 
 TP_RULES = """tensor_parallel {
     "blocks.*.attn.qkv": column
@@ -37,10 +36,9 @@ STEPS = 3
 def _body(ctx, roots: list[str]):
     out = []
     for root in roots:
-        art = artifact.load(Path(root))
-        trainer = Trainer(art, ParallelContext.create(art.plan), load_user_module(art.root / "model/model.py"), 0)
+        trainer = Trainer.load(root, 0)
         losses = trainer.global_losses([trainer.step(s).loss for s in range(STEPS)])
-        held = _storage_bytes(trainer.zero.held()["params"])
+        held = storage_bytes(trainer.zero.held()["params"])
         out.append({"losses": losses, "state": trainer.gathered_state(), "params_held": held,
                     "program": trainer.name})
     return out
