@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 def compile_plan(plan_text: str, model: Path = ROOT / "examples" / "gpt.py") -> Path:
     from parc.compiler import compile_model
-    from parc.frontend import parse
+    from parc.grammar.parser import parse
 
     out = Path(tempfile.mkdtemp(prefix="parc-bench-")) / "compiled"
     compile_model(model, parse(plan_text, file="bench.par"), out)

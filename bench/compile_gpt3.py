@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     import torch.fx
 
     from parc import codegen, compiler, replicate, trace
-    from parc.frontend import load_plan, parse
+    from parc.grammar.parser import load_plan, parse
 
     timed(trace, "trace", "trace: build on meta + export + replicate")
     timed(compiler, "trace", "trace: build on meta + export + replicate")

@@ -45,8 +45,8 @@ def _batch_line(plan) -> str:
 
 
 def cmd_check(args) -> int:
-    from parc.frontend import load_plan
-    from parc.validate import validate
+    from parc.grammar.parser import load_plan
+    from parc.grammar.validate import validate
 
     plan = load_plan(_existing(args.plan, "plan"))
     module_paths = num_layers = None
@@ -93,7 +93,7 @@ def _review(plan, args, traced) -> list[Diagnostic]:
 
 def cmd_compile(args) -> int:
     from parc.compiler import compile_model
-    from parc.frontend import load_plan
+    from parc.grammar.parser import load_plan
 
     plan = load_plan(_existing(args.plan, "plan"))
     result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,

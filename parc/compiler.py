@@ -1,7 +1,7 @@
 """The driver: plan + model file → compiled/ directory.
 
 Start here to see the whole compile: `compile_model` traces the model on the
-meta device (`parc.trace`), checks the plan against it (`parc.validate`), runs
+meta device (`parc.trace`), checks the plan against it (`parc.grammar.validate`), runs
 the passes once per program — one program per distinct (pipeline stage, tp rank)
 — and writes plan.json, the programs, a copy of the model file and the manifest
 (`parc.artifact`). Same inputs give byte-identical output.
@@ -21,10 +21,10 @@ from parc import activations, artifact, codegen, cost, mesh as meshlib, support
 from parc.errors import Diagnostic, TraceError
 from parc.passes import PassCtx, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
-from parc.plan import Plan
+from parc.grammar.plan import Plan
 from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
-from parc.validate import validate
+from parc.grammar.validate import validate
 
 log = logging.getLogger("parc.compile")
 

@@ -95,7 +95,7 @@ def graph_stats(traced, plan) -> dict:
     """
     from parc import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
-    from parc.trace import module_path
+    from parc.traced import module_path
 
     gm, rules = traced.gm, plan.tensor_parallel.rules if plan.mesh.tp > 1 else ()
     patterns = plan.recompute.patterns

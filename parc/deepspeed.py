@@ -267,7 +267,7 @@ def write_plan(imp: Import, out: Path):
     An inconsistent config still gets its .par (with the diagnostics as comments at the
     top) so the user can fix one number in it; the caller exits 2.
     """
-    from parc.frontend import load_plan, parse
+    from parc.grammar.parser import load_plan, parse
 
     out = Path(out)
     text = imp.text

@@ -3,6 +3,9 @@
 Start here: `ParcError` is the base; `Diagnostic` is one message with a source
 span. The CLI catches `ParcError`, prints every diagnostic it carries, and exits 2
 without a traceback. Messages show the arithmetic (`1024 ≠ 4 × 8 × 8 = 256`).
+
+This module sits in parc/, not grammar/: the plan language raises these errors,
+and so do tracing, the passes and the runtime, which must not depend on the front end.
 """
 
 from __future__ import annotations

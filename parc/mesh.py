@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parc.plan import AXES, Mesh
+from parc.grammar.plan import AXES, Mesh
 
 
 @dataclass(frozen=True)

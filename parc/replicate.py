@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from parc.trace import WRAPPER_ATTR, StateInput, Traced, get, module_path, normalize_path, repeated_blocks
+from parc.traced import WRAPPER_ATTR, StateInput, Traced, get, module_path, normalize_path, repeated_blocks
 
 log = logging.getLogger("parc.trace")
 MIN_BLOCKS = 3  # with 2 blocks the cut model is the model: nothing to gain

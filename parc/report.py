@@ -34,7 +34,7 @@ def _size(b: float) -> str:
 
 def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
     """(plan, stats, notes, artifact params per pp rank or None)."""
-    from parc.frontend import load_plan, parse
+    from parc.grammar.parser import load_plan, parse
 
     notes = []
     if compiled is not None:

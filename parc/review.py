@@ -1,12 +1,12 @@
 """Plan review for `parc check`: the checks that need the topology, the schedule or the cost model.
 
-Start at `review(plan, world_size=, stats=, preset=)`. `parc.validate` checks a plan
+Start at `review(plan, world_size=, stats=, preset=)`. `parc.grammar.validate` checks a plan
 against itself; this looks at how it lands on hardware:
 
 - the world size against the topology (nodes × gpus_per_node);
 - tp groups that cross nodes because the mesh order puts one tp group's ranks on
   two nodes (its all-reduces then run at network speed; tp > gpus_per_node is
-  already a warning of parc.validate);
+  already a warning of parc.grammar.validate);
 - a pipeline with too few micro-batches for pp (the schedule's bubble figure,
   from `parc.passes.schedule.schedule_diagnostics`);
 - with the model's statistics (`stats`, from `parc.cost.graph_stats`): per-rank
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from parc import cost, mesh as meshlib
 from parc.errors import Diagnostic, Span
-from parc.plan import Plan, Topology
+from parc.grammar.plan import Plan, Topology
 
 
 def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = None,
@@ -41,7 +41,7 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
         diag(f"mesh dp {m.dp} × pp {m.pp} × tp {m.tp} = {m.world_size} ranks leave {devices - m.world_size} of "
              f"topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = {devices} devices idle",
              "topology")
-    # tp > gpus_per_node is parc.validate's warning; here: a tp group that would fit a node but is placed on two
+    # tp > gpus_per_node is parc.grammar.validate's warning; here: a tp group that would fit a node but is placed on two
     split = [g for g in meshlib.groups(m, "tp") if len({r // topo.gpus_per_node for r in g}) > 1] \
         if 1 < m.tp <= topo.gpus_per_node else []
     if split:

@@ -11,14 +11,14 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-3 with tp                                                 test_zero_combos
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
 
-Assumes: the plan passed `parc.validate.validate`.
+Assumes: the plan passed `parc.grammar.validate.validate`.
 Guarantees: returns only if the runtime implements every feature the plan asks for.
 """
 
 from __future__ import annotations
 
 from parc.errors import Diagnostic, PlanError
-from parc.plan import Plan
+from parc.grammar.plan import Plan
 
 
 def check(plan: Plan) -> None:

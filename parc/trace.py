@@ -1,8 +1,8 @@
 """Tracing: the user's model file → one aten-level FX graph of the loss, on meta.
 
 Start here: `load_user_module(path)` imports a model file, `trace(user, micro_batch)`
-exports its loss; `Traced` is what the passes consume, `module_path(node)` tells
-which module a node came from, and `state_values(traced, model)` supplies the real
+exports its loss as a `Traced` (parc/traced.py: what the passes consume, and
+`module_path(node)`, which module a node came from), and `parc.traced.state_values(traced, model)` supplies the real
 state when a traced graph is run.
 
 The model-file convention (also in docs/model-convention.md). A `model.py` defines:
@@ -49,18 +49,18 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.fx
-from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from parc import replicate
 from parc.errors import Span, TraceError
+from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
-WRAPPER_ATTR = "model"  # the wrapper's attribute holding the user's model; stripped from FQNs
 _SIGNATURES = {
     "build_model": "def build_model() -> torch.nn.Module: ...",
     "get_batch": "def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, ...]: ...",
@@ -77,39 +77,6 @@ class UserModel:
     build_model: Callable[[], torch.nn.Module]
     get_batch: Callable[[int, int], tuple[torch.Tensor, ...]]
     loss_fn: Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class StateInput:
-    """One state placeholder of the graph: its name there and its FQN in the user's model."""
-
-    name: str
-    fqn: str
-    kind: str  # "param" | "buffer" | "constant"
-    shape: tuple[int, ...]
-    dtype: str  # e.g. "float32"
-    requires_grad: bool
-
-
-@dataclass(frozen=True)
-class UserInputSpec:
-    name: str
-    shape: tuple[int, ...]  # dim 0 is the micro-batch
-    dtype: str
-
-
-@dataclass
-class Traced:
-    """The loss graph. `gm`'s placeholders are `state` then `inputs`, in order; it returns `(loss,)`."""
-
-    gm: torch.fx.GraphModule
-    state: list[StateInput]
-    inputs: list[UserInputSpec]
-    module_paths: list[str]
-    num_layers: int
-    param_count: int
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn → CPU value of lifted constants
-    program: ExportedProgram | None = None  # None when replicated from a 2-block export (parc.replicate)
 
 
 def load_user_module(path: str | Path) -> UserModel:
@@ -148,8 +115,6 @@ def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:
                          _def_span(user, "build_model"), hint=_SIGNATURES["build_model"])
     model.train()  # dropout and friends must appear as they will run in training
     batch = _sample_batch(user, micro_batch)
-    from parc import replicate  # imported here: replicate builds on this module
-
     traced = replicate.trace_replicated(lambda m: _export(user, m, batch), model) if fast else None
     return traced if traced is not None else _export(user, model, batch)
 
@@ -213,11 +178,6 @@ def _drop_tied_aliases(gm: torch.fx.GraphModule, model: torch.nn.Module, state: 
     return keep
 
 
-def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:
-    """The real tensors for `traced.state`, in placeholder order, from a model built for real."""
-    return [traced.constants[s.fqn] if s.fqn in traced.constants else get(model, s.fqn) for s in traced.state]
-
-
 def set_device(gm: torch.fx.GraphModule, device: torch.device) -> int:
     """Retarget the devices the trace baked in (`arange(..., device=meta)`, `.to(meta)`); returns how many."""
     meta, count = torch.device("meta"), 0
@@ -234,62 +194,6 @@ def set_device(gm: torch.fx.GraphModule, device: torch.device) -> int:
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
     gm.recompile()
     return count
-
-
-def get(model: torch.nn.Module, fqn: str):
-    """The attribute at a dotted FQN (a parameter, buffer or plain tensor attribute)."""
-    obj = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-# --- module paths ----------------------------------------------------------------
-
-_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")  # blocks[0] / L['self'] → .0 / .self
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """The dotted FQN of the innermost module `node` ran in, e.g. `blocks.0.attn.qkv`; '' for the root.
-
-    torch 2.13's non-strict export stores `nn_module_stack` as {key: (path, type)},
-    outermost first, e.g. `{'L__self__': ('', W), 'L__self__model.blocks.0.attn.qkv':
-    ('model.blocks.0.attn.qkv', Linear), ...}`. Strict export and older versions write
-    paths like `L['self'].model.blocks[0]`; both normalize to the user's FQN.
-    State placeholders have no stack: their path is their FQN's owner.
-    """
-    fqn = node.meta.get("parc_fqn")
-    if fqn is not None:
-        return fqn.rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path, _ = list(stack.values())[-1]
-    return normalize_path(path)
-
-
-def normalize_path(path: str) -> str:
-    """`L['self'].model.blocks[0].attn` or `model.blocks.0.attn` → `blocks.0.attn`."""
-    path = _INDEX.sub(r".\1", path.split("@")[0])
-    parts = [p for p in path.split(".") if p]
-    if parts[:1] in (["L"], ["self"]):
-        parts = parts[2:] if parts[:2] == ["L", "self"] else parts[1:]
-    return ".".join(parts[1:] if parts[:1] == [WRAPPER_ATTR] else parts)
-
-
-def num_layers(model: torch.nn.Module) -> int:
-    """Length of the longest ModuleList/Sequential of same-class blocks; 0 when there is none."""
-    return repeated_blocks(model)[1]
-
-
-def repeated_blocks(model: torch.nn.Module) -> tuple[str, int]:
-    """(path, length) of the longest ModuleList/Sequential whose children share one class."""
-    best = ("", 0)
-    for name, mod in model.named_modules():
-        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod) > best[1]:
-            if len({type(child) for child in mod}) == 1:
-                best = (name, len(mod))
-    return best
 
 
 # --- helpers ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ class PassCtx:
     """What a pass may read and write besides the graph: no globals, no process groups.
 
     `stage` and `tp_rank` say which program is being compiled; `traced` is the
-    front end's `parc.trace.Traced`; `state` maps placeholder names to the shard
+    front end's `parc.traced.Traced`; `state` maps placeholder names to the shard
     spec the runtime uses to slice the full weight (`{"dim": d, "parts": n,
     "index": i}`, or None for a full copy); `rewrites` counts each pass's edits.
     """

@@ -47,7 +47,7 @@ import torch.fx as fx
 
 from parc.errors import Diagnostic, ParcError
 from parc.replicate import _graph_module
-from parc.trace import module_path
+from parc.traced import module_path
 
 STAGE = "parc_stage"
 

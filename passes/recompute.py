@@ -19,7 +19,7 @@ checkpoint restores the default generators' state, and parc's tensor-parallel
 dropout streams are a function of that state (runtime/ops.py).
 
 Assumes: runs last, on one program's graph (after tensor_parallel,
-pipeline_split and zero); nodes carry `nn_module_stack` (parc.trace.module_path).
+pipeline_split and zero); nodes carry `nn_module_stack` (parc.traced.module_path).
 Guarantees: the program computes the same values; each region's nodes are
 contiguous in the output. A region that cannot be cut out — a node outside it
 both consumes a region value and feeds back into it — is a compile error naming
@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from parc.errors import TraceError
-from parc.trace import module_path
+from parc.traced import module_path
 
 NAME = "recompute"
 REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body fx.Graph)}

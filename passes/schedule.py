@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 
 from parc.errors import Diagnostic, PlanError
-from parc.plan import SCHEDULES
+from parc.grammar.plan import SCHEDULES
 
 COMPUTE = ("F", "B", "I", "W")
 P2P = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")

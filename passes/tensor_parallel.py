@@ -49,7 +49,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import ParcError
 from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
-from parc.trace import module_path
+from parc.traced import module_path
 
 aten = torch.ops.aten
 parc_ops = torch.ops.parc

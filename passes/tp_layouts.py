@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.trace import module_path
+from parc.traced import module_path
 
 aten = torch.ops.aten
 

@@ -40,7 +40,7 @@ _DTYPES = {"bf16": torch.bfloat16}
 
 
 def check_supported(plan) -> None:
-    """Compile-time refusal of a precision the runtime cannot honour (`plan` is a parc.plan.Plan)."""
+    """Compile-time refusal of a precision the runtime cannot honour (`plan` is a parc.grammar.plan.Plan)."""
     if plan.precision == "fp16":
         raise ParcError("precision fp16 needs dynamic loss scaling (fp16's 5 exponent bits underflow small "
                         "gradients), which parc does not implement", plan.spans.get("precision"),

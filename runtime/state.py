@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parc.trace import get
+from parc.traced import get
 
 
 def build_reference(user, seed: int) -> torch.nn.Module:

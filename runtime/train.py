@@ -31,7 +31,7 @@ from parc.runtime import grad_norm, ops, precision, tensor_parallel
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
-    """The plan's optimizer (`parc.validate.OPTIMIZERS` lists the names the plan accepts)."""
+    """The plan's optimizer (`parc.grammar.validate.OPTIMIZERS` lists the names the plan accepts)."""
     name = cfg["name"]
     if name == "sgd":
         return torch.optim.SGD(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])

@@ -9,7 +9,7 @@ import torch
 
 from parc import artifact
 from parc.compiler import compile_model
-from parc.frontend import parse
+from parc.grammar.parser import parse
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial

@@ -24,7 +24,7 @@ from helpers import GPT, ROOT, compile_text, gpt_tp_rules, llama_tp_rules
 from parc import artifact, support
 from parc.compiler import compile_model
 from parc.errors import PlanError
-from parc.frontend import load_plan, parse
+from parc.grammar.parser import load_plan, parse
 from parc.runtime.launch import spawn
 from parc.runtime.state import build_reference
 from parc.runtime.train import Trainer

@@ -6,7 +6,7 @@ import copy
 
 from helpers import GPT, compile_text, gpt_tp_rules
 from parc import compiler
-from parc.frontend import parse
+from parc.grammar.parser import parse
 from parc.passes import PassCtx, pipeline_split, run_passes, tensor_parallel, zero
 from parc.trace import load_user_module, trace
 

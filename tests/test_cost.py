@@ -13,7 +13,7 @@ import pytest
 
 from parc import cost
 from parc.cli import main
-from parc.frontend import parse
+from parc.grammar.parser import parse
 from parc.passes.schedule import bubble_formula
 from parc.review import review
 

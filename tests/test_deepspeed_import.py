@@ -10,7 +10,7 @@ import pytest
 from parc.cli import main
 from parc.deepspeed import translate, write_plan
 from parc.errors import ParcError
-from parc.frontend import load_plan
+from parc.grammar.parser import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parc.trace import load_user_module, module_path, state_values, trace
+from parc.trace import load_user_module, trace
+from parc.traced import module_path, state_values
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"  # 4 blocks by default

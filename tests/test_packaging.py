@@ -19,7 +19,7 @@ def test_wheel_contents_and_import(tmp_path):
     assert "parc/passes/grad_buckets.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import parc, parc.passes, parc.runtime.train, parc.frontend as f; "
+    code = ("import parc, parc.passes, parc.runtime.train, parc.grammar.parser as f; "
             "assert parc.__file__.startswith(%r); print(f.parse('mesh dp=2').mesh.dp)" % str(site))
     r = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

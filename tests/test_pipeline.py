@@ -18,7 +18,7 @@ from helpers import GPT, ROOT, compile_text
 from parc import artifact
 from parc.compiler import compile_model
 from parc.errors import PlanError
-from parc.frontend import parse
+from parc.grammar.parser import parse
 from parc.passes import PassCtx, pipeline_split
 from parc.passes.schedule import Schedule
 from parc.passes.simulate import simulate
@@ -26,7 +26,8 @@ from parc.runtime import pipeline
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
-from parc.trace import load_user_module, state_values, trace
+from parc.trace import load_user_module, trace
+from parc.traced import state_values
 
 MODELS = ROOT / "tests" / "models"
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from parc.errors import ParcError, PlanError, PlanSyntaxError
-from parc.frontend import parse
-from parc.validate import validate
+from parc.grammar.parser import parse
+from parc.grammar.validate import validate
 
 
 def _errors(text: str, **facts) -> list[tuple[str, int, int]]:
@@ -226,7 +226,7 @@ def test_value_types_are_checked_by_the_front_end():
 
 
 def test_unreadable_file_is_a_parc_error(tmp_path):
-    from parc.frontend import load_plan
+    from parc.grammar.parser import load_plan
 
     with pytest.raises(PlanSyntaxError) as info:
         load_plan(tmp_path / "missing.par")

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parc.errors import ParcError
-from parc.frontend import parse
-from parc.printer import format_plan
-from parc.validate import validate
+from parc.grammar.parser import parse
+from parc.grammar.printer import format_plan
+from parc.grammar.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = [(ROOT / "examples" / f"{n}.par").read_text() for n in ("dp", "3d", "tp", "pp", "zero")]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from parc.errors import Span
-from parc.frontend import load_plan, parse
-from parc.plan import Batch, Cut, Mesh, Pipeline, Plan, TPRule
-from parc.printer import format_plan
+from parc.grammar.parser import load_plan, parse
+from parc.grammar.plan import Batch, Cut, Mesh, Pipeline, Plan, TPRule
+from parc.grammar.printer import format_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["dp", "3d", "tp", "pp", "zero"]

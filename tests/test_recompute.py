@@ -26,10 +26,10 @@ from helpers import GPT, ROOT, compile_text, gpt_tp_rules
 from parc import artifact, support
 from parc.codegen import load_program
 from parc.errors import PlanError, TraceError
-from parc.frontend import parse
+from parc.grammar.parser import parse
 from parc.passes import PassCtx, recompute
 from parc.runtime.launch import spawn
-from parc.plan import Recompute
+from parc.grammar.plan import Recompute
 from parc.runtime.state import build_reference, materialize
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial

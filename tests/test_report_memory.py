@@ -28,7 +28,7 @@ import torch.distributed as dist
 from helpers import GPT, ROOT
 from parc import artifact, report
 from parc.compiler import compile_model
-from parc.frontend import load_plan, parse
+from parc.grammar.parser import load_plan, parse
 from parc.runtime.launch import spawn
 from parc.runtime.memory import ActivationProbe, held_state
 from parc.runtime.train import Trainer

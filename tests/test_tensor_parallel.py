@@ -113,8 +113,8 @@ def test_tp_one_and_no_rules_leave_the_graph_alone(tmp_path):
 
 
 def test_tp_across_nodes_warns():
-    from parc.frontend import parse
-    from parc.validate import validate
+    from parc.grammar.parser import parse
+    from parc.grammar.validate import validate
 
     plan = parse("mesh tp=4\ntopology nodes=2 gpus_per_node=2\nbatch global=4 micro=2\n", file="t.par")
     (w,) = [d for d in validate(plan) if "gpus_per_node" in d.message]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from parc.errors import TraceError
-from parc.trace import (load_user_module, module_path, normalize_path, num_layers, repeated_blocks,
-                        state_values, trace)
+from parc.trace import load_user_module, trace
+from parc.traced import module_path, normalize_path, num_layers, repeated_blocks, state_values
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"

@@ -95,7 +95,7 @@ def test_mesh_names_every_rank_without_a_compile():
           "plan": {"source": "mesh dp=2 pp=4 tp=8\ntopology nodes=8 gpus_per_node=8\n"},
           "ranks": [], "groups": {}}
     from parc import mesh as meshlib
-    from parc.plan import Mesh
+    from parc.grammar.plan import Mesh
 
     m = Mesh(2, 4, 8)
     pj["ranks"] = [{"rank": r, **meshlib.coords(m, r).as_dict()} for r in range(64)]

@@ -117,7 +117,7 @@ optimizer adamw lr=1e-2 clip=0.5
 def test_partition_table_is_balanced_and_aligned():
     """The pass alone, in one process: every parameter placed once, equal aligned ranges, layer buckets."""
     from helpers import GPT
-    from parc.frontend import parse
+    from parc.grammar.parser import parse
 
     plan = parse("mesh dp=4\nbatch global=8 micro=2\nzero stage=3\n")
     traced = trace(load_user_module(GPT), plan.micro_batch)

@@ -3,6 +3,9 @@
 Start at `format_plan`. The canonical form is what `parc` writes into compiled/
 and what the golden tests compare against:
 
+Assumes a `Plan` (parsed or built in code). Guarantees: the output parses back to
+an equal `Plan`, and equal plans print byte-identically (compiled/ hashes it).
+
 - statements in the order of the language reference: mesh, topology, batch,
   tensor_parallel, pipeline, zero, recompute, precision, optimizer;
 - `mesh` always, with all three degrees (and `order=` only when not the default);
@@ -14,7 +17,7 @@ and what the golden tests compare against:
 
 from __future__ import annotations
 
-from parc.plan import AXES, DEFAULT_ORDER, Optimizer, Plan, Topology
+from parc.grammar.plan import AXES, DEFAULT_ORDER, Optimizer, Plan, Topology
 
 _UNITS = (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3))
 

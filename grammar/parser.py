@@ -7,13 +7,17 @@ Start at `parse`. It runs in three steps:
 2. `_Statements` (a lark Transformer) turns the tree into plain `_Stmt` records;
    nothing from lark (Tree, Token) survives this step.
 3. `_Builder` checks each statement's keys and value types, and builds the frozen
-   dataclasses of parc.plan, each with its Span. Its errors (unknown or duplicate
+   dataclasses of parc.grammar.plan, each with its Span. Its errors (unknown or duplicate
    keys and statements, a value of the wrong type) are collected, not raised one by
-   one, and joined with those of `parc.validate.validate` run on the same plan, so a
+   one, and joined with those of `parc.grammar.validate.validate` run on the same plan, so a
    user sees every problem of a file at once.
 
+Assumes: text is the whole file (str, not bytes); `file` names it in diagnostics.
+Guarantees: a returned `Plan` passed `validate` with no error; otherwise a
+`PlanError` (or `PlanSyntaxError`) carries every diagnostic found, each with a span.
+
 Ranges and cross-statement arithmetic (tp=0, zero stage=7, the batch identity) are
-checked in parc/validate.py, not here, so plans built in code get the same checks.
+checked in grammar/validate.py, not here, so plans built in code get the same checks.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ from lark import Lark, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span
-from parc.plan import (
+from parc.grammar.plan import (
     DEFAULT_ORDER, Batch, Cut, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
     Topology, TPRule, Zero,
 )
-from parc.validate import validate
+from parc.grammar.validate import validate
 
 STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero",
               "recompute", "precision", "optimizer")

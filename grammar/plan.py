@@ -1,9 +1,13 @@
 """The plan model: what a .par file means, as frozen dataclasses.
 
-Start here to learn the plan language's semantics. `parc.frontend.parse` builds a
-`Plan` from text (nothing from lark survives past it); `parc.printer.format_plan`
+Start here to learn the plan language's semantics. `parc.grammar.parser.parse` builds a
+`Plan` from text (nothing from lark survives past it); `parc.grammar.printer.format_plan`
 prints one back so that parse → print → parse is the identity. Every node keeps
 the `Span` of the text it came from so later errors can point at it.
+
+Assumes nothing: a `Plan` built in code is as valid as one parsed (run
+`parc.grammar.validate.validate` on it). Guarantees: every class is frozen and
+hashable, so a plan never changes after it is checked.
 
 Defaults are chosen so a plan of a single `mesh` line trains: fp32, AdamW,
 no ZeRO, no pipeline, no tensor-parallel rules.

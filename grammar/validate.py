@@ -6,6 +6,10 @@ error. Checks that need the launch (`world_size`) or the model (`module_paths`,
 `num_layers`) are skipped when that argument is None, so the front end can run the
 plan-only checks right after parsing.
 
+Assumes a `Plan` whose fields have the right types (the parser checks those).
+Guarantees: raises one `PlanError` carrying every error found, or returns the
+warnings; it reads no file and never stops at the first mistake.
+
 Spans: a Diagnostic points at the offending token when the front end recorded it in
 `plan.spans` ("mesh.tp", "batch.global", ...), else at the statement, else nowhere
 (plans built in code carry no spans).
@@ -17,7 +21,7 @@ import difflib
 from fnmatch import fnmatchcase
 
 from parc.errors import Diagnostic, PlanError, Span
-from parc.plan import AXES, PRECISIONS, SCHEDULES, Plan, TPRule
+from parc.grammar.plan import AXES, PRECISIONS, SCHEDULES, Plan, TPRule
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 TP_STYLES = ("column", "row", "vocab", "replicate")
