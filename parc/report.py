@@ -16,6 +16,7 @@ tables; `to_json` as text.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from parc import cost
@@ -146,7 +147,9 @@ def render(rep: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Piped to a file, rich would wrap at 80 columns and cut headers and values ("optimiz…"):
+    # there, lines are never wrapped and tables get the width their contents need.
+    console = console or (Console() if sys.stdout.isatty() else Console(width=240, soft_wrap=True))
     p, hw = rep["plan"], rep["hardware"]
     console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks, "
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "

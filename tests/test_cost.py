@@ -147,6 +147,9 @@ def test_report_analytic_and_json(tmp_path, capsys):
     assert main(["report", "--model", str(GPT), "--plan", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "1. Memory per rank" in out and "2. Communication" in out and "3. Utilization" in out
+    # captured output is not a terminal, like a pipe: nothing is wrapped or cut at 80 columns
+    assert "optimizer" in out and "…" not in out
+    assert any(line.startswith("plan: ") and line.rstrip().endswith("recompute none") for line in out.splitlines())
 
 
 def test_report_needs_an_input(capsys):
