@@ -35,6 +35,7 @@ import contextlib
 import html
 import json
 import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -218,9 +219,27 @@ def schedule_graph(pj: dict, trace: Path | None = None) -> graphviz.Digraph:
 COLLECTIVE = re.compile(r"torch\.ops\.parc\.([A-Za-z_0-9]+)")
 
 
+def _runtime_collectives(dp: int, prog: dict) -> list[str]:
+    """The data-parallel collectives the runtime issues for a program's gradient buckets (they are not
+    calls in the program's text, which holds one micro-batch's forward and loss)."""
+    if dp == 1:
+        return []
+    z = prog.get("zero")
+    if z is None:
+        return [f"dp all-reduce × {_count(len(prog.get('buckets', [])), 'bucket')} (runtime)"]
+    n = len(z["buckets"])
+    if z["stage"] == 3:  # its parameter all-gathers are zero_unshard calls in the program itself
+        return [f"dp reduce-scatter × {_count(n, 'bucket')} (runtime, ZeRO-3)"]
+    return [f"dp reduce-scatter × {_count(n, 'bucket')}, all-gather × {n} (runtime, ZeRO-{z['stage']})"]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
     g = graphviz.Digraph("stages", graph_attr={"rankdir": "LR", "fontname": "Helvetica", "label":
-                         "programs per stage: the torch.ops.parc.* collectives each one calls", "labelloc": "t"},
+                         "programs per stage: the torch.ops.parc.* collectives each one calls, and the dp ones the runtime adds", "labelloc": "t"},
                          node_attr={"shape": "box", "fontname": "Helvetica", "style": "filled",
                                     "fillcolor": "#eef3fb"})
     stages = {d.get("index", 0): d for d in pj.get("stages", [{"index": 0}])}
@@ -238,8 +257,9 @@ def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
                 calls: dict[str, int] = {}
                 for op in COLLECTIVE.findall(programs.get(name, "")):
                     calls[op] = calls.get(op, 0) + 1
-                lines = [name] + [f"{op} × {n}" for op, n in sorted(calls.items())] or [name]
-                if not calls:
+                lines = [name] + [f"{op} × {n}" for op, n in sorted(calls.items())]
+                lines += _runtime_collectives(pj["mesh"]["dp"], pj["programs"][name])
+                if len(lines) == 1:
                     lines.append("(no collectives)")
                 recomputed = pj["programs"][name].get("recompute") or []
                 if recomputed:
@@ -261,6 +281,10 @@ def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
 def draw_all(compiled: Path, out: Path, *, trace: Path | None = None, fmt: str = "both") -> list[Path]:
     from parc import artifact
 
+    if shutil.which("dot") is None:  # checked first: graphviz would fail mid-way and leave a stray source file
+        raise ParcError("parc viz draws with graphviz's `dot` program, which is not on PATH",
+                        hint="install graphviz: apt-get install graphviz (Debian, Ubuntu), brew install graphviz "
+                             "(macOS) or conda install graphviz; the Python package alone is not enough")
     art = artifact.load(compiled)
     pj, out = art.plan, Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,19 @@ def test_mesh_names_every_rank_without_a_compile():
     for r in range(64):
         assert f'r{r} [label="r{r}' in source
     assert "cluster_node7" in source
+
+
+def test_dp_stages_name_the_runtime_all_reduce(tmp_path):
+    out = tmp_path / "c"
+    compile_text("mesh dp=2\nbatch global=4 micro=2\n", out)
+    assert main(["viz", str(out), "-o", str(tmp_path / "v"), "--format", "svg"]) == 0
+    stages = " ".join(_texts(tmp_path / "v" / "stages.svg"))
+    assert "dp all-reduce × 1 bucket (runtime)" in stages and "no collectives" not in stages
+
+
+def test_without_dot_one_line_and_no_files(compiled, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(["viz", str(compiled), "-o", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert "graphviz's `dot`" in err and "apt-get install graphviz" in err and "Traceback" not in err
+    assert not (tmp_path / "v").exists()
