@@ -121,7 +121,10 @@ def cmd_import_deepspeed(args) -> int:
     imp = deepspeed.translate(deepspeed.load_config(_existing(args.config, "DeepSpeed config")),
                               world_size=args.world_size, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                               model_paths=paths, source=args.config.name)
-    out = args.output or args.config.with_suffix(".par")
+    out = args.output or Path(args.config.stem + ".par")  # the working directory, not the config's folder
+    if args.output is None and out.exists():
+        raise ParcError(f"{out} exists: parc import-deepspeed does not overwrite a file it was not told to",
+                        hint=f"name the output with -o (an existing file given there is replaced), or move {out}")
     for note in imp.notes:
         print(f"note: {note}")
     for key, why in imp.untranslated:
@@ -207,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--world-size", type=int, help="GPUs in the launch: dp = world / (tp × pp)")
     d.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node: a topology line and the world size)")
     d.add_argument("--gpus-per-node", type=int, help="GPUs per node")
-    d.add_argument("-o", "--output", type=Path, help="the .par to write (default: the config's name, .par)")
+    d.add_argument("-o", "--output", type=Path, help="the .par to write (default: ./<config name>.par, never overwritten)")
     d.set_defaults(fn=cmd_import_deepspeed)
 
     r = sub.add_parser("report", help="memory, communication and utilization estimates of a plan",

@@ -101,3 +101,18 @@ def test_model_proposes_megatron_rules(tmp_path):
     rules = {r.pattern: r.style for r in load_plan(tmp_path / "c.par").tensor_parallel.rules}
     assert rules == {"blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
                      "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"}
+
+
+def test_default_output_in_working_directory_never_overwritten(tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "configs" / "ds.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["import-deepspeed", str(cfg), "--world-size", "4"]) == 0
+    assert (work / "ds.par").is_file() and not (cfg.parent / "ds.par").exists()
+    (work / "ds.par").write_text("# mine\n")
+    assert main(["import-deepspeed", str(cfg), "--world-size", "4"]) == 2
+    assert "ds.par exists" in capsys.readouterr().err
+    assert (work / "ds.par").read_text() == "# mine\n"
