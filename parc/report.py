@@ -38,6 +38,10 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
     from parc.grammar.parser import load_plan, parse
 
     notes = []
+    if compiled is not None and (model is not None or plan_path is not None):
+        given = " and ".join(f for f, v in (("--model", model), ("--plan", plan_path)) if v is not None)
+        raise ParcError(f"parc report {compiled}: {given} would be ignored: a compiled/ directory carries its own "
+                        "plan and model", hint="parc report compiled/   or   parc report --model model.py --plan plan.par")
     if compiled is not None:
         from parc import artifact
 

@@ -157,6 +157,11 @@ def test_report_needs_an_input(capsys):
     assert "needs a compiled/ directory, or both --model and --plan" in capsys.readouterr().err
 
 
+def test_report_refuses_a_plan_it_would_ignore(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--plan", str(tmp_path / "p.par")]) == 2
+    assert "--plan would be ignored" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- parc check additions
 
 def test_memory_that_does_not_fit_is_an_error():
