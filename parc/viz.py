@@ -137,6 +137,23 @@ def trace_events(timeline) -> list[dict]:
             for r, row in enumerate(timeline) for s, e, k, st, m in row]
 
 
+_ACTION = re.compile(r"([FBIW])\(s(\d+),m(\d+)\)$")  # str(Action) of a compute action: F(s0,m3)
+
+
+def _compute_event(e) -> dict | None:
+    """A complete (ph X) compute event with args kind/stage/micro, from either form this module reads:
+    its own (args carry them) or parc.run's (the action's name carries them)."""
+    if not isinstance(e, dict) or e.get("ph") != "X":
+        return None
+    args = e.get("args") if isinstance(e.get("args"), dict) else {}
+    if args.get("kind") in ("F", "B", "I", "W"):
+        return e
+    hit = _ACTION.match(str(e.get("name", "")))
+    if hit is None:
+        return None
+    return {**e, "args": {**args, "kind": hit[1], "stage": int(hit[2]), "micro": int(hit[3])}}
+
+
 def read_trace(path: Path) -> list[list[tuple[float, float, str, int, int]]]:
     """A measured Chrome trace → per-rank timeline in units of the median F duration."""
     try:
@@ -144,9 +161,10 @@ def read_trace(path: Path) -> list[list[tuple[float, float, str, int, int]]]:
     except (OSError, ValueError) as e:
         raise ParcError(f"cannot read trace {path}: {e}") from None
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    acts = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("kind") in ("F", "B", "I", "W")]
+    acts = [a for a in map(_compute_event, events if isinstance(events, list) else []) if a is not None]
     if not acts:
-        raise ParcError(f"trace {path} has no complete events (ph X) with args.kind F, B, I or W")
+        raise ParcError(f"trace {path} has no complete events (ph X) of compute: args.kind F, B, I or W, "
+                        "or names like F(s0,m3) as `parc.run --trace` writes them")
     unit = statistics.median(e["dur"] for e in acts if e["args"]["kind"] == "F") if any(
         e["args"]["kind"] == "F" for e in acts) else statistics.median(e["dur"] for e in acts)
     t0 = min(e["ts"] for e in acts)

@@ -120,3 +120,17 @@ def test_without_dot_one_line_and_no_files(compiled, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "graphviz's `dot`" in err and "apt-get install graphviz" in err and "Traceback" not in err
     assert not (tmp_path / "v").exists()
+
+
+def test_reads_the_trace_parc_run_writes(compiled, tmp_path):
+    from parc.runtime.pipeline import write_chrome_trace
+
+    events = [[("F(s0,m0)", 0.0, 0.01), ("post SEND_F(s0,m0>r1)", 0.01, 0.011), ("B(s0,m0)", 0.04, 0.06)],
+              [("wait RECV_F", 0.0, 0.011), ("F(s1,m0)", 0.011, 0.021), ("B(s1,m0)", 0.021, 0.041)]]
+    write_chrome_trace(events, tmp_path / "run.json")
+    timeline = viz.read_trace(tmp_path / "run.json")
+    assert [[(k, st, m) for _, _, k, st, m in row] for row in timeline] == [[("F", 0, 0), ("B", 0, 0)],
+                                                                          [("F", 1, 0), ("B", 1, 0)]]
+    assert timeline[0][1][1] - timeline[0][1][0] == pytest.approx(2.0)  # unit = the median F, 10 ms
+    assert main(["viz", str(compiled), "-o", str(tmp_path / "v"), "--trace", str(tmp_path / "run.json"),
+                 "--format", "svg"]) == 0
