@@ -46,6 +46,7 @@ from parc.errors import ParcError
 MAX_RANKS = 256
 NODES_PER_ROW = 8
 PANEL_UNITS = 80  # time units per panel: 80 × 18 px fits a screen
+AXIS_TICK = 10  # a labelled tick on the time axis every 10 units
 SLOT_PX = 18  # width of one time unit in the timeline: fits a two-digit micro-batch at 7 pt
 
 
@@ -177,10 +178,11 @@ def read_trace(path: Path) -> list[list[tuple[float, float, str, int, int]]]:
     return [sorted(rows[r]) for r in ranks]
 
 
-def _table(title: str, timeline, m: int, lo: int, hi: int) -> str:
-    """An HTML-table label for time units [lo, hi): a row per rank, a column per unit, actions spanning
-    their duration (clipped to the window)."""
-    rows = [f'<TR><TD ALIGN="LEFT" COLSPAN="{hi - lo + 1}" BORDER="0"><B>{html.escape(title)}</B></TD></TR>']
+def _table(timeline, m: int, lo: int, hi: int) -> str:
+    """An HTML-table label for time units [lo, hi): a row per rank, one cell per unit of time, so the
+    drawing is to scale (graphviz sizes spanning cells loosely); an action spans its units (clipped to
+    the window), its label in the first, its inner borders hidden."""
+    rows = [_axis(lo, hi)]
     for r, row in enumerate(timeline):
         cells, t = [f'<TD BORDER="0" WIDTH="40">r{r}</TD>'], lo
         for s, e, kind, _, micro in row:
@@ -188,16 +190,33 @@ def _table(title: str, timeline, m: int, lo: int, hi: int) -> str:
             s, e = max(s, t), min(e, hi)  # overlaps (a measured trace) start where the last action ended
             if e <= s:
                 continue
-            if s > t:
-                cells.append(f'<TD COLSPAN="{s - t}" WIDTH="{SLOT_PX * (s - t)}" BGCOLOR="white"> </TD>')
+            cells += [_unit("white", border=False) for _ in range(s - t)]
             label = f"{kind}{micro}" if e - s > 1 else f"{micro}"  # one-unit cells: the number only
-            cells.append(f'<TD COLSPAN="{e - s}" WIDTH="{SLOT_PX * (e - s)}" FIXEDSIZE="TRUE" HEIGHT="22" '
-                         f'BGCOLOR="{_colour(micro, m, dark=kind != "F")}"><FONT POINT-SIZE="7">{label}</FONT></TD>')
+            colour = _colour(micro, m, dark=kind != "F")
+            for u in range(s, e):
+                sides = "TB" + ("L" if u == s else "") + ("R" if u == e - 1 else "")
+                cells.append(_unit(colour, label if u == s else "", sides))
             t = e
-        if t < hi:
-            cells.append(f'<TD COLSPAN="{hi - t}" WIDTH="{SLOT_PX * (hi - t)}" BGCOLOR="white"> </TD>')
+        cells += [_unit("white", border=False) for _ in range(hi - t)]
         rows.append("<TR>" + "".join(cells) + "</TR>")
-    return '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="1">' + "".join(rows) + "</TABLE>>"
+    return '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="0">' + "".join(rows) + "</TABLE>>"
+
+
+def _unit(colour: str, label: str = "", sides: str = "LRTB", border: bool = True) -> str:
+    """One unit of time on one rank: SLOT_PX wide, whatever it holds."""
+    edge = f'SIDES="{sides}"' if border else 'BORDER="0"'
+    return (f'<TD WIDTH="{SLOT_PX}" HEIGHT="22" FIXEDSIZE="TRUE" {edge} BGCOLOR="{colour}">'
+            f'<FONT POINT-SIZE="7">{label or " "}</FONT></TD>')
+
+
+def _axis(lo: int, hi: int) -> str:
+    """The time axis: a tick labelled with its unit every AXIS_TICK units (the first at lo)."""
+    cells = ['<TD BORDER="0" WIDTH="40"><FONT POINT-SIZE="7">time</FONT></TD>']
+    for t in range(lo, hi):
+        tick = t % AXIS_TICK == 0 or t == lo
+        cells.append(f'<TD WIDTH="{SLOT_PX}" HEIGHT="12" FIXEDSIZE="TRUE" BORDER="0" ALIGN="LEFT">'
+                     f'<FONT POINT-SIZE="7">{t if tick else " "}</FONT></TD>')
+    return "<TR>" + "".join(cells) + "</TR>"
 
 
 def _panels(g: graphviz.Digraph, name: str, title: str, timeline, m: int) -> list[str]:
@@ -207,8 +226,10 @@ def _panels(g: graphviz.Digraph, name: str, title: str, timeline, m: int) -> lis
     for k, lo in enumerate(range(0, end, PANEL_UNITS)):
         hi = min(lo + PANEL_UNITS, end)
         head = title if k == 0 else f"{title.split(':')[0]}, continued"
-        names.append(f"{name}{k}")
-        g.node(names[-1], _table(f"{head}  [t {lo}…{hi}]", timeline, m, lo, hi))
+        # the title is a node of its own: in the grid's table it would widen its columns (not to scale)
+        names += [f"{name}{k}_title", f"{name}{k}"]
+        g.node(names[-2], f"<<B>{html.escape(f'{head}  [t {lo}…{hi}]')}</B>>")
+        g.node(names[-1], _table(timeline, m, lo, hi))
     return names
 
 
@@ -218,7 +239,7 @@ def schedule_graph(pj: dict, trace: Path | None = None) -> graphviz.Digraph:
     sch = pj["schedule"]
     sim = simulated_timeline(pj)
     pp, m, v = sch["pp"], sch["micro_batches"], sch["virtual"]
-    g = graphviz.Digraph("schedule", graph_attr={"fontname": "Helvetica", "rankdir": "TB"},
+    g = graphviz.Digraph("schedule", graph_attr={"fontname": "Helvetica", "rankdir": "TB", "ranksep": "0.15"},
                          node_attr={"shape": "plaintext", "fontname": "Helvetica"})
     busy = sum(e - s for row in sim for s, e, *_ in row)
     span = max(e for row in sim for _, e, *_ in row)

@@ -134,3 +134,12 @@ def test_reads_the_trace_parc_run_writes(compiled, tmp_path):
     assert timeline[0][1][1] - timeline[0][1][0] == pytest.approx(2.0)  # unit = the median F, 10 ms
     assert main(["viz", str(compiled), "-o", str(tmp_path / "v"), "--trace", str(tmp_path / "run.json"),
                  "--format", "svg"]) == 0
+
+
+def test_timeline_to_scale_with_a_time_axis():
+    pj = {"schedule": build_schedule("gpipe", 2, 4).to_json()}  # F = 1, B = 2: 15 units
+    label = viz.schedule_graph(pj).source.split("simulated0 [label=")[1]
+    assert "COLSPAN" not in label  # one fixed-width cell per unit of time on every row
+    rows = label.split("<TR>")[1:]
+    assert [r.count(f'WIDTH="{viz.SLOT_PX}"') for r in rows] == [15, 15, 15]  # the axis, r0, r1
+    assert ">time<" in rows[0] and ">0<" in rows[0] and ">10<" in rows[0]
