@@ -1,0 +1,35 @@
+"""tests/gpu/: parc on real GPUs under NCCL. Collected everywhere, skipped without CUDA.
+
+`pytest tests/gpu` on a machine with a GPU runs every example plan plus a bf16
+pipeline, the other pipeline schedules and ZeRO-3 under NCCL with --verify, with
+`parc.run --oversubscribe` where the plan has more ranks than the machine has GPUs,
+and prints one line per plan (verify figures, wall time) at the end. CI has no GPU:
+there every test here is skipped with the reason below (the one skip the suite allows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_results import RESULTS
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: the GPU suite (NCCL, --verify) runs only where one is")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RESULTS:
+        return
+    terminalreporter.section("parc on GPU")
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    terminalreporter.write_line(f"{name}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+                                if torch.cuda.is_available() else name)
+    for plan, ranks, verdict, wall in RESULTS:
+        terminalreporter.write_line(f"{plan:<22} {ranks} ranks {wall:6.1f} s  {verdict}")
