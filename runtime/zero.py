@@ -32,10 +32,16 @@ With accumulation k, stages 2–3 send their reduce-scatter k times.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
+# which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
 

@@ -5,9 +5,14 @@ pipeline, the other pipeline schedules and ZeRO-3 under NCCL with --verify, with
 `parc.run --oversubscribe` where the plan has more ranks than the machine has GPUs,
 and prints one line per plan (verify figures, wall time) at the end. CI has no GPU:
 there every test here is skipped with the reason below (the one skip the suite allows).
+
+Needs parc installed (`pip install -e .`, with lark and graphviz wheels where the image lacks
+them). PARC_GPU_SUITE_ON_CPU=1 runs the same jobs on CPU with gloo: a dry run of the harness.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from gpu_results import RESULTS
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("PARC_GPU_SUITE_ON_CPU") == "1":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: the GPU suite (NCCL, --verify) runs only where one is")
     for item in items:
