@@ -258,7 +258,8 @@ def _warm_up(schedule: Schedule) -> None:
                 ptr[peer] += 1
                 moved = True
         if not moved:
-            waits = "; ".join(f"rank {r} waits for rank {order[r][ptr[r]][0]}" for r in range(p) if ptr[r] < len(order[r]))
+            waits = "; ".join(f"rank {r} waits for rank {order[r][ptr[r]][0]}"
+                              for r in range(p) if ptr[r] < len(order[r]))
             raise ScheduleError(f"warm-up deadlock: {waits}")
 
 
@@ -267,10 +268,11 @@ def simulate(schedule: Schedule, cost_f: float = 1.0, cost_b: float = 2.0, cost_
              send_waits: bool = False, connect: str = "warm") -> SimResult:
     """Execute every rank's list; raise ScheduleError on the first thing an executor would trip on.
 
-    Progress (and so deadlock) always follows rendezvous rules. `p2p="strict"` adds NCCL's lazy
-    connection set-up (`connect="lazy"`: today's batching; `"warm"`: the executor's warm-up first). Timing: a receive completes `cost_comm` after its send is
-    posted; a send completes when posted (eager, buffered) unless `send_waits`,
-    when it also waits for its receiver, like a large NCCL send.
+    Progress (and so deadlock) always follows rendezvous rules; `p2p="strict"` adds NCCL's lazy
+    connection set-up (`connect="lazy"`: the executor before its warm-up; `"warm"`: after it).
+    Timing: a receive completes `cost_comm` after its send is posted; a send completes when
+    posted (eager, buffered) unless `send_waits`, when it also waits for its receiver, like a
+    large NCCL send.
     """
     if p2p not in ("batched", "blocking", "strict"):
         raise ValueError(f"p2p must be 'batched', 'blocking' or 'strict', got {p2p!r}")

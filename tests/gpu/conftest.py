@@ -33,8 +33,10 @@ def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
     terminalreporter.section("parc on GPU")
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    terminalreporter.write_line(f"{name}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
-                                if torch.cuda.is_available() else name)
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        terminalreporter.write_line(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}")
+    else:
+        terminalreporter.write_line(f"no GPU (PARC_GPU_SUITE_ON_CPU dry run), torch {torch.__version__}, gloo")
     for plan, ranks, verdict, wall in RESULTS:
         terminalreporter.write_line(f"{plan:<22} {ranks} ranks {wall:6.1f} s  {verdict}")
