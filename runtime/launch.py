@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -75,6 +76,11 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # leave without interpreter finalization, as parc.run does (its `_exit` says why); the
+        # result is already in the queue's pipe
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,
