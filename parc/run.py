@@ -55,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
                    help="continue from a checkpoint (or the latest in a --checkpoint-dir), saved under any "
                         "plan of the same model: any dp/tp/pp, any ZeRO stage")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="run more ranks than this machine has GPUs (they share them): each rank poses to "
+                        "NCCL as a host of its own and talks over loopback sockets; slow, for checking a "
+                        "plan before renting its GPUs (docs/pipeline.md)")
     return p
 
 
@@ -86,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if args.oversubscribe:  # before NCCL starts: it reads NCCL_HOSTID once
+        import torch
+
+        from parc.runtime.launch import oversubscribe_env
+
+        os.environ.update(oversubscribe_env(dict(os.environ), torch.cuda.device_count()))
     init_distributed(args.timeout)
     trainer = Trainer.load(art, args.seed)
     ctx, user = trainer.ctx, trainer.user
@@ -158,9 +168,28 @@ def main(argv: list[str] | None = None) -> int:
     except ParcError as e:
         if os.environ.get("RANK", "0") == "0":
             print(e.render(), file=sys.stderr)
+        _error_file(e.render())
         return 2
     except Exception as e:  # noqa: BLE001 — any failure mid-run: report once, then leave at once
         _fail(e)
+
+
+def _error_file(message: str) -> None:
+    """Under torchrun, leave `message` where its job summary looks for a worker's root cause.
+
+    torch.distributed.elastic's convention: the agent names a file per worker in
+    TORCHELASTIC_ERROR_FILE; a JSON `{"message": str}` there is shown as that worker's error, in
+    place of "To enable traceback see …", and no traceback of ours is printed. The layout is the one
+    `torch.distributed.elastic.multiprocessing.errors.record` writes, the message standing in for
+    its `py_callstack`: the summary prints that field.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 class _Watchdog:
@@ -226,5 +255,21 @@ def _fail(e: BaseException) -> None:
     os._exit(1)
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter finalization, once training is done and the process groups are destroyed.
+
+    Why: torch's communication threads (gloo's workers, NCCL's watchdog) finish releasing the buffers
+    of the last collectives a moment after `wait()` returns, and releasing a tensor whose Python object
+    C++ kept alive takes the GIL. If that moment falls inside interpreter finalization, Python ends the
+    thread with pthread_exit, whose forced unwind through a noexcept C++ frame calls std::terminate:
+    "terminate called without an active exception", exit -6, after a run that printed `done` (about
+    one run in six on 4 CPU ranks, most runs on the GPU). Nothing is left to finalize that matters:
+    metrics are closed, stdout and stderr are flushed here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -253,6 +253,28 @@ def _with_p2p(orders: list[list[tuple]], pp: int, stages: int) -> list[list[Acti
     return [[a for _, a in sorted(seq, key=lambda x: x[0])] for seq in keyed]
 
 
+def connections(schedule: Schedule) -> list[list[tuple[int, bool, bool]]]:
+    """Per pp rank, every P2P connection its actions use, as (peer, sends to it, receives from it).
+
+    One global order: pairs {a, b} sorted by (min, max), each listed on both of its
+    ranks. The executor brings the connections up in this order before its first
+    step (NCCL sets a connection up lazily, blocking the host until the peer reaches
+    the same connection; docs/pipeline.md): every rank walks the same sorted pairs,
+    so the smallest pair not yet up always has both of its ranks waiting on it.
+    """
+    used: dict[tuple[int, int], set[tuple[int, int]]] = {}  # (lo, hi) -> directed (src, dst)
+    for r, seq in enumerate(schedule.actions):
+        for a in seq:
+            if a.is_p2p:
+                src, dst = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
+                used.setdefault((min(r, a.peer), max(r, a.peer)), set()).add((src, dst))
+    out: list[list[tuple[int, bool, bool]]] = [[] for _ in range(schedule.pp)]
+    for (lo, hi), dirs in sorted(used.items()):
+        out[lo].append((hi, (lo, hi) in dirs, (hi, lo) in dirs))
+        out[hi].append((lo, (hi, lo) in dirs, (lo, hi) in dirs))
+    return out
+
+
 def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
     """The named schedule for `pp` ranks, `micro_batches` per step, `virtual` stages per rank."""
     _check(name, pp, micro_batches, virtual)

@@ -9,6 +9,22 @@ one (src → dst) channel match in order, as NCCL does. Timing is separate: a
 receive ends `cost_comm` after its send is posted; a send ends when posted
 (eager) or, with `send_waits=True`, when its receiver is there too.
 
+`p2p="strict"` is the second executor model: what NCCL may do, at its strictest
+(docs/pipeline.md "What NCCL requires"). Each run is one NCCL group, as in
+"batched", and on top of that:
+- a P2P connection (one direction between two ranks) is set up lazily by the
+  first group that uses it, and that group's `ncclGroupEnd` blocks the host —
+  none of its operations is launched — until the peer's host reaches a group
+  with an operation on the same connection (`connect="lazy"`, today's NCCL);
+  `connect="warm"` models an executor that brought every connection up before
+  its first step, in `parc.passes.schedule.connections` order, and checks that
+  this warm-up cannot deadlock itself;
+- all P2P operations of a rank run on one stream in issue order, a send
+  finishes only when its receive runs, and the host may have to wait for the
+  device (CUDA lazy kernel loading and allocator syncs wait for every kernel
+  queued, NCCL's included): so before its next compute a rank waits for its
+  whole group, sends too — the batched rule, which is why the two share code.
+
 Raises `ScheduleError`, naming rank, position and action, when a schedule would
 deadlock, match a send with the wrong receive, send to the wrong peer, run
 compute before its inputs (F(s) before F(s−1) arrived, B before F, B(s) before
@@ -21,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parc.errors import ParcError
-from parc.passes.schedule import COMPUTE, Action, Schedule, rank_of
+from parc.passes.schedule import COMPUTE, Action, Schedule, connections, rank_of
 
 
 class ScheduleError(ParcError):
@@ -50,8 +66,13 @@ def _partner(a: Action) -> tuple[str, int, int]:
 class _Run:
     """Mutable state of one simulation; `simulate` is the public entry."""
 
-    def __init__(self, sch: Schedule, costs: dict, comm: float, batched: bool, send_waits: bool):
+    def __init__(self, sch: Schedule, costs: dict, comm: float, batched: bool, send_waits: bool,
+                 lazy_connect: bool = False):
         self.sch, self.costs, self.comm, self.batched, self.send_waits = sch, costs, comm, batched, send_waits
+        self.lazy = lazy_connect                       # strict model: connections not yet up
+        self.connected: set[tuple[int, int]] = set()  # (src, dst) set up
+        self.arrived: dict[tuple[int, int], set[int]] = {}  # (src, dst) -> ranks in a group using it
+        self.handshake: dict[int, tuple[int, int]] = {}     # rank -> connection its group end waits on
         self.S, p = sch.stages, sch.pp
         self.ptr, self.clock = [0] * p, [0.0] * p
         self.done: dict[tuple, float] = {}     # (kind, stage, micro) -> end
@@ -151,6 +172,11 @@ class _Run:
             if self.batched:
                 while end < len(seq) and seq[end].is_p2p:
                     end += 1
+            if self.lazy:
+                ready, arrived = self._connect(r, seq[i:end])
+                moved = moved or arrived
+                if not ready:
+                    return moved
             for k in range(i, end):
                 if (r, k) not in self.posted:
                     self.post(r, k, seq[k])
@@ -161,6 +187,32 @@ class _Run:
             self.ptr[r] = end
             moved = True
         return moved
+
+    def _connect(self, r: int, run: list[Action]) -> tuple[bool, bool]:
+        """Strict model: rank r's group end sets up the group's new connections.
+
+        Returns (all up, state changed). A connection is up once both of its
+        ranks' hosts stand in a group using it; until then nothing of the group
+        is launched.
+        """
+        changed, missing = False, None
+        for a in run:
+            c = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
+            if c in self.connected:
+                continue
+            here = self.arrived.setdefault(c, set())
+            if r not in here:
+                here.add(r)
+                changed = True
+            if len(here) == 2:
+                self.connected.add(c)
+            elif missing is None:
+                missing = c
+        if missing is None:
+            self.handshake.pop(r, None)
+        else:
+            self.handshake[r] = missing
+        return missing is None, changed
 
     def stuck(self) -> ScheduleError:
         """Explain why no rank can move: an unpaired send/receive, else a wait cycle."""
@@ -174,24 +226,63 @@ class _Run:
                     r, i = extra[min(len(sends), len(recvs))]
                     return ScheduleError(f"{_where(r, i, acts[r][i])} has no matching {what}: rank {src} "
                                          f"sends {len(sends)} messages to rank {dst}, which receives {len(recvs)}")
-        blocked = [_where(r, self.ptr[r], acts[r][self.ptr[r]]) for r in range(p) if self.ptr[r] < len(acts[r])]
+        blocked = []
+        for r in range(p):
+            if self.ptr[r] < len(acts[r]):
+                what = _where(r, self.ptr[r], acts[r][self.ptr[r]])
+                if r in self.handshake:
+                    src, dst = self.handshake[r]
+                    what += (f" (its group end sets up connection r{src}→r{dst} and waits for rank "
+                             f"{dst if src == r else src} to reach it)")
+                blocked.append(what)
         return ScheduleError("deadlock: no rank can progress; " + "; ".join(blocked) + " waits")
+
+
+def _warm_up(schedule: Schedule) -> None:
+    """Walk `connections(schedule)` as the executor does before its first step: each entry is one
+    group with that peer, both ranks in it at once; raise ScheduleError if the order could deadlock."""
+    order, p = connections(schedule), schedule.pp
+    ptr = [0] * p
+    while any(ptr[r] < len(order[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if ptr[r] >= len(order[r]):
+                continue
+            peer, sends, recvs = order[r][ptr[r]]
+            if ptr[peer] < len(order[peer]) and order[peer][ptr[peer]][0] == r:
+                _, peer_sends, peer_recvs = order[peer][ptr[peer]]
+                if (sends, recvs) != (peer_recvs, peer_sends):
+                    raise ScheduleError(f"warm-up: rank {r} and rank {peer} disagree on the directions "
+                                        f"of their connection")
+                ptr[r] += 1
+                ptr[peer] += 1
+                moved = True
+        if not moved:
+            waits = "; ".join(f"rank {r} waits for rank {order[r][ptr[r]][0]}"
+                              for r in range(p) if ptr[r] < len(order[r]))
+            raise ScheduleError(f"warm-up deadlock: {waits}")
 
 
 def simulate(schedule: Schedule, cost_f: float = 1.0, cost_b: float = 2.0, cost_i: float = 1.0,
              cost_w: float = 1.0, cost_comm: float = 0.0, p2p: str = "batched",
-             send_waits: bool = False) -> SimResult:
+             send_waits: bool = False, connect: str = "warm") -> SimResult:
     """Execute every rank's list; raise ScheduleError on the first thing an executor would trip on.
 
-    Progress (and so deadlock) always follows rendezvous rules, the strictest an
-    executor may meet. Timing: a receive completes `cost_comm` after its send is
-    posted; a send completes when posted (eager, buffered) unless `send_waits`,
-    when it also waits for its receiver, like a large NCCL send.
+    Progress (and so deadlock) always follows rendezvous rules; `p2p="strict"` adds NCCL's lazy
+    connection set-up (`connect="lazy"`: the executor before its warm-up; `"warm"`: after it).
+    Timing: a receive completes `cost_comm` after its send is posted; a send completes when
+    posted (eager, buffered) unless `send_waits`, when it also waits for its receiver, like a
+    large NCCL send.
     """
-    if p2p not in ("batched", "blocking"):
-        raise ValueError(f"p2p must be 'batched' or 'blocking', got {p2p!r}")
+    if p2p not in ("batched", "blocking", "strict"):
+        raise ValueError(f"p2p must be 'batched', 'blocking' or 'strict', got {p2p!r}")
+    if connect not in ("warm", "lazy"):
+        raise ValueError(f"connect must be 'warm' or 'lazy', got {connect!r}")
     costs = {"F": cost_f, "B": cost_b, "I": cost_i, "W": cost_w}
-    run = _Run(schedule, costs, cost_comm, p2p == "batched", send_waits)
+    strict = p2p == "strict"
+    if strict and connect == "warm":
+        _warm_up(schedule)
+    run = _Run(schedule, costs, cost_comm, p2p != "blocking", send_waits, strict and connect == "lazy")
     for r, seq in enumerate(schedule.actions):
         for i, a in enumerate(seq):
             if not (0 <= a.stage < schedule.stages and rank_of(a.stage, schedule.pp) == r

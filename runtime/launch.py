@@ -5,6 +5,9 @@ torch.distributed (gloo on CPU), calls `body(ctx, *args)` on each rank and
 returns the list of their return values, rank order. A failing rank's traceback
 is re-raised in the parent; a hung world is killed after `timeout` seconds.
 `body` must be importable by name (a module-level function), as with any spawn.
+
+`oversubscribe_env` is `parc.run --oversubscribe`: more ranks than GPUs on one
+machine, each rank posing to NCCL as a host of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,6 +29,26 @@ class RankCtx:
 
     rank: int
     world_size: int
+
+
+def oversubscribe_env(env: dict[str, str], gpus: int) -> dict[str, str]:
+    """The environment changes that let N ranks share `gpus` GPUs of one machine under NCCL.
+
+    NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"). Each rank gets its
+    own NCCL_HOSTID, so NCCL sees N one-GPU hosts and connects them with its socket transport
+    over loopback (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1; the user's values win); LOCAL_RANK
+    becomes the GPU this rank uses (local rank mod gpus, so ranks fill the GPUs round-robin) and
+    LOCAL_WORLD_SIZE 1, so each rank builds its own copy of the model (runtime/state.py). NCCL
+    reads these when the process group starts: call this before `init_process_group`.
+    Slow (every message crosses a socket), but the collectives and kernels are the real ones.
+    """
+    local = int(env.get("LOCAL_RANK", env.get("RANK", "0")))
+    out = {"NCCL_HOSTID": f"parc-rank-{env.get('RANK', '0')}",
+           "LOCAL_RANK": str(local % gpus if gpus > 0 else 0),
+           "LOCAL_WORLD_SIZE": "1",
+           "NCCL_SOCKET_IFNAME": env.get("NCCL_SOCKET_IFNAME", "lo"),
+           "NCCL_IB_DISABLE": env.get("NCCL_IB_DISABLE", "1")}
+    return out
 
 
 def free_port() -> int:
@@ -52,6 +76,11 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # leave without interpreter finalization, as parc.run does (its `_exit` says why); the
+        # result is already in the queue's pipe
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,

@@ -5,10 +5,19 @@ Start at `PipelineExecutor.run`. The schedule (plan.json `schedule`, built by
 (stage, micro-batch)) and the sends/receives around them. The executor walks
 the list in order:
 
+- before the first step it brings up every P2P connection the schedule uses,
+  one peer at a time in one global order (`parc.passes.schedule.connections`):
+  NCCL sets a connection up lazily inside the `ncclGroupEnd` of the first group
+  that uses it and blocks the host there until the peer reaches the same
+  connection, so a group that mixed a first receive with a send the peer was
+  waiting for hung every pipeline on NCCL (docs/pipeline.md "What NCCL
+  requires"; `simulate(p2p="strict")` models it);
 - each maximal run of adjacent SEND/RECV actions is posted as ONE
   `batch_isend_irecv`; a receive is waited only right before the compute that
   reads it, and sends are waited at the end of the step, so communication runs
-  while this rank computes whatever the schedule put in between (overlap);
+  while this rank computes whatever the schedule put in between (overlap).
+  NCCL returns one work for the whole batch (gloo one per operation): a receive
+  waits for its batch's work either way;
 - F(s, j) runs stage s's program on the received activations (fresh leaves that
   require grad) and keeps its outputs; B(s, j) runs
   `torch.autograd.backward(outputs, received output grads)` (the last stage:
@@ -40,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parc.passes.schedule import Action, Schedule
+from parc.passes.schedule import Action, Schedule, connections
 
 
 @dataclass
@@ -77,6 +86,7 @@ class PipelineExecutor:
         self.trace = trace
         self.trace_events: list[tuple[str, float, float]] = []  # (name, start, end), seconds from step start
         self.peak_inflight: dict[int, int] = {s: 0 for s in stages}
+        self.warm = False  # P2P connections brought up (first `run`)
 
     # ------------------------------------------------------------ one step
     def run(self, micro_batches: list[tuple[torch.Tensor, ...]], hooks) -> torch.Tensor:
@@ -84,6 +94,8 @@ class PipelineExecutor:
         m = len(micro_batches)
         if m != self.schedule.m:
             raise RuntimeError(f"the schedule was built for {self.schedule.m} micro-batches, got {m}")
+        if not self.warm:
+            self.warm_up()
         self._live: dict[tuple[int, int], _Micro] = {}
         self._sends: list = []
         self._grads_done = {s: 0 for s in self.stages}
@@ -135,6 +147,28 @@ class PipelineExecutor:
             self._record(f"wait {kind}", t)
 
     # ------------------------------------------------------------ point to point
+    def warm_up(self) -> None:
+        """Bring up every connection the schedule uses before any compute: one group per peer, both
+        directions in it, peers in the schedule's global order, each waited to the end on the host.
+
+        Every pp rank calls this at its first step (collective over the pp group). The groups meet
+        pairwise in one order that all ranks share, so it cannot deadlock (`simulate` checks the
+        order); afterwards no `ncclGroupEnd` of the schedule sets anything up, and the schedule's
+        own order (deadlock-free under rendezvous, `parc.passes.schedule`) is all that matters.
+        """
+        me = self.ctx.coord["pp"]
+        for peer, sends, recvs in connections(self.schedule)[me]:
+            ops = []
+            if sends:
+                ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=self.device), self.pp_ranks[peer], self.group))
+            if recvs:
+                ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=self.device), self.pp_ranks[peer], self.group))
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the next peer's group starts on an idle device
+        self.warm = True
+
     def _empty(self, spec: dict) -> torch.Tensor:
         return torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=self.device)
 
@@ -162,6 +196,10 @@ class PipelineExecutor:
                 ops.append(dist.P2POp(op, x, peer, self.group))
                 owners.append((a, mb, x))
         works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == 1 and len(ops) > 1:  # NCCL coalesces the batch into one work: it covers every op
+            works = works * len(ops)
+        if len(works) != len(ops):
+            raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {len(ops)} operations")
         for (a, mb, x), w in zip(owners, works):
             if a.kind.startswith("SEND"):
                 self._sends.append((w, x))  # the buffer must live until its send completes

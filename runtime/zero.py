@@ -15,7 +15,7 @@ the rank's range ("master"); every update is elementwise, so it is the serial
 update of those elements. In fp32 the master of stages 1–2 is a view into the
 full buffer, so no weight is stored twice.
 
-Communication per step (`reduce_scatter_single` / `all_gather_single`, one flat
+Communication per step (`reduce_scatter_tensor` / `all_gather_into_tensor`, one flat
 tensor per bucket, padded to equal ranges):
   stage 1: reduce-scatter gradients once, after the last micro-batch's backward
            (launched per bucket as its gradients land), then all-gather the
@@ -32,10 +32,16 @@ With accumulation k, stages 2–3 send their reduce-scatter k times.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
+# which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
 
@@ -146,7 +152,7 @@ class ZeroOptimizer:
         out = torch.empty(self.buckets[b]["shard"], dtype=flat.dtype, device=flat.device)
         if self.dp > 1:
             flat.div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
-            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
         else:
             out.copy_(flat)
             work = None
@@ -212,7 +218,7 @@ class ZeroOptimizer:
         for b, full in enumerate(self.full):
             mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
-                works.append(dist.all_gather_single(full, mine, group=self.group, async_op=True))
+                works.append(dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True))
         for w in works:
             w.wait()
 
@@ -230,7 +236,7 @@ class ZeroOptimizer:
         bucket = self.buckets[b]
         full = torch.empty(bucket["padded"], dtype=self.master[b].dtype, device=self.master[b].device)
         if self.dp > 1:
-            work = dist.all_gather_single(full, self.master[b].detach(), group=self.group, async_op=True)
+            work = dist.all_gather_into_tensor(full, self.master[b].detach(), group=self.group, async_op=True)
         else:
             full.copy_(self.master[b].detach())
             work = None
@@ -333,7 +339,7 @@ class ZeroOptimizer:
                     continue
                 full = torch.empty(bucket["padded"], dtype=v.dtype, device=v.device)
                 if self.dp > 1:
-                    dist.all_gather_single(full, v.detach().contiguous(), group=self.group)
+                    dist.all_gather_into_tensor(full, v.detach().contiguous(), group=self.group)
                 else:
                     full.copy_(v)
                 for sp in bucket["params"]:

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parc.errors import PlanError
-from parc.passes.schedule import (Action, Schedule, bubble_formula, build_schedule, format_schedule,
+from parc.passes import simulate as simulate_mod
+from parc.passes.schedule import (Action, Schedule, bubble_formula, build_schedule, connections, format_schedule,
                                   schedule_diagnostics)
 from parc.passes.simulate import ScheduleError, simulate
 
@@ -75,8 +76,9 @@ def configs(draw):
 
 
 @settings(deadline=None, max_examples=300)
-@given(configs(), st.sampled_from(("batched", "blocking")), st.sampled_from((0.0, 0.5)))
+@given(configs(), st.sampled_from(("batched", "blocking", "strict")), st.sampled_from((0.0, 0.5)))
 def test_every_schedule_simulates(cfg, p2p, comm):
+    # "strict": NCCL's lazy connections, brought up by the executor's warm-up first (connect="warm")
     name, p, m, v = cfg
     sch = build_schedule(name, p, m, v)
     res = simulate(sch, cost_comm=comm, p2p=p2p)  # raises on any violation
@@ -106,6 +108,54 @@ def test_zb_h1_beats_1f1b_at_equal_memory(p, m):
     assert zb.bubble_fraction <= base.bubble_fraction + 1e-12
     if m >= p:
         assert zb.makespan == 3 * m + p - 1
+
+
+@settings(deadline=None, max_examples=200)
+@given(configs())
+def test_every_schedule_survives_strict_nccl_model(cfg):
+    # the executor's fix: warm-up in `connections` order, then today's batching; the strict model also
+    # checks that the warm-up order itself cannot deadlock
+    name, p, m, v = cfg
+    sch = build_schedule(name, p, m, v)
+    assert simulate(sch, p2p="strict", connect="warm").makespan == simulate(sch, p2p="batched").makespan
+    for r, conns in enumerate(connections(sch)):
+        assert sorted({a.peer for a in sch.actions[r] if a.is_p2p}) == sorted(peer for peer, _, _ in conns)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+def test_todays_batching_hangs_on_lazy_nccl_connections(name):
+    # What the H200 run showed (../shared/gpu/README.md): rank 0's batch [SEND_F m3, RECV_B m0]
+    # (GPipe) sets up r1→r0 in its ncclGroupEnd and launches nothing until rank 1 reaches that
+    # connection; rank 1 first waits for the activation inside that very batch.
+    sch = build_schedule(name, 2, 4)
+    with pytest.raises(ScheduleError, match=r"deadlock.*rank 0 action \d+ SEND_F.*sets up connection r1→r0"
+                                            r".*rank 1 action \d+ RECV_F"):
+        simulate(sch, p2p="strict", connect="lazy")
+    simulate(sch, p2p="strict", connect="warm")  # the fix
+    simulate(sch, p2p="batched")                 # gloo never saw it
+
+
+def test_lazy_connections_chain_across_ranks():
+    sch = build_schedule("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="r2→r1.*r3→r2"):
+        simulate(sch, p2p="strict", connect="lazy")
+
+
+def test_connections_golden_interleaved_wraps_around():
+    # pp 3 × virtual 2: stage 2 (rank 2) feeds stage 3 (rank 0), so ranks 0 and 2 connect too
+    assert connections(build_schedule("interleaved_1f1b", 3, 3, 2)) == [
+        [(1, True, True), (2, True, True)],
+        [(0, True, True), (2, True, True)],
+        [(0, True, True), (1, True, True)]]
+    assert connections(build_schedule("1f1b", 1, 4)) == [[]]
+
+
+def test_warm_up_in_crossing_order_deadlocks(monkeypatch):
+    cycle = [[(1, True, True), (2, True, True)], [(2, True, True), (0, True, True)],
+             [(0, True, True), (1, True, True)]]
+    monkeypatch.setattr(simulate_mod, "connections", lambda sch: cycle)
+    with pytest.raises(ScheduleError, match="warm-up deadlock: rank 0 waits for rank 1; rank 1 waits for rank 2"):
+        simulate(build_schedule("interleaved_1f1b", 3, 3, 2), p2p="strict")
 
 
 def test_rendezvous_sends_still_exact_for_1f1b():

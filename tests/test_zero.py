@@ -30,7 +30,8 @@ PARAM_TOL = 1e-4
 
 def _recording(sent: dict):
     """Wrap the collectives ZeRO and the trainer use; add each call's ring volume per rank to `sent`."""
-    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single", "all_reduce")}
+    originals = {name: getattr(dist, name)
+                 for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")}
 
     def wrap(name, size_of, factor):
         def call(*args, **kwargs):
@@ -41,8 +42,8 @@ def _recording(sent: dict):
             return originals[name](*args, **kwargs)
         return call
 
-    dist.reduce_scatter_single = wrap("reduce_scatter_single", lambda a: a[1], 1)  # input: the whole flat
-    dist.all_gather_single = wrap("all_gather_single", lambda a: a[0], 1)          # output: the whole flat
+    dist.reduce_scatter_tensor = wrap("reduce_scatter_tensor", lambda a: a[1], 1)  # input: the whole flat
+    dist.all_gather_into_tensor = wrap("all_gather_into_tensor", lambda a: a[0], 1)  # output: the whole flat
     dist.all_reduce = wrap("all_reduce", lambda a: a[0], 2)
     return originals
 
@@ -109,7 +110,7 @@ optimizer adamw lr=1e-2 clip=0.5
         assert m["scalars"] <= 4 * len(table["buckets"])
         assert m["stand_ins"] <= 4  # ZeRO-3's shape-only program inputs share one fp32 element
         for sent in r["sent"]:
-            assert sent.get("reduce_scatter_single", 0) + sent.get("all_gather_single", 0) == want_comm, sent
+            assert sent.get("reduce_scatter_tensor", 0) + sent.get("all_gather_into_tensor", 0) == want_comm, sent
             assert sent.get("all_reduce", 0) == clip_bytes, sent
     print(f"  per rank: memory {results[0]['memory']} (bytes); sent per step {results[0]['sent'][0]}")
 
