@@ -84,15 +84,18 @@ def _scenarios(ctx, compiled: dict, tmp: str):
     out["norm"] = _main([compiled["clip"], *common, "--checkpoint-dir", f"{tmp}/norm"], "grad")
     out["state"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/state"], "grad")
     out["rows"] = _main([compiled["clip"], *common, "--checkpoint-dir", f"{tmp}/rows"], "rows")
-    # last: a run that finishes destroys the process group
-    out["skip"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/skip", "--on-nonfinite", "skip"],
-                        "grad")
+    # last: a run that finishes destroys the process group. Its directory holds an earlier run's step_9,
+    # which --overwrite-checkpoints lets the first save replace
+    out["skip"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/skip", "--on-nonfinite", "skip",
+                         "--overwrite-checkpoints"], "grad")
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(compiled, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
+    (tmp / "skip" / "step_9").mkdir(parents=True)
+    (tmp / "skip" / "latest").write_text("step_9\n")
     return tmp, spawn(2, _scenarios, compiled, str(tmp))[0]
 
 
@@ -131,6 +134,9 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(runs):
     final = checkpoint.read(tmp / "skip" / "step_4")  # and training went on after the skip
     assert not torch.equal(final["model.layers.0.weight"], after["model.layers.0.weight"])
     assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())
+    # --overwrite-checkpoints: the earlier run's step_9 went at the first save, and `latest` followed this run
+    assert sorted(p.name for p in (tmp / "skip").glob("step_*")) == ["step_1", "step_2", "step_3", "step_4"]
+    assert checkpoint.resolve(tmp / "skip").name == "step_4"
 
 
 def test_get_batch_rows_named_in_the_run(runs):
