@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
     from parc.runtime import checkpoint_dir
 
-    # files only, before any process group: every rank refuses alike, at start rather than at the first save
-    resumed = checkpoint_dir.open_checkpoint(args.resume).step if args.resume is not None else None
+    # files only, before any process group, at start rather than at the first save; rank 0 alone stats the
+    # shard files (a rank that refuses here exits, and torchrun stops the others)
+    lead_rank = os.environ.get("RANK", "0") == "0"
+    resumed = checkpoint_dir.open_checkpoint(args.resume, shards=lead_rank).step if args.resume else None
     checkpoint_dir.check_saving(args.save_every, args.checkpoint_dir, resumed, args.overwrite_checkpoints)
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -208,13 +208,17 @@ def _read(saved: Saved, sd: dict, what: str, **kwargs) -> None:
     except CheckpointException as e:
         failures = getattr(e, "failures", {}) or {}
         rank, err = next(iter(sorted(failures.items())), (None, e))
-        text = (str(getattr(err, "exc", err)).strip().splitlines() or [type(err).__name__])[0][:160]
-        raise LaunchError(f"{what} {saved.path}: reading the tensors failed (rank {rank}: {text}); the "
+        err = err[0] if isinstance(err, tuple) else err  # DCP keeps (exception, stack summary)
+        raise LaunchError(f"{what} {saved.path}: reading the tensors failed (rank {rank}: {_one(err)}); the "
                           f"checkpoint is damaged") from None
     except (RuntimeError, OSError, ValueError, EOFError) as e:
-        text = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise LaunchError(f"{what} {saved.path}: reading the tensors failed ({type(e).__name__}: {text}); "
-                          f"the checkpoint is damaged") from None
+        raise LaunchError(f"{what} {saved.path}: reading the tensors failed ({_one(e)}); the checkpoint is "
+                          f"damaged") from None
+
+
+def _one(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load(trainer, path: str | Path) -> int:
@@ -230,7 +234,7 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     alike. Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
     whichever ranks wrote the rows) and keeps its tp slice and ZeRO range.
     """
-    saved = open_checkpoint(path, what)
+    saved = open_checkpoint(path, what, shards=False)  # a shard damaged after all: DCP's read fails on every rank
     plan_json, ctx = trainer.art.plan, trainer.ctx
     meta, info = saved.meta.state_dict_metadata, saved.info
     ckpt_params, ckpt_state, ckpt_scalars = rec.held(saved.meta)

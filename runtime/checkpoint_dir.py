@@ -78,9 +78,10 @@ def resolve(path: str | Path, what: str = "--resume") -> Path:
     return path / name
 
 
-def open_checkpoint(path: str | Path, what: str = "--resume") -> Saved:
+def open_checkpoint(path: str | Path, what: str = "--resume", shards: bool = True) -> Saved:
     """The checkpoint at `path` (see `resolve`), checked to be whole: parc.json readable, DCP's index
-    readable, every shard file it names present and at least as long as the index says."""
+    readable and, with `shards`, every shard file it names present and at least as long as the index
+    says (one stat per file: parc/run.py asks it of rank 0 only, not of every rank of a large job)."""
     import torch.distributed.checkpoint as dcp
 
     where = resolve(path, what)
@@ -100,7 +101,7 @@ def open_checkpoint(path: str | Path, what: str = "--resume") -> Saved:
         raise LaunchError(f"{what} {where}: .metadata is damaged or truncated ({type(e).__name__}: "
                           f"{_first(e)})") from None
     need: dict[str, int] = {}  # shard file → bytes the index reads from it
-    for item in (getattr(meta, "storage_data", None) or {}).values():
+    for item in (getattr(meta, "storage_data", None) or {}).values() if shards else ():
         rel = getattr(item, "relative_path", None)
         if rel is not None:
             need[rel] = max(need.get(rel, 0), item.offset + item.length)

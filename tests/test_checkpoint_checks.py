@@ -217,3 +217,20 @@ def test_export_bad_paths_are_one_line(world, tmp_path, capsys):
     assert list((tmp_path / "out").iterdir()) == [] and not list(tmp_path.glob(".*.tmp"))
     assert cli_main(["export", str(world[0] / "ckpt"), "-o", str(tmp_path / "m.safetensors")]) == 0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_shard_damaged_past_the_file_check_is_one_line(world, tmp_path):
+    """`resume` leaves the shard stats to parc.run's rank 0; should a shard be damaged anyway, DCP's read
+    fails (on every rank alike: DCP gathers failures) and that too is one line."""
+    import torch
+
+    from parc.runtime.checkpoint import _read
+    from parc.runtime.checkpoint_dir import open_checkpoint
+
+    ckpt = _damage(world[0] / "ckpt", tmp_path / "ckpt", "truncated_shard")
+    saved = open_checkpoint(ckpt, shards=False)
+    md = saved.meta.state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith("model.")}
+    with pytest.raises(LaunchError) as e:
+        _read(saved, sd, "--resume", no_dist=True)
+    assert "reading the tensors failed" in e.value.message and "\n" not in e.value.message, e.value.message
