@@ -48,13 +48,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="process-group timeout in seconds: a collective waiting longer on a hung "
                         "rank fails and the job exits (default 600)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="write a sharded checkpoint every N steps (needs --checkpoint-dir)")
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="write a sharded checkpoint every N ≥ 1 steps (needs --checkpoint-dir)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
-                   help="where --save-every writes step_<N>/ checkpoints and a `latest` pointer")
+                   help="where --save-every writes step_<N>/ checkpoints and a `latest` pointer; a fresh run "
+                        "needs a new or empty directory, a resumed one a directory with nothing beyond the "
+                        "step it resumes")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let this run replace the checkpoints in --checkpoint-dir: at its first save, those "
+                        "beyond the step it started from (all, for a fresh run) are deleted")
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
                    help="continue from a checkpoint (or the latest in a --checkpoint-dir), saved under any "
-                        "plan of the same model: any dp/tp/pp, any ZeRO stage")
+                        "plan of the same model: any dp/tp/pp, any ZeRO stage; prints what it loaded and "
+                        "every setting that differs")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a nan/inf loss or gradient: stop (default: exit 2 before anything more is saved; "
+                        "checked at log points, no extra sync) or skip the step (parameters and optimizer "
+                        "state unchanged; one host sync per step)")
     p.add_argument("--oversubscribe", action="store_true",
                    help="run more ranks than this machine has GPUs (they share them): each rank poses to "
                         "NCCL as a host of its own and talks over loopback sockets; slow, for checking a "
@@ -88,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
                           f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
+    from parc.runtime import checkpoint_dir
+
+    # files only, before any process group, at start rather than at the first save; rank 0 alone stats the
+    # shard files (a rank that refuses here exits, and torchrun stops the others)
+    lead_rank = os.environ.get("RANK", "0") == "0"
+    resumed = checkpoint_dir.open_checkpoint(args.resume, shards=lead_rank).step if args.resume else None
+    checkpoint_dir.check_saving(args.save_every, args.checkpoint_dir, resumed, args.overwrite_checkpoints)
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if args.oversubscribe:  # before NCCL starts: it reads NCCL_HOSTID once
@@ -99,16 +116,19 @@ def run(args: argparse.Namespace) -> int:
     init_distributed(args.timeout)
     trainer = Trainer.load(art, args.seed)
     ctx, user = trainer.ctx, trainer.user
-    if args.save_every and args.checkpoint_dir is None:
-        raise LaunchError(f"--save-every {args.save_every} needs --checkpoint-dir DIR to write into")
+    lead = ctx.rank == 0
     first = 0
     if args.resume is not None:
         from parc.runtime import checkpoint
 
-        first = checkpoint.load(trainer, args.resume)  # steps already done: get_batch(step) resumes the data
+        first, said = checkpoint.resume(trainer, args.resume)  # steps done: get_batch(step) resumes the data
         if first >= args.steps:
             raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
-    lead = ctx.rank == 0
+        if lead:
+            print(said, flush=True)
+    from parc.runtime.divergence import Guard
+
+    guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
     metrics = Metrics(args.steps, args.metrics, enabled=lead)
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
@@ -118,15 +138,20 @@ def run(args: argparse.Namespace) -> int:
             watchdog.tick(f"step {step}")
             if args.trace and trainer.pipeline is not None:
                 trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
-            result = trainer.step(step)
+            result = trainer.step(step, skip_nonfinite=args.on_nonfinite == "skip")
+            guard.watch(step, result)
             if args.save_every and (step + 1) % args.save_every == 0:
                 from parc.runtime import checkpoint
 
-                checkpoint.save(trainer, args.checkpoint_dir, step + 1)
+                guard.check()  # a diverged step stops the run here, before its checkpoint
+                checkpoint.save(trainer, args.checkpoint_dir, step + 1, replace=replace)
+                guard.note_saved(step + 1)
+                replace = False  # only the first save replaces an earlier run's checkpoints
             local.append(result.loss)
             window.append(result.loss)
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                loss = trainer.global_losses(window)[-1]
+                guard.check()  # the losses are read here anyway (the one sync per log point)
+                loss = guard.last_loss
                 dt = (time.perf_counter() - t_window) / len(window)
                 metrics.log(step, loss, tokens / dt, dt, advance=len(window))
                 window, t_window = [], time.perf_counter()

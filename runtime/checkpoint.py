@@ -1,9 +1,9 @@
 """Sharded, atomic, resharding checkpoints with torch.distributed.checkpoint (DCP).
 
-Start here: `save(trainer, root, step)` and `load(trainer, path) -> step`.
+Start here: `save(trainer, root, step)` and `resume(trainer, path) -> (step, line)`.
 
 Format. A checkpoint is a DCP directory `root/step_<N>/` plus `parc.json`
-(step, mesh, zero stage). Every parameter and every per-parameter optimizer
+(what it holds and under which plan: runtime/checkpoint_record.py). Every parameter and every per-parameter optimizer
 tensor (Adam's exp_avg, exp_avg_sq) is stored WHOLE-shaped under its model FQN
 (`model.<fqn>`, `optim.<fqn>.<key>`) as a DTensor on a (pp, dp·tp) device
 mesh: Replicate over pp (only the ranks of the stage holding the tensor write
@@ -16,12 +16,25 @@ DCP reshards on load: each rank reads whole exactly the tensors its programs
 hold and keeps its tp slice / ZeRO range. Tested: dp=4 ZeRO-3 → dp=2 ZeRO-1,
 dp=4 ZeRO-3 → dp=2 tp=2, pp=2 → dp=2. Scalars (`optim.step`, the data
 position `meta.step`) are replicated; each rank's CPU RNG state is
-`rng.rank<r>`, restored only when the world size is unchanged.
+`rng.rank<r>`, restored only when the world size is unchanged. Every
+collective walks names and optimizer keys in plan or sorted order, never a
+set's: a set of strings iterates in an order PYTHONHASHSEED picks per process
+(tests/test_resume_exact.py).
 
 Atomicity. Ranks write `step_<N>.tmp-…/`; after every rank has finished, rank 0
 writes `parc.json` and renames the directory to `step_<N>`, then replaces the
 `latest` pointer file. A crash at any moment leaves either no `step_<N>` or a
 complete one; `--resume` only ever sees complete ones.
+
+Nothing good is overwritten. `save` refuses an existing `step_<N>` and never
+moves `latest` back (unless the run was started with --overwrite-checkpoints:
+`replace`), and it refuses to write a non-finite parameter or optimizer value
+(runtime/divergence.py), so a diverged run cannot replace a good checkpoint.
+
+Self-checking. parc.json records what the checkpoint holds and under which
+plan (runtime/checkpoint_record.py); `resume` checks the files are whole
+(runtime/checkpoint_dir.py), refuses another model structure, and returns one
+line saying what it loaded and every setting that differs.
 
 Cost. Saving gathers all of this rank's tensors whole at once (over dp for
 ZeRO ranges, over tp for shards) before writing its rows: peak extra memory is
@@ -44,9 +57,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parc.errors import LaunchError
+from parc.runtime import checkpoint_record as rec
+from parc.runtime.checkpoint_dir import LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve, steps
+from parc.runtime.divergence import Divergence
 from parc.runtime.state import shard as tp_slice, unshard
 
-LATEST = "latest"
+__all__ = ["LATEST", "load", "read", "resolve", "resume", "save"]
 
 
 def _mesh(trainer):
@@ -107,14 +123,37 @@ def _full_state(trainer) -> tuple[dict, dict, dict]:
     return params, optim, scalars
 
 
-def save(trainer, root: str | Path, step: int) -> Path:
-    """Write the state after `step` completed steps to `root/step_<step>`; collective over all ranks."""
+def _all_finite(trainer, params: dict, optim: dict, scalars: dict) -> bool:
+    """Whether every value every rank is about to save is finite (collective: each checks its own)."""
+    ok = torch.ones((), device=trainer.ctx.device)
+    for t in (*params.values(), *(v for per in optim.values() for v in per.values()), *scalars.values()):
+        if t.is_floating_point():
+            ok = ok * torch.isfinite(t).all()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
+    """Write the state after `step` completed steps to `root/step_<step>`; collective over all ranks.
+
+    `replace` (the first save of a run started with --overwrite-checkpoints): first delete the step_<N>
+    beyond the step the run started from, and let `latest` move back to this one.
+    """
     root = Path(root)
-    mesh = _mesh(trainer)
     ctx = trainer.ctx
+    final = root / f"step_{step}"
+    if final.exists() and not replace:  # every rank sees the same directory: all refuse together
+        raise LaunchError(f"{final} exists already; refusing to overwrite a checkpoint (start with "
+                          f"--overwrite-checkpoints to replace an earlier run's)")
+    mesh = _mesh(trainer)
     n_shards, r = ctx.degree["dp"] * ctx.degree["tp"], ctx.coord["dp"] * ctx.degree["tp"] + ctx.coord["tp"]
     fqn = {e["name"]: e["fqn"] for e in trainer.entry["state"]}
     params, optim, scalars = _full_state(trainer)
+    # a diverged run must not replace a good checkpoint: every rank checks what it writes, all decide alike
+    if not _all_finite(trainer, params, optim, scalars):
+        raise Divergence(f"after step {step} the parameters or optimizer state hold nan/inf; not saved to {final} "
+                         f"(a gradient went non-finite under a finite loss; with `clip=` in the plan the run also "
+                         f"checks the gradient norm and names the step)")
     sd = {f"model.{fqn[n]}": _sharded(t, mesh, n_shards, r) for n, t in params.items()}
     for n, per in optim.items():
         sd.update({f"optim.{fqn[n]}.{k}": _sharded(v, mesh, n_shards, r) for k, v in per.items()})
@@ -122,7 +161,6 @@ def save(trainer, root: str | Path, step: int) -> Path:
     sd["meta.step"] = torch.tensor(step, dtype=torch.int64)
     sd[f"rng.rank{ctx.rank}"] = torch.get_rng_state()
 
-    final = root / f"step_{step}"
     # every rank must write into the same temporary directory: rank 0 names it, the others hear it
     name = [f"step_{step}.tmp-{os.getpid()}"] if ctx.rank == 0 else [None]
     dist.broadcast_object_list(name, src=0)
@@ -133,72 +171,103 @@ def save(trainer, root: str | Path, step: int) -> Path:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are on disk before the directory gets its final name
     if ctx.rank == 0:
-        (tmp / "parc.json").write_text(json.dumps({
-            "step": step, "world_size": ctx.world_size, "mesh": ctx.degree,
-            "zero": trainer.art.plan["plan"]["zero"], "program": trainer.name}, indent=1, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
+        state_keys = sorted({k for per in optim.values() for k in per})
+        info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars))
+        (tmp / "parc.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+        if replace:
+            for n, old in steps(root).items():
+                if n > trainer.resumed_step:
+                    shutil.rmtree(old)
         os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
+        newest = latest_step(root)
+        if replace or newest is None or newest <= step:  # `latest` never moves back
+            point_latest(root, final.name)
         for stale in root.glob("step_*.tmp-*"):  # left by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a `--checkpoint-dir` root (then its `latest`)."""
-    path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
-    raise LaunchError(f"--resume {path}: neither a checkpoint (no .metadata) nor a checkpoint directory "
-                      f"(no {LATEST} file); pass the --checkpoint-dir of an earlier run")
+def read(path: str | Path, prefix: str = "", what: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose key starts with `prefix`, whole, in one process (no process group)."""
+    saved = open_checkpoint(path, what)
+    md = saved.meta.state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
+          if k.startswith(prefix) and hasattr(m, "size")}
+    _read(saved, sd, what, no_dist=True)
+    return sd
+
+
+def _read(saved: Saved, sd: dict, what: str, **kwargs) -> None:
+    """DCP's load into `sd`; a failure (a shard damaged inside) is one line on every rank (DCP gathers
+    every rank's failure and raises on all of them)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(saved.path), **kwargs)
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        rank, err = next(iter(sorted(failures.items())), (None, e))
+        err = err[0] if isinstance(err, tuple) else err  # DCP keeps (exception, stack summary)
+        raise LaunchError(f"{what} {saved.path}: reading the tensors failed (rank {rank}: {_one(err)}); the "
+                          f"checkpoint is damaged") from None
+    except (RuntimeError, OSError, ValueError, EOFError) as e:
+        raise LaunchError(f"{what} {saved.path}: reading the tensors failed ({_one(e)}); the checkpoint is "
+                          f"damaged") from None
+
+
+def _one(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load(trainer, path: str | Path) -> int:
-    """Load a checkpoint into `trainer` (any dp/tp/pp, any ZeRO stage); return the number of steps it holds.
+    """`resume`, for callers that want only the number of steps the checkpoint holds."""
+    return resume(trainer, path)[0]
 
-    Each rank reads, whole, only the tensors its own programs hold (DCP assembles them from whichever
-    ranks wrote the rows) and keeps its tp slice and ZeRO range: no collective beyond DCP's own.
+
+def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]:
+    """Load a checkpoint into `trainer` (any dp/tp/pp, any ZeRO stage); return (the number of steps it
+    holds, the one line saying what was loaded and what differs from the run).
+
+    Every check runs on files and plan.json only, before DCP's collective read, so every rank refuses
+    alike. Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
+    whichever ranks wrote the rows) and keeps its tp slice and ZeRO range.
     """
-    path = resolve(path)
-    ctx = trainer.ctx
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    info = json.loads((path / "parc.json").read_text())
+    saved = open_checkpoint(path, what, shards=False)  # a shard damaged after all: DCP's read fails on every rank
+    plan_json, ctx = trainer.art.plan, trainer.ctx
+    meta, info = saved.meta.state_dict_metadata, saved.info
+    ckpt_params, ckpt_state, ckpt_scalars = rec.held(saved.meta)
+    rec.check_model(saved.path, ckpt_params, rec.model_params(plan_json))
+    want_state, want_scalars = rec.optimizer_keys(plan_json["plan"]["optimizer"])
+    with_optim = bool(want_state or want_scalars) and (ckpt_state, ckpt_scalars) == (want_state, want_scalars)
+    line = rec.summary(saved.path, info, rec.differences(info, plan_json, ctx.world_size, with_optim, ckpt_state,
+                                                        ckpt_scalars), plan_json["plan"]["batch"]["global"])
     names = {e["fqn"]: e["name"] for e in trainer.entry["state"] if e["name"] in trainer.params}
-    missing = sorted(f for f in names if f"model.{f}" not in meta)
-    if missing:
-        raise LaunchError(f"checkpoint {path} lacks parameters {missing[:3]}; it was saved from another model")
     sd = {}
     for key, m in meta.items():
         kind, _, rest = key.partition(".")
         if kind == "rng":
-            wanted = key == f"rng.rank{ctx.rank}" and info["world_size"] == ctx.world_size
+            wanted = key == f"rng.rank{ctx.rank}" and info.get("world_size") == ctx.world_size
         elif kind == "model":
             wanted = rest in names
         elif kind == "optim":
-            wanted = len(m.size) == 0 or rest.rpartition(".")[0] in names
+            wanted = with_optim and (len(m.size) == 0 or rest.rpartition(".")[0] in names)
         else:
             wanted = True
         if wanted:
             sd[key] = torch.empty(torch.Size(m.size), dtype=m.properties.dtype)
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+    _read(saved, sd, what)
 
     shard_of = {e["name"]: e["shard"] for e in trainer.entry["state"]}
     params, optim, scalars = {}, {}, {}
     for f, n in names.items():
         params[n] = tp_slice(sd[f"model.{f}"], shard_of[n]).to(ctx.device)
-        prefix = f"optim.{f}."
-        for key in sd:
-            if key.startswith(prefix) and "." not in key[len(prefix):]:
-                optim.setdefault(n, {})[key[len(prefix):]] = tp_slice(sd[key], shard_of[n]).to(ctx.device)
-    for key in sd:
-        if key.startswith("optim.") and sd[key].dim() == 0:
-            scalars[key[len("optim."):]] = sd[key]
+        for k in want_state if with_optim else ():
+            if f"optim.{f}.{k}" in sd:  # absent: the parameter never had a gradient, so no state yet
+                optim.setdefault(n, {})[k] = tp_slice(sd[f"optim.{f}.{k}"], shard_of[n]).to(ctx.device)
+    for k in want_scalars if with_optim else ():
+        scalars[k] = sd[f"optim.{k}"]
     if trainer.zero is not None:
         trainer.zero.load_full(params, optim, scalars)
     else:
@@ -206,8 +275,9 @@ def load(trainer, path: str | Path) -> int:
             for n, p in trainer.params.items():
                 p.copy_(params[n])
                 if n in optim:
-                    trainer.optimizer.state[p] = {**{k: v.clone() for k, v in optim[n].items()},
-                                                  **{k: v.clone() for k, v in scalars.items()}}
+                    trainer.optimizer.state[p] = {**{k: v.clone() for k, v in sorted(scalars.items())},
+                                                  **{k: v.clone() for k, v in sorted(optim[n].items())}}
     if f"rng.rank{ctx.rank}" in sd:
         torch.set_rng_state(sd[f"rng.rank{ctx.rank}"])
-    return int(sd["meta.step"])
+    trainer.resumed_step = int(sd["meta.step"])
+    return trainer.resumed_step, line

@@ -51,6 +51,22 @@ def clip_(owned: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float,
     return norm
 
 
+def any_nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> bool:
+    """Whether any rank's `loss` or any element of any rank's `grads` is nan/inf (`--on-nonfinite skip`).
+
+    Each rank counts its own non-finite tensors; one scalar all-reduce per mesh axis adds the counts, and
+    `.item()` is a host sync every step: the answer must be known before the optimizer steps. (Reading the
+    norm instead would miss plans without `clip=`, and the loss lives on the last pp stage only.)
+    """
+    bad = (~torch.isfinite(loss.detach())).float().sum()
+    for g in grads:
+        bad = bad + (~torch.isfinite(g)).any().float()
+    for axis in ("dp", "tp", "pp"):
+        if ctx.degree[axis] > 1:
+            bad = ops.all_reduce(bad, axis, "step")
+    return bool(bad.item() > 0)
+
+
 def counted(entry: dict, ctx, tied_elsewhere: set[str]) -> set[str]:
     """Placeholder names whose gradient this rank counts: tp shards, replicated ones on tp rank 0,
     minus tied copies another pp rank counts."""

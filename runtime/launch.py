@@ -8,6 +8,10 @@ is re-raised in the parent; a hung world is killed after `timeout` seconds.
 
 `oversubscribe_env` is `parc.run --oversubscribe`: more ranks than GPUs on one
 machine, each rank posing to NCCL as a host of its own.
+
+`start_env[r]` is set in the environment rank r's interpreter starts with: what
+Python reads only at start-up, such as PYTHONHASHSEED (`env` is applied later,
+inside the rank, for all ranks alike).
 """
 
 from __future__ import annotations
@@ -84,14 +88,24 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
 
 
 def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,
-          env: dict[str, str] | None = None) -> list[Any]:
+          env: dict[str, str] | None = None, start_env: list[dict[str, str]] | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, body, args, env or {}, results), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        extra = start_env[r] if start_env else {}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)  # a spawned interpreter inherits the parent's environment at start
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     import time
 
     deadline = time.monotonic() + timeout

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from parc.artifact import Artifact
 from parc.codegen import load_program
+from parc.errors import ParcError
 from parc.runtime.context import ParallelContext
 from parc.runtime import pipeline
 from parc.runtime.data_parallel import GradBuckets
@@ -39,11 +40,42 @@ def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimiz
     return adam(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
 
 
+def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int) -> None:
+    """Refuse, naming get_batch, what `get_batch(step, global)` returned when it is not what the programs were
+    compiled for (`inputs`: plan.json's, traced at `parc compile` from one micro-batch): the program itself
+    would fail later with an error about its own code (`view size is not compatible`, an argument count)."""
+    g = batch_cfg["global"]
+    call = f"get_batch({step}, {g})"
+    want = ", ".join(f"{tuple(i['shape'])} {i['dtype']}" for i in inputs)
+    if not isinstance(batch, (tuple, list)):
+        raise ParcError(f"{call} returned a {type(batch).__name__}; it must return a tuple of tensors, the "
+                        f"arguments of loss_fn(model, *batch): {len(inputs)} here, per micro-batch {want}")
+    if len(batch) != len(inputs):
+        raise ParcError(f"{call} returned {len(batch)} values; the program was compiled for {len(inputs)} "
+                        f"(per micro-batch {want}), what get_batch returned at `parc compile`")
+    for k, (t, spec) in enumerate(zip(batch, inputs)):
+        if not isinstance(t, torch.Tensor):
+            raise ParcError(f"{call}: value {k} is a {type(t).__name__}, not a tensor")
+        rows = t.shape[0] if t.dim() else None
+        if rows != g:
+            raise ParcError(f"{call}: tensor {k} has {rows if rows is not None else 'no'} rows (dim 0) but a step "
+                            f"takes the global batch, {g} = micro {batch_cfg['micro']} × accumulation "
+                            f"{batch_cfg['accumulation']} × dp {dp} rows: get_batch must return batch_size rows")
+        if list(t.shape[1:]) != list(spec["shape"][1:]):
+            raise ParcError(f"{call}: tensor {k} has shape {tuple(t.shape)}, samples of shape "
+                            f"{tuple(t.shape[1:])}; the program was compiled for samples of shape "
+                            f"{tuple(spec['shape'][1:])} (micro-batch {tuple(spec['shape'])})")
+        if t.dtype != getattr(torch, spec["dtype"]):
+            raise ParcError(f"{call}: tensor {k} is {str(t.dtype).removeprefix('torch.')}; the program was "
+                            f"compiled for {spec['dtype']}")
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor   # this rank's mean micro-batch loss, detached
     seconds: float
     grad_norm: torch.Tensor | None = None  # the global norm before clipping (plans with `clip=` only), 0-dim
+    skipped: bool = False  # non-finite and skipped (`step(skip_nonfinite=True)`): nothing was updated
 
 
 class Trainer:
@@ -76,6 +108,7 @@ class Trainer:
             self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
+        self.resumed_step = 0  # steps the checkpoint this run resumed from holds (runtime/checkpoint.py)
         torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
         self.probe: ActivationProbe | None = None  # set to measure activations (runtime/memory.py)
         self.pipeline = None
@@ -113,12 +146,15 @@ class Trainer:
     def local_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of global batch `step`."""
         batch = self.user.get_batch(step, self.global_batch)
+        check_batch(batch, self.entry["inputs"], step, self.art.plan["plan"]["batch"], self.ctx.degree["dp"])
         per_rank = self.global_batch // self.ctx.degree["dp"]
         lo = self.ctx.coord["dp"] * per_rank
         return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device) for t in batch)
                 for k in range(self.accumulation)]
 
-    def step(self, step: int) -> StepResult:
+    def step(self, step: int, skip_nonfinite: bool = False) -> StepResult:
+        """One optimizer step on global batch `step`. `skip_nonfinite`: if any rank's loss or gradient is
+        nan/inf, update nothing (runtime/divergence.py; costs a host sync per step)."""
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
@@ -139,6 +175,11 @@ class Trainer:
             self.buckets.finish()
         self.casts.clear()
         self._complete_grads()
+        if skip_nonfinite:
+            updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
+            if grad_norm.any_nonfinite(total, [g for g in updated if g is not None], self.ctx):
+                self.buckets.zero()  # the optimizer never sees these gradients: params and state unchanged
+                return StepResult(total / self.accumulation, time.perf_counter() - t0, None, skipped=True)
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
             norm = self.clip(self.opt_cfg["grad_clip"])  # a tensor: reading it would sync the device

@@ -333,7 +333,9 @@ class ZeroOptimizer:
         """(per-parameter state by placeholder name, whole; scalar state such as Adam's `step`)."""
         per, scalars = {}, {}
         for b, bucket in enumerate(self.buckets):
-            for key, v in self.optimizer.state.get(self.master[b], {}).items():
+            # sorted: one all-gather per key, so every rank must walk the keys in one order; a dict's
+            # order is how it was filled, which after `load_full` once followed each rank's string hashes
+            for key, v in sorted(self.optimizer.state.get(self.master[b], {}).items()):
                 if v.dim() == 0:
                     scalars[key] = v.detach().clone()
                     continue
@@ -364,10 +366,12 @@ class ZeroOptimizer:
                     self.full[b].copy_(whole)  # the master is a range of it
                 else:
                     self.master[b].copy_(whole[lo:lo + n])
-            keys = {k for sp in bucket["params"] for k in optim.get(sp["name"], {})}
-            state = {k: flat({sp["name"]: optim[sp["name"]][k] for sp in bucket["params"]},
+            # sorted, never a set: the state's order is the order `full_optimizer_state` gathers in
+            keys = sorted({k for sp in bucket["params"] for k in optim.get(sp["name"], {})})
+            none = torch.zeros(())  # a parameter that never had a gradient has no state yet: Adam starts at 0
+            state = {k: flat({sp["name"]: optim.get(sp["name"], {}).get(k, none) for sp in bucket["params"]},
                              self.master[b])[lo:lo + n].clone() for k in keys}
-            state.update({k: v.clone() for k, v in scalars.items()})
+            state.update({k: v.clone() for k, v in sorted(scalars.items())})
             if state:
                 self.optimizer.state[self.master[b]] = state
 
