@@ -130,7 +130,8 @@ class Diagnostic:
         tail = "…" if end < len(line) else ""
         echoed = "".join(shown(c) for c in line[start:end])
         width = min(width, end - (col - 1)) if col - 1 < end else 1
-        caret = _pad(head + echoed[:col - 1 - start]) + "^" + "~" * (width - 1)
+        under = sum(1 if c == "\t" else cells(c) for c in echoed[col - 1 - start:col - 1 - start + width])
+        caret = _pad(head + echoed[:col - 1 - start]) + "^" + "~" * (max(under, 1) - 1)
         return [f"    {head}{echoed}{tail}", f"    {caret}"]
 
 
