@@ -297,15 +297,19 @@ def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
     """A glob that matches no module is a warning: the rule does nothing, often from a typo."""
     globs = [(r.pattern, r, "tensor_parallel") for r in plan.tensor_parallel.rules]
     globs += [(p, plan.recompute, "recompute") for p in plan.recompute.patterns]
+    suggested = 0  # difflib is slow: the closest paths only for the first 20 unmatched globs
     for i, (pattern, node, where) in enumerate(globs):
         if pattern and not any(fnmatchcase(p, pattern) for p in paths):
-            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            suggested += 1
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0) if suggested <= 20 else []
             key = f"recompute.patterns[{i - len(plan.tensor_parallel.rules)}]" if where == "recompute" else ""
             out.warn(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
-                     "closest module paths: " + ", ".join(close) if close else "the model has no modules")
+                     "closest module paths: " + ", ".join(close) if close else
+                     (None if paths else "the model has no modules"))
     if plan.pipeline is not None and plan.pipeline.cuts:
         for cut in plan.pipeline.cuts:
             if cut.path and cut.path not in paths:
-                close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0)
+                suggested += 1
+                close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0) if suggested <= 20 else []
                 out.error(f"cut {cut.where} \"{cut.path}\": no module has this path", out.at("", cut),
-                          "closest module paths: " + ", ".join(close))
+                          "closest module paths: " + ", ".join(close) if close else None)

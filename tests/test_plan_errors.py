@@ -331,8 +331,8 @@ def test_over_long_lines_and_files_are_refused_before_parsing():
 
     assert _only("mesh\n# " + "x" * 5000 + "\n") == (
         f"line 2 is 5002 characters long, over {MAX_LINE_CHARS}, the most parc reads in one line", 2, 4097)
-    msg, line, col = _only("mesh\n" + ("# comment\n" * (MAX_PLAN_BYTES // 10)))
-    assert msg.startswith("the plan is 262145 bytes, over 262144 (256 KiB)") and (line, col) == (1, 1)
+    msg, line, col = _only("mesh\n" + ("# comment\n" * (MAX_PLAN_BYTES // 10 + 1)))
+    assert msg.startswith("the plan is 65545 bytes, over 65536 (64 KiB)") and (line, col) == (1, 1)
 
 
 @pytest.mark.parametrize("text, expected", [
