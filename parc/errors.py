@@ -73,7 +73,11 @@ def _pad(prefix: str) -> str:
 
 
 def _clip(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE} more characters)"
+    """A message or hint as printed: at most MAX_MESSAGE characters, control characters (an ESC from a
+    quoted value, say) shown safely; its own line breaks kept."""
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE} more characters)"
+    return "\n".join("".join(shown(c) for c in part) for part in text.split("\n"))
 
 
 def _reread(file: str) -> str | None:
