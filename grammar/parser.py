@@ -154,7 +154,7 @@ def _check_size(text: str, file: str) -> None:
         raise PlanSyntaxError(f"the plan is {size} bytes, over {MAX_PLAN_BYTES} ({MAX_PLAN_BYTES // 1024} KiB), "
                               "the most parc reads", Span(file, 1, 1), "a plan is a page of text",
                               source=text)
-    for number, line in enumerate(text.split("\n"), 1):
+    for number, line in enumerate(source_lines(text), 1):  # a CRLF's \r does not count, as in a span
         if len(line) > MAX_LINE_CHARS:
             raise PlanSyntaxError(f"line {number} is {len(line)} characters long, over {MAX_LINE_CHARS}, the most "
                                   "parc reads in one line", Span(file, number, MAX_LINE_CHARS + 1),
