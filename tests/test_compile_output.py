@@ -94,3 +94,19 @@ def test_cli_refuses_before_tracing_and_keeps_the_files(tmp_path):
     assert (tmp_path / "somefile.txt").read_text() == "keep me"
     r = _parc("compile", "--help", cwd=tmp_path)
     assert "--force" in r.stdout and "not a parc artifact" in " ".join(r.stdout.split())
+
+
+def test_compile_model_refuses_absurd_sizes_before_tracing(tmp_path):
+    """A Plan built in code skips the parser's checks; compile_model validates it before any work scales."""
+    import time
+
+    from parc.compiler import compile_model
+    from parc.errors import PlanError
+    from parc.grammar.plan import Batch, Mesh, Plan
+
+    for plan in (Plan(mesh=Mesh(dp=10**12, tp=2)), Plan(mesh=Mesh(dp=2), batch=Batch(20_000_000, 10_000_000)),
+                 Plan(mesh=Mesh(pp=2), batch=Batch(20_000_000, 1))):
+        t0 = time.perf_counter()
+        with pytest.raises(PlanError, match="the most parc"):
+            compile_model(GPT, plan, tmp_path / "c")
+        assert time.perf_counter() - t0 < 10 and not (tmp_path / "c").exists()  # the trace alone takes longer
