@@ -12,9 +12,12 @@ Start at `parse`. It runs in three steps:
    one, and joined with those of `parc.grammar.validate.validate` run on the same plan, so a
    user sees every problem of a file at once.
 
-Assumes: text is the whole file (str, not bytes); `file` names it in diagnostics.
-Guarantees: a returned `Plan` passed `validate` with no error; otherwise a
-`PlanError` (or `PlanSyntaxError`) carries every diagnostic found, each with a span.
+Assumes: text is the whole file (str, not bytes; a leading BOM is dropped); `file`
+names it in diagnostics. Guarantees: a returned `Plan` passed `validate` with no
+error; otherwise a `PlanError` (or `PlanSyntaxError`) carries every diagnostic found,
+each with a span. Bad input is cheap: a text over `MAX_PLAN_BYTES` or with a line
+over `MAX_LINE_CHARS` is refused before lark sees it, so no input costs more than a
+linear scan and one LALR parse of a small file.
 
 Ranges and cross-statement arithmetic (tp=0, zero stage=7, the batch identity) are
 checked in grammar/validate.py, not here, so plans built in code get the same checks.
@@ -26,7 +29,9 @@ import difflib
 import functools
 import importlib.resources
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +39,7 @@ from typing import Callable
 from lark import Lark, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span
+from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span, source_lines
 from parc.grammar.plan import (
     DEFAULT_ORDER, Batch, Cut, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
     Topology, TPRule, Zero,
@@ -46,8 +51,15 @@ STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero"
 TP_FLAGS = ("sequence_parallel",)
 
 
+MAX_PLAN_BYTES = 64 * 1024   # a plan is a page of text: 64 KiB is ~90× the largest example, and parses in ~1 s
+MAX_LINE_CHARS = 4096        # code points per line: a statement, or one rule of a block
+
+
 def parse(text: str, file: str = "<plan>") -> Plan:
     """Parse and check a plan. Raises PlanSyntaxError (or PlanError) with all diagnostics."""
+    if text.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write: not part of the plan
+        text = text[1:]
+    _check_size(text, file)
     # Every statement ends with a newline token; adding one at the end moves no span.
     text_nl = text if text.endswith("\n") else text + "\n"
     try:
@@ -72,13 +84,81 @@ def parse(text: str, file: str = "<plan>") -> Plan:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and parse a .par file; the file name goes into every span."""
-    path = Path(path)
+    return parse(read_plan_text(path), str(path))
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def path_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a source file ("no such file", "is a directory", ...), or None.
+    Uses stat only: a FIFO is never opened, so it cannot hang the caller."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanSyntaxError(f"cannot read plan {path}: {e}", Span(str(path), 1, 1),
-                              "check the path, and that the file is UTF-8 text") from None
-    return parse(text, str(path))
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except NotADirectoryError:
+        return "no such file (a part of the path is not a directory)"
+    except OSError as e:
+        return f"cannot read it: {e.strerror or e}"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    return f"is {kind}, not a file"
+
+
+def read_plan_text(path: str | Path) -> str:
+    """The text of a plan file, checked to be a regular UTF-8 file of at most MAX_PLAN_BYTES."""
+    problem = path_problem(path)
+    if problem is not None:
+        raise PlanSyntaxError(f"plan {path}: {problem}", hint="give the path of a .par file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)  # the file may be larger than stat said by now
+    except OSError as e:
+        raise PlanSyntaxError(f"plan {path}: cannot read it: {e.strerror or e}") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanSyntaxError(f"plan {path} is over {MAX_PLAN_BYTES} bytes ({MAX_PLAN_BYTES // 1024} KiB), the "
+                              "most parc reads", hint="a plan is a page of text; is this the right file?")
+    return decode_plan(data, str(path))
+
+
+def decode_plan(data: bytes, file: str = "<plan>") -> str:
+    """The bytes of a plan as text: UTF-8, or a PlanSyntaxError at the first byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanSyntaxError(diagnostics=[_encoding_diagnostic(e, data, file)]) from None
+
+
+def _encoding_diagnostic(e: UnicodeDecodeError, data: bytes, file: str) -> Diagnostic:
+    """The first byte that is not UTF-8, at its line and column (code points of the valid text before it)."""
+    line_start = data.rfind(b"\n", 0, e.start) + 1
+    line = data.count(b"\n", 0, e.start) + 1
+    prefix = data[line_start:e.start].decode("utf-8")  # valid: the first bad byte is at e.start
+    if line == 1 and prefix.startswith("\ufeff"):
+        prefix = prefix[1:]
+    col = len(prefix) + 1
+    text = data.decode("utf-8", errors="replace")  # one U+FFFD per bad sequence: the prefix is unchanged
+    text = text[1:] if text.startswith("\ufeff") else text
+    bad = data[e.start:e.end].hex(" ")
+    return Diagnostic(f"the plan is not UTF-8 text: byte{'s' * (e.end - e.start > 1)} {bad} ({e.reason})",
+                      Span(file, line, col, line, col + 1), "save the plan as UTF-8", source=text)
+
+
+def _check_size(text: str, file: str) -> None:
+    """Refuse a text too large to be a plan, or with an over-long line, before lark reads it."""
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_PLAN_BYTES:
+        raise PlanSyntaxError(f"the plan is {size} bytes, over {MAX_PLAN_BYTES} ({MAX_PLAN_BYTES // 1024} KiB), "
+                              "the most parc reads", Span(file, 1, 1), "a plan is a page of text",
+                              source=text)
+    for number, line in enumerate(source_lines(text), 1):  # a CRLF's \r does not count, as in a span
+        if len(line) > MAX_LINE_CHARS:
+            raise PlanSyntaxError(f"line {number} is {len(line)} characters long, over {MAX_LINE_CHARS}, the most "
+                                  "parc reads in one line", Span(file, number, MAX_LINE_CHARS + 1),
+                                  "one statement per line; a { block } takes one rule per line", source=text)
 
 
 def _position(d: Diagnostic) -> tuple[int, int]:
@@ -98,7 +178,7 @@ _WORDS = {"NAME": "a name", "VALUE": "a value", "STRING": 'a quoted "pattern"',
 
 
 def _syntax_diagnostic(e: UnexpectedInput, file: str, text: str) -> Diagnostic:
-    lines = text.split("\n")  # lark counts lines by "\n" only
+    lines = source_lines(text)  # as lark counts them: "\n" only
     line, col = getattr(e, "line", -1), getattr(e, "column", -1)
     if isinstance(e, UnexpectedToken):
         expected, found, width = e.expected, _describe_token(e.token), max(1, len(str(e.token)))

@@ -10,6 +10,11 @@ Assumes a `Plan` whose fields have the right types (the parser checks those).
 Guarantees: raises one `PlanError` carrying every error found, or returns the
 warnings; it reads no file and never stops at the first mistake.
 
+Limits: a plan's sizes are bounded (`MAX_WORLD` ranks, `MAX_MICRO` samples per
+micro-batch, `MAX_MICRO_BATCHES` per step, `MAX_SCHEDULE_SLOTS` for a pipeline),
+so that no later check or compile does work proportional to an absurd number; a
+value past a limit is a located error like any other (docs/plan-language.md).
+
 Spans: a Diagnostic points at the offending token when the front end recorded it in
 `plan.spans` ("mesh.tp", "batch.global", ...), else at the statement, else nowhere
 (plans built in code carry no spans).
@@ -28,6 +33,15 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 CUT_WHERE = ("before", "after")
 INTERLEAVED = ("interleaved_1f1b",)  # schedules that place several stages on one pp rank
 
+# Limits, so that checking or compiling any plan is cheap (compile lists every rank in plan.json and
+# builds the pipeline schedule slot by slot; tracing materialises one micro-batch).
+MAX_WORLD = 65536           # dp × pp × tp ranks; hence each degree too
+MAX_NODES = 65536           # topology nodes, and gpus_per_node
+MAX_MICRO = 65536           # samples in one micro-batch (get_batch(0, micro) runs at compile time)
+MAX_MICRO_BATCHES = 65536   # micro-batches per step (accumulation, stated or derived)
+MAX_VIRTUAL = 1024          # virtual stages per pp rank
+MAX_SCHEDULE_SLOTS = 4096   # pp × virtual × micro-batches: built and simulated slot by slot (~1 ms each)
+
 
 def validate(plan: Plan, *, world_size: int | None = None, module_paths=None,
              num_layers: int | None = None) -> list[Diagnostic]:
@@ -38,6 +52,7 @@ def validate(plan: Plan, *, world_size: int | None = None, module_paths=None,
     _check_batch(plan, out)
     _check_tensor_parallel(plan, out)
     _check_pipeline(plan, out, num_layers)
+    _check_schedule_size(plan, out)
     _check_rest(plan, out)
     if module_paths is not None:
         _check_patterns(plan, out, list(module_paths))
@@ -85,6 +100,11 @@ def _check_mesh(plan: Plan, out: _Report, world_size: int | None) -> None:
         out.error(f"mesh order must name each of {', '.join(AXES)} once, got {','.join(mesh.order)}",
                   out.at("mesh.order", mesh), "axes inner → outer, e.g. order=tp,pp,dp (the default)")
     degrees = [mesh.degree(a) for a in AXES]
+    if all(_positive_int(d) for d in degrees) and mesh.world_size > MAX_WORLD:
+        product = " × ".join(f"{a} {d}" for a, d in zip(AXES, degrees))
+        big = max(AXES, key=mesh.degree)
+        out.error(f"mesh {product} = {mesh.world_size} ranks > {MAX_WORLD}, the most parc compiles for",
+                  out.at(f"mesh.{big}", mesh), "see the limits in docs/plan-language.md")
     if world_size is not None and all(_positive_int(d) for d in degrees) and mesh.world_size != world_size:
         product = " × ".join(f"{a} {d}" for a, d in zip(AXES, degrees))
         out.error(f"mesh {product} = {mesh.world_size} ≠ world size {world_size}", out.at("mesh", mesh),
@@ -96,6 +116,9 @@ def _check_topology(plan: Plan, out: _Report) -> None:
     for key in ("nodes", "gpus_per_node"):
         if not _positive_int(getattr(topo, key)):
             out.error(f"topology {key} must be a positive integer, got {getattr(topo, key)}",
+                      out.at(f"topology.{key}", topo))
+        elif getattr(topo, key) > MAX_NODES:
+            out.error(f"topology {key} {getattr(topo, key)} > {MAX_NODES}, the most parc plans for",
                       out.at(f"topology.{key}", topo))
     for key, attr in (("intra", "intra_bw"), ("inter", "inter_bw")):
         bw = getattr(topo, attr)
@@ -120,7 +143,19 @@ def _check_batch(plan: Plan, out: _Report) -> None:
         out.error(f"batch {key} must be a positive integer, got {sizes[key]}", out.at(f"batch.{key}", batch))
     if bad or not _positive_int(dp):
         return
+    if batch.micro > MAX_MICRO:
+        out.error(f"batch micro {batch.micro} > {MAX_MICRO} samples, the most parc traces in one micro-batch",
+                  out.at("batch.micro", batch), "a micro-batch is what one rank runs at once; raise accumulation")
+        return
     span = out.at("batch.global", batch)
+    steps = batch.accumulation if batch.accumulation is not None else batch.global_size // (batch.micro * dp)
+    if steps > MAX_MICRO_BATCHES:
+        said = (f"accumulation {steps}" if batch.accumulation is not None else
+                f"global {batch.global_size} / (micro {batch.micro} × dp {dp}) = {steps} micro-batches")
+        out.error(f"batch {said} per step > {MAX_MICRO_BATCHES}, the most parc schedules",
+                  out.at("batch.accumulation", batch) if batch.accumulation is not None else span,
+                  "raise micro (samples per micro-batch) or dp")
+        return
     if batch.accumulation is not None:
         product = batch.micro * batch.accumulation * dp
         if product != batch.global_size:
@@ -171,6 +206,10 @@ def _check_pipeline(plan: Plan, out: _Report, num_layers: int | None) -> None:
     if not _positive_int(pipe.virtual):
         out.error(f"pipeline virtual must be a positive integer, got {pipe.virtual}", out.at("pipeline.virtual", pipe))
         return
+    if pipe.virtual > MAX_VIRTUAL:
+        out.error(f"pipeline virtual {pipe.virtual} > {MAX_VIRTUAL}, the most parc schedules",
+                  out.at("pipeline.virtual", pipe))
+        return
     if pipe.schedule in INTERLEAVED and pipe.virtual < 2:
         out.error(f"schedule {pipe.schedule} needs virtual ≥ 2, got virtual {pipe.virtual}",
                   out.at("pipeline.virtual", pipe) if "pipeline.virtual" in plan.spans else out.at("pipeline.schedule", pipe),
@@ -191,6 +230,25 @@ def _check_pipeline(plan: Plan, out: _Report, num_layers: int | None) -> None:
                   f"{num_layers} layers", out.at("pipeline.virtual", pipe), "each stage needs at least one layer")
     if pipe.cuts is not None:
         _check_cuts(plan, out, total)
+
+
+def _check_schedule_size(plan: Plan, out: _Report) -> None:
+    """A pipelined step's schedule has pp × virtual × micro-batches forward/backward slots, each built and
+    simulated one by one: bound it (only when every factor passed its own check)."""
+    pp, pipe, batch = plan.mesh.pp, plan.pipeline, plan.batch
+    virtual = pipe.virtual if pipe is not None else 1
+    if not (_positive_int(pp) and pp > 1 and _positive_int(virtual) and virtual <= MAX_VIRTUAL) or batch is None:
+        return
+    sizes = (batch.global_size, batch.micro, plan.mesh.dp) + ((batch.accumulation,) if batch.accumulation else ())
+    if not all(_positive_int(v) for v in sizes) or batch.micro > MAX_MICRO:
+        return
+    m = plan.accumulation
+    if m > MAX_MICRO_BATCHES or pp * virtual * m <= MAX_SCHEDULE_SLOTS:
+        return
+    out.error(f"pipeline schedule of pp {pp} × virtual {virtual} × {m} micro-batches = {pp * virtual * m} slots "
+              f"> {MAX_SCHEDULE_SLOTS}, the most parc schedules in one step",
+              out.at("batch.accumulation" if batch.accumulation is not None else "batch.global", batch),
+              "fewer micro-batches per step: raise micro (samples per micro-batch) or dp")
 
 
 def _check_cuts(plan: Plan, out: _Report, total: int) -> None:
@@ -239,15 +297,19 @@ def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
     """A glob that matches no module is a warning: the rule does nothing, often from a typo."""
     globs = [(r.pattern, r, "tensor_parallel") for r in plan.tensor_parallel.rules]
     globs += [(p, plan.recompute, "recompute") for p in plan.recompute.patterns]
+    suggested = 0  # difflib is slow: the closest paths only for the first 20 unmatched globs
     for i, (pattern, node, where) in enumerate(globs):
         if pattern and not any(fnmatchcase(p, pattern) for p in paths):
-            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            suggested += 1
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0) if suggested <= 20 else []
             key = f"recompute.patterns[{i - len(plan.tensor_parallel.rules)}]" if where == "recompute" else ""
             out.warn(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
-                     "closest module paths: " + ", ".join(close) if close else "the model has no modules")
+                     "closest module paths: " + ", ".join(close) if close else
+                     (None if paths else "the model has no modules"))
     if plan.pipeline is not None and plan.pipeline.cuts:
         for cut in plan.pipeline.cuts:
             if cut.path and cut.path not in paths:
-                close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0)
+                suggested += 1
+                close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0) if suggested <= 20 else []
                 out.error(f"cut {cut.where} \"{cut.path}\": no module has this path", out.at("", cut),
-                          "closest module paths: " + ", ".join(close))
+                          "closest module paths: " + ", ".join(close) if close else None)

@@ -3,7 +3,9 @@
 Layout (DESIGN.md): plan.json, programs/*.py, model/model.py, MANIFEST (sha256
 of every other file). Writing goes to a sibling temporary directory that is
 renamed into place at the end, so a crash never leaves a half-written artifact
-that loads. Output is byte-deterministic: sorted JSON keys, no timestamps, no
+that loads. Nothing is replaced that is not ours: the output path may be missing,
+an empty directory or an earlier artifact (a directory holding MANIFEST and
+plan.json); a file or any other directory is refused unless `force` is given. Output is byte-deterministic: sorted JSON keys, no timestamps, no
 absolute paths. Loading reads JSON and text only; nothing is unpickled.
 """
 
@@ -31,11 +33,52 @@ def dumps(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write(out_dir: Path, files: dict[str, str | bytes]) -> None:
-    """Write `files` (relative path → text or bytes) plus a MANIFEST as `out_dir`, atomically."""
+def is_artifact(path: Path) -> bool:
+    """A directory `parc compile` wrote: it holds a MANIFEST and a plan.json (verified only by `load`)."""
+    path = Path(path)
+    return not path.is_symlink() and path.is_dir() and (path / MANIFEST).is_file() and (path / "plan.json").is_file()
+
+
+def check_output(out_dir: Path, force: bool = False) -> None:
+    """Refuse to replace `out_dir` unless it is missing, an empty directory, an artifact, or `force` says so."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    if force or not os.path.lexists(out_dir) or is_artifact(out_dir):
+        return
+    if out_dir.is_symlink():
+        what = "a symbolic link"
+    elif out_dir.is_dir():
+        try:
+            if not any(os.scandir(out_dir)):
+                return
+        except OSError as e:
+            raise ArtifactError(f"output {out_dir}: cannot read it: {e.strerror or e}") from None
+        what = "a directory that is not a parc artifact (no MANIFEST and plan.json)"
+    elif out_dir.is_file():
+        what = "a file"
+    else:
+        what = "not a directory"
+    raise ArtifactError(f"output {out_dir} exists and is {what}; refusing to replace it",
+                        hint="choose another -o, or pass --force to delete it and write the artifact there")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write(out_dir: Path, files: dict[str, str | bytes], force: bool = False) -> None:
+    """Write `files` (relative path → text or bytes) plus a MANIFEST as `out_dir`, atomically.
+    `out_dir` must pass `check_output(out_dir, force)`; an ArtifactError says why it does not."""
+    out_dir = Path(out_dir)
+    check_output(out_dir, force)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise ArtifactError(f"output {out_dir}: cannot create it: {e.strerror or e}",
+                            hint="choose an -o whose parent is a writable directory") from None
     try:
         lines = []
         for rel in sorted(files):
@@ -47,13 +90,17 @@ def write(out_dir: Path, files: dict[str, str | bytes]) -> None:
         (tmp / MANIFEST).write_text("\n".join(lines) + "\n")
         for p in [tmp, *tmp.rglob("*")]:
             os.chmod(p, 0o755 if p.is_dir() else 0o644)  # mkdtemp's 0700 would differ from a plain mkdir
-        if out_dir.exists():
+        if os.path.lexists(out_dir):
+            # move the old one aside and the new one in: a reader sees the old artifact, none, or the new
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
             os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.replace(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArtifactError(f"output {out_dir}: cannot write it: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

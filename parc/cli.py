@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from parc.errors import Diagnostic, ParcError
+from parc.errors import Diagnostic, ParcError, render_all
 
 DESCRIPTION = """parc compiles a parallel training plan (a .par file) and a PyTorch model file
 into one readable program per rank, then runs them under torchrun.
@@ -28,13 +28,16 @@ into one readable program per rank, then runs them under torchrun.
 
 
 def _print(diags: list[Diagnostic]) -> None:
-    for d in diags:
-        print(d.render(), file=sys.stderr)
+    if diags:
+        print(render_all(diags), file=sys.stderr)
 
 
 def _existing(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise ParcError(f"{what} {path}: no such file")
+    from parc.grammar.parser import path_problem
+
+    problem = path_problem(path)
+    if problem is not None:
+        raise ParcError(f"{what} {path}: {problem}")
     return path
 
 
@@ -48,7 +51,7 @@ def cmd_check(args) -> int:
     from parc.grammar.parser import load_plan
     from parc.grammar.validate import validate
 
-    plan = load_plan(_existing(args.plan, "plan"))
+    plan = load_plan(args.plan)
     module_paths = num_layers = None
     if args.model:
         from parc.trace import load_user_module, trace
@@ -95,9 +98,12 @@ def cmd_compile(args) -> int:
     from parc.compiler import compile_model
     from parc.grammar.parser import load_plan
 
-    plan = load_plan(_existing(args.plan, "plan"))
+    from parc import artifact
+
+    plan = load_plan(args.plan)
+    artifact.check_output(args.output, force=args.force)  # before the trace: refuse early, cheaply
     result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,
-                           exact_trace=args.exact_trace)
+                           exact_trace=args.exact_trace, force=args.force)
     _print(result.warnings)
     if plan.mesh.pp > 1:
         from parc.passes.pipeline_split import stage_lines
@@ -186,7 +192,12 @@ def parser() -> argparse.ArgumentParser:
                                    "the model and a MANIFEST to OUTPUT.")
     k.add_argument("model", type=Path, help="model file defining build_model(), get_batch(), loss_fn()")
     k.add_argument("--plan", type=Path, required=True, help="the .par file")
-    k.add_argument("-o", "--output", type=Path, default=Path("compiled"), help="output directory (default compiled)")
+    k.add_argument("-o", "--output", type=Path, default=Path("compiled"),
+                   help="output directory (default compiled); it may be missing, empty or an earlier parc "
+                        "artifact (replaced atomically); anything else is refused unless --force")
+    k.add_argument("--force", action="store_true",
+                   help="replace OUTPUT even if it is a file or a directory that is not a parc artifact "
+                        "(its contents are deleted)")
     k.add_argument("--debug", action="store_true", help="log each pass's time and a before/after graph diff")
     k.add_argument("--exact-trace", action="store_true",
                    help="export every repeated block instead of replicating block 1 (slower; for models whose "

@@ -142,9 +142,12 @@ def _tied(programs: dict, pp: int) -> list[dict]:
 
 
 def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
-                  exact_trace: bool = False) -> CompileResult:
+                  exact_trace: bool = False, force: bool = False) -> CompileResult:
+    """`force`: replace `out_dir` even if it is not an earlier artifact (parc/artifact.py `check_output`)."""
     t0 = time.perf_counter()
     model_file = Path(model_file)
+    artifact.check_output(Path(out_dir), force)
+    validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
     precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
     support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
     user = load_user_module(model_file)
@@ -219,7 +222,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     files["plan.json"] = artifact.dumps(plan_json)
     files["model/model.py"] = model_src
     files.update(_assets(user, model_file))
-    artifact.write(Path(out_dir), files)
+    artifact.write(Path(out_dir), files, force=force)
     return CompileResult(Path(out_dir), warnings, plan_json, time.perf_counter() - t0)
 
 

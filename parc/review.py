@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from parc import cost, mesh as meshlib
-from parc.errors import Diagnostic, Span
+from parc import cost
+from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
 
 
@@ -42,12 +42,10 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
              f"topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = {devices} devices idle",
              "topology")
     # tp > gpus_per_node is parc.grammar.validate's warning; here: a tp group that would fit a node but is placed on two
-    split = [g for g in meshlib.groups(m, "tp") if len({r // topo.gpus_per_node for r in g}) > 1] \
-        if 1 < m.tp <= topo.gpus_per_node else []
+    split, g = _split_tp_groups(m, topo.gpus_per_node) if 1 < m.tp <= topo.gpus_per_node else (0, None)
     if split:
-        g = split[0]
         nodes = sorted({r // topo.gpus_per_node for r in g})
-        diag(f"{len(split)} tp group{'s' * (len(split) != 1)} cross nodes: ranks {g} sit on nodes {nodes} with "
+        diag(f"{split} tp group{'s' * (split != 1)} cross nodes: ranks {g} sit on nodes {nodes} with "
              f"gpus_per_node {topo.gpus_per_node}", "mesh.order" if "mesh.order" in plan.spans else "mesh",
              "put tp innermost (order=tp,pp,dp) so a tp group shares a node")
     if m.pp > 1:
@@ -58,6 +56,13 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
         span = plan.spans.get("mesh.pp")
         out += [replace(d, span=d.span or span, source=d.source or plan.source or None)
                 for d in schedule_diagnostics(name, m.pp, plan.accumulation, virtual)]
+    if topo.preset is not None:  # the cost model's names; checked here so it is located, with or without --model
+        try:
+            cost.hardware(topo.preset)
+        except ParcError as e:
+            diag(f"topology preset `{topo.preset}` is not a known hardware preset", "topology.preset",
+                 e.diagnostics[0].hint, "error")
+            return out
     if stats is not None:
         name = preset or topo.preset
         hw = cost.hardware(name, topo)
@@ -71,3 +76,20 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
                  "raise zero stage or tp/pp (recompute is not implemented yet); `parc report` has the breakdown",
                  "error" if name else "warning")
     return out
+
+
+def _split_tp_groups(m, gpus_per_node: int) -> tuple[int, list[int] | None]:
+    """(how many tp groups span two nodes, the first such group): one division per group, no rank lists.
+    A tp group is base + k × stride for k < tp, stride the product of the degrees inner to tp in
+    `m.order`; its ranks rise with k, so it crosses nodes iff its first and last ranks do."""
+    stride = 1
+    for axis in m.order[:m.order.index("tp")]:
+        stride *= m.degree(axis)
+    span, first, count = stride * (m.tp - 1), None, 0
+    for outer in range(0, m.world_size, stride * m.tp):
+        for inner in range(stride):
+            base = outer + inner
+            if base // gpus_per_node != (base + span) // gpus_per_node:
+                count += 1
+                first = first if first is not None else [base + k * stride for k in range(m.tp)]
+    return count, first

@@ -71,3 +71,34 @@ def test_missing_model_file_is_a_clean_error(tmp_path):
     r = _run([sys.executable, "-m", "parc.cli", "compile", "nope.py", "--plan", str(ROOT / "examples/dp.par")],
              tmp_path)
     assert r.returncode == 2 and "nope.py: no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- issue 10: bad input gets one located line, exit 2, quickly ----------------------
+
+def test_check_bad_encoding_special_files_and_preset_are_located(tmp_path):
+    import time
+
+    (tmp_path / "x.par").write_bytes(b"mesh dp=2 \xff\n")
+    os.mkfifo(tmp_path / "pipe.par")
+    (tmp_path / "h.par").write_text("mesh dp=2\ntopology preset=h\n")
+    (tmp_path / "big.par").write_text("mesh dp=2\nbatch global=20000000 micro=10000000\n")
+    cases = [(["x.par"], "x.par:1:11: error: the plan is not UTF-8 text: byte ff (invalid start byte)"),
+             (["pipe.par"], "error: plan pipe.par: is a FIFO (named pipe), not a file"),
+             ([str(tmp_path)], f"error: plan {tmp_path}: is a directory, not a file"),
+             (["h.par"], "h.par:2:17: error: topology preset `h` is not a known hardware preset"),
+             (["h.par", "--model", str(GPT)], "h.par:2:17: error: topology preset `h` is not a known hardware preset"),
+             (["big.par", "--model", str(GPT)], "big.par:2:29: error: batch micro 10000000 > 65536 samples")]
+    for args, first in cases:
+        t0 = time.perf_counter()
+        r = _run([sys.executable, "-m", "parc.cli", "check", *args], tmp_path, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert first in r.stderr, (args, r.stderr)
+        assert time.perf_counter() - t0 < 60, args  # seconds on a loaded core; the micro-batch is never built
+
+
+def test_check_prints_a_bounded_amount_for_thousands_of_errors(tmp_path):
+    lines = ["mesh " + " ".join(["dp=1"] * 800)] * 10  # 8,000 duplicate keys on 4 KB lines
+    (tmp_path / "dup.par").write_text("\n".join(lines) + "\n")
+    r = _run([sys.executable, "-m", "parc.cli", "check", "dup.par"], tmp_path, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr) < 100_000 and r.stderr.rstrip().endswith("more errors not shown")

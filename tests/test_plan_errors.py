@@ -225,9 +225,135 @@ def test_value_types_are_checked_by_the_front_end():
     ]
 
 
-def test_unreadable_file_is_a_parc_error(tmp_path):
+def test_missing_file_is_a_parc_error(tmp_path):
     from parc.grammar.parser import load_plan
 
     with pytest.raises(PlanSyntaxError) as info:
         load_plan(tmp_path / "missing.par")
-    assert info.value.message.startswith("cannot read plan") and info.value.span.line == 1
+    assert info.value.message == f"plan {tmp_path / 'missing.par'}: no such file"
+
+
+# ---- reading the file: encodings, special files, line splitting, limits (issue 10) ----
+
+def _load_error(tmp_path, data: bytes) -> tuple[str, int, int, str]:
+    from parc.grammar.parser import load_plan
+
+    (tmp_path / "x.par").write_bytes(data)
+    with pytest.raises(PlanSyntaxError) as info:
+        load_plan(tmp_path / "x.par")
+    d = info.value.diagnostics[0]
+    return d.message, d.span.line, d.span.col, info.value.render()
+
+
+def test_invalid_utf8_is_located_not_a_traceback(tmp_path):
+    msg, line, col, text = _load_error(tmp_path, b"mesh dp=2\nbatch global=8 \xff micro=2\n")
+    assert (msg, line, col) == ("the plan is not UTF-8 text: byte ff (invalid start byte)", 2, 16)
+    assert text.splitlines()[1:3] == ["    batch global=8 \ufffd micro=2", "                   ^"]
+
+
+def test_invalid_utf8_after_wide_characters_counts_code_points(tmp_path):
+    _, line, col, _ = _load_error(tmp_path, "mesh # é日".encode() + b"\xc3(\n")
+    assert (line, col) == (1, 10)
+
+
+def test_a_byte_order_mark_is_accepted_and_moves_no_column(tmp_path):
+    from parc.grammar.parser import load_plan
+
+    (tmp_path / "bom.par").write_bytes(b"\xef\xbb\xbfmesh dp=2\r\nbatch global=8 micro=2\r\n")
+    assert load_plan(tmp_path / "bom.par").mesh.dp == 2
+    assert _errors("\ufeffmesh tp=0\n") == [("mesh tp must be a positive integer, got 0", 1, 9)]
+
+
+def test_crlf_files_give_the_same_diagnostics_as_lf():
+    text = "mesh dp=2 tp=0\nbatch global=30 micro=4\nzero stage=7 # x\n"
+    assert _errors(text.replace("\n", "\r\n")) == _errors(text)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "devnull"])
+def test_special_files_are_named_for_what_they_are(tmp_path, kind):
+    import os
+
+    from parc.grammar.parser import load_plan
+
+    path = {"directory": tmp_path, "devnull": "/dev/null"}.get(kind, tmp_path / "pipe.par")
+    if kind == "fifo":
+        os.mkfifo(path)  # never opened: load_plan would block on it until a writer came
+    what = {"directory": "a directory", "fifo": "a FIFO (named pipe)", "devnull": "a character device"}[kind]
+    with pytest.raises(PlanSyntaxError) as info:
+        load_plan(path)
+    assert info.value.message == f"plan {path}: is {what}, not a file"
+
+
+@pytest.mark.parametrize("sep", ["\x0c", "\x85", "\u2028", "\u2029", "\x1c", "\x0b"])
+def test_line_separators_in_a_comment_do_not_shift_the_echoed_line(sep):
+    with pytest.raises(ParcError) as info:
+        parse(f"mesh dp=2 # a{sep}b\nzero stage=7\n", "t.par")
+    lines = info.value.render().splitlines()
+    assert lines[0].startswith("t.par:2:12: error: zero stage must be 0, 1, 2 or 3")
+    assert lines[1:3] == ["    zero stage=7", "               ^"]
+
+
+def test_caret_sits_under_the_token_after_tabs_wide_and_control_characters():
+    with pytest.raises(ParcError) as info:
+        parse("mesh\tdp=2 # 日本\nbatch\tglobal=8 micro=3 # \x0c\u202e\n", "t.par")
+    d = info.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (2, 14)  # code points: the tab is one column
+    echoed, caret = d.render().splitlines()[1:3]
+    assert echoed == "    batch\tglobal=8 micro=3 #  \ufffd"  # \f as a space, the bidi override as U+FFFD
+    assert caret == "    " + " " * 5 + "\t" + " " * 7 + "^"
+    with pytest.raises(ParcError) as info:
+        parse("mesh # 日本語\nmesh 日本\n", "t.par")
+    assert info.value.render().splitlines()[1:3] == ["    mesh 日本", "         ^~~~"]
+    with pytest.raises(ParcError) as info:
+        parse("mesh\n# 日本語\nzero stage=日本 tp=\n", "t.par")
+    d = info.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (3, 18)  # end of line: 17 code points, 19 cells
+    assert d.render().splitlines()[1:3] == ["    zero stage=日本 tp=", "    " + " " * 19 + "^"]
+
+
+def test_long_lines_and_many_errors_print_a_bounded_amount():
+    from parc.errors import MAX_ECHO, MAX_SHOWN
+
+    line = "mesh " + " ".join(["dp=1"] * 700) + "\n"  # 699 duplicate keys on a 3.5 KB line
+    with pytest.raises(PlanSyntaxError) as info:
+        parse(line, "t.par")
+    assert len(info.value.diagnostics) == 699
+    text = info.value.render()
+    assert text.endswith("… and 649 more errors not shown") and text.count("error: duplicate key") == MAX_SHOWN
+    assert max(len(t) for t in text.splitlines()) <= MAX_ECHO + 10
+    last = info.value.diagnostics[MAX_SHOWN - 1]
+    echoed, caret = last.render().splitlines()[1:3]
+    assert echoed[caret.index("^"):caret.index("^") + 2] == "dp"  # the caret still under the key, inside the window
+
+
+def test_over_long_lines_and_files_are_refused_before_parsing():
+    from parc.grammar.parser import MAX_LINE_CHARS, MAX_PLAN_BYTES
+
+    assert _only("mesh\n# " + "x" * 5000 + "\n") == (
+        f"line 2 is 5002 characters long, over {MAX_LINE_CHARS}, the most parc reads in one line", 2, 4097)
+    msg, line, col = _only("mesh\n" + ("# comment\n" * (MAX_PLAN_BYTES // 10 + 1)))
+    assert msg.startswith("the plan is 65545 bytes, over 65536 (64 KiB)") and (line, col) == (1, 1)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("mesh dp=1000000000000 tp=2\n",
+     ("mesh dp 1000000000000 × pp 1 × tp 2 = 2000000000000 ranks > 65536, the most parc compiles for", 1, 9)),
+    ("mesh\ntopology nodes=100000\n", ("topology nodes 100000 > 65536, the most parc plans for", 2, 16)),
+    ("mesh dp=2\nbatch global=20000000 micro=10000000\n",
+     ("batch micro 10000000 > 65536 samples, the most parc traces in one micro-batch", 2, 29)),
+    ("mesh pp=2\nbatch global=20000000 micro=1\n",
+     ("batch global 20000000 / (micro 1 × dp 1) = 20000000 micro-batches per step > 65536, "
+      "the most parc schedules", 2, 14)),
+    ("mesh pp=8\nbatch global=1024 micro=1\n",
+     ("pipeline schedule of pp 8 × virtual 1 × 1024 micro-batches = 8192 slots > 4096, the most parc "
+      "schedules in one step", 2, 14)),
+    ("mesh pp=2\npipeline schedule=interleaved_1f1b virtual=2000\n",
+     ("pipeline virtual 2000 > 1024, the most parc schedules", 2, 44)),
+])
+def test_sizes_past_the_limits_are_located_errors(text, expected):
+    assert _only(text) == expected
+
+
+def test_the_largest_plan_within_the_limits_is_accepted():
+    plan = parse("mesh dp=4096 pp=4 tp=4\nbatch global=4194304 micro=4\n", "t.par")
+    assert plan.world_size == 65536 and plan.accumulation == 256  # pp 4 × 256 = 1024 slots
