@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
                           f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
+    if args.verify and (why := verifier.dropout_refusal(art.plan)):  # before training, not after it
+        raise LaunchError(why)
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     init_distributed(args.timeout)
