@@ -68,21 +68,6 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _srl(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix64_(x: Tensor) -> Tensor:
-    """mix64 elementwise, in place on an int64 tensor; int64 products wrap mod 2^64 as uint64's do."""
-    x ^= _srl(x, 30)
-    x *= _signed(_M1)
-    x ^= _srl(x, 27)
-    x *= _signed(_M2)
-    x ^= _srl(x, 31)
-    return x
-
-
 def site_id(module: str, occurrence: int) -> int:
     """A call site's stable 63-bit id: its module path and which dropout of that module it is (0, 1, …)."""
     digest = hashlib.blake2b(f"{module}#{occurrence}".encode(), digest_size=8).digest()
@@ -93,9 +78,11 @@ def stream_key(seed: int, step: int, site: int) -> int:
     return mix64(mix64(mix64(seed + _GOLDEN) + step) ^ site)
 
 
-def global_index(local: list[int], full: list[int], per_sample: int, sample0: int, shard: list[int],
-                 device) -> Tensor:
-    """int64 (local shape): each element's linear index in the serial run's tensor over the global batch."""
+def counters(local: list[int], full: list[int], per_sample: int, sample0: int, shard: list[int], device,
+             mult: int = 1, add: int = 0) -> Tensor:
+    """int64 (local shape, a fresh tensor): each element's linear index in the serial run's tensor over
+    the global batch, times `mult` plus `add` (mod 2^64: folded into the per-dim terms, so the one
+    full-size pass is the broadcast sum)."""
     dim, parts, index, blocks = shard if shard else (-1, 1, 0, 1)
     for d, (n, f) in enumerate(zip(local, full)):
         if n * (parts if d == dim else 1) != f:
@@ -105,7 +92,7 @@ def global_index(local: list[int], full: list[int], per_sample: int, sample0: in
     for f in reversed(full):
         strides.append(stride)
         stride *= f
-    idx = torch.full((), sample0 * per_sample, dtype=torch.int64, device=device)
+    idx = torch.full((), _signed(sample0 * per_sample * mult + add), dtype=torch.int64, device=device)
     for d, (n, s) in enumerate(zip(local, reversed(strides))):
         c = torch.arange(n, dtype=torch.int64, device=device)
         if d == dim:  # chunk `index` of each block: local j → its coordinate in the full dim
@@ -113,8 +100,8 @@ def global_index(local: list[int], full: list[int], per_sample: int, sample0: in
             c = (c // per_block) * (full[d] // blocks) + index * per_block + c % per_block
         shape = [1] * len(local)
         shape[d] = n
-        idx = idx + (c * s).view(shape)
-    return idx.expand(*local)
+        idx = idx + (c * _signed(s * mult)).view(shape)
+    return idx.clone() if idx.dim() == 0 else idx
 
 
 def current_key() -> tuple[int, int, int]:
@@ -126,12 +113,25 @@ def current_key() -> tuple[int, int, int]:
 
 def keep_mask(shape, p: float, key: tuple[int, int, int], site: int, full: list[int], per_sample: int,
               shard: list[int], device) -> Tensor:
-    """bool (shape): True where the element is kept; key = (seed, step, sample0)."""
+    """bool (shape): True where the element is kept; key = (seed, step, sample0).
+
+    keep ⇔ top 24 bits of mix64(key' + index · golden) < (1 − p) · 2^24: splitmix64. mix64's last
+    xor-shift (by 31) leaves the top 24 bits alone, so it is skipped; the unsigned comparison is a
+    signed one after flipping the sign bit. Peak memory: two int64 tensors of the shape.
+    """
     seed, step, sample0 = key
-    h = global_index(list(shape), full, per_sample, sample0, shard, device).clone()
-    h *= _signed(_GOLDEN)
-    h += _signed(stream_key(seed, step, site))
-    return _srl(_mix64_(h), 64 - _BITS) < round((1.0 - p) * (1 << _BITS))
+    h = counters(list(shape), full, per_sample, sample0, shard, device, _GOLDEN, stream_key(seed, step, site))
+    tmp = torch.empty_like(h)
+    for shift, mult in ((30, _M1), (27, _M2)):
+        torch.bitwise_right_shift(h, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1  # logical shift: torch's >> copies the sign bit
+        h ^= tmp
+        h *= _signed(mult)
+    threshold = round((1.0 - p) * (1 << _BITS)) << (64 - _BITS)
+    if threshold >= 1 << 64:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    h ^= -(1 << 63)
+    return h < _signed(threshold ^ (1 << 63))
 
 
 @contextmanager
@@ -146,7 +146,7 @@ def key_scope(seed: int, step: int, sample0: int):
 
 
 def _apply(x: Tensor, keep: Tensor, p: float) -> Tensor:
-    return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
 # --- parc::keyed_dropout ----------------------------------------------------------------

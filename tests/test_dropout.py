@@ -61,13 +61,15 @@ def test_keep_probability_is_one_minus_p():
         assert abs(kept - (1 - p)) < 3e-3, (p, kept)
 
 
-def test_torch_hash_is_the_python_reference():
-    """int64 products wrap like uint64's, and the logical shift is emulated right, on the sign bit too."""
-    key = D.stream_key(3, 7, SITE)
-    idx = torch.tensor([0, 1, 2**40 + 5, 2**62 + 3])
-    got = D._mix64_(idx * D._signed(D._GOLDEN) + D._signed(key))
-    want = [D._signed(D.mix64(i * D._GOLDEN + key)) for i in idx.tolist()]
-    assert got.tolist() == want
+def test_mask_is_the_python_reference():
+    """int64 products wrap like uint64's, shifts are logical and the unsigned compare is right, including
+    for hashes with the sign bit set (about half) and indices past 2^32."""
+    p, n, per_sample, sample0 = 0.3, 256, 2**40, 3
+    got = _mask([n], [n], per_sample, sample0=sample0, seed=5, step=7, p=p).tolist()
+    key = D.stream_key(5, 7, SITE)
+    threshold = round((1 - p) * 2**24)
+    want = [D.mix64(key + (sample0 * per_sample + i) * D._GOLDEN) >> 40 < threshold for i in range(n)]
+    assert got == want
 
 
 def test_op_backward_uses_the_forward_mask_and_needs_a_key():
