@@ -108,8 +108,9 @@ def dropout_refusal(plan_json: dict) -> str | None:
     where = "; ".join(f"`{u['module'] or '<top level>'}` ({u['op']}: {u['why']})" for u in unkeyed[:5])
     more = f" and {len(unkeyed) - 5} more" if len(unkeyed) > 5 else ""
     return (f"--verify cannot match the serial model's random draws at {len(unkeyed)} op(s): {where}{more}; "
-            "parc keys only F.dropout / nn.Dropout and attention dropout. To verify the plan, set these "
-            "modules' dropout to 0 (e.g. the model config's *_dropout / *_pdrop) and compile again")
+            "parc keys only F.dropout / nn.Dropout and attention dropout. To verify the plan, turn these ops "
+            "off (a dropout: probability 0, e.g. the model config's *_dropout / *_pdrop), compile again and "
+            "run --verify on that")
 
 
 def compare(parallel_losses: list[float], serial_losses: list[float], parallel_state: dict[str, torch.Tensor],
