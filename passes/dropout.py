@@ -1,7 +1,7 @@
 """Keyed dropout: every dropout draws the serial model's mask, on every rank of every plan.
 
 Start at `run`. Changes: each `aten.dropout(x, p, train=True)` with p > 0 becomes
-`parc.keyed_dropout`, and each `aten.scaled_dot_product_attention` with
+`parc.keyed_dropout` (and a `getitem` of its output), and each `aten.scaled_dot_product_attention` with
 `dropout_p` > 0 becomes `parc.keyed_attention` (the same attention, written out,
 with keyed dropout on its probabilities; runtime/dropout.py). Their masks are a
 pure function of (seed, step, call site, the element's index in the serial
@@ -34,6 +34,7 @@ lists the same sites on every tp rank.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -67,8 +68,8 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         k = seen[path] = seen.get(path, -1) + 1
         full = _full_shape(full_of[node.name], kind)
         if full[0] % plan.micro_batch:
-            unkeyed.append({"module": path, "op": str(node.target),
-                            "why": f"its dim 0 ({full[0]}) does not carry the micro-batch's {plan.micro_batch} samples"})
+            why = f"its dim 0 ({full[0]}) does not carry the micro-batch's {plan.micro_batch} samples"
+            unkeyed.append({"module": path, "op": str(node.target), "why": why})
             continue
         shard = _shard(node, kind, full, plan, ctx)
         per_sample = math.prod(full) // plan.micro_batch
@@ -124,8 +125,12 @@ def _shard(node: fx.Node, kind: str, full: list[int], plan, ctx) -> list[int]:
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, kind: str, p: float, key: list) -> None:
     with gm.graph.inserting_before(node):
-        if kind == "dropout":
-            new = gm.graph.call_function(torch.ops.parc.keyed_dropout.default, (node.args[0], p, *key))
+        if kind == "dropout":  # (output, mask), as aten.native_dropout: backward reads the saved mask
+            pair = gm.graph.call_function(torch.ops.parc.keyed_dropout.default, (node.args[0], p, *key))
+            val = node.meta["val"]
+            pair.meta = {**node.meta, "val": (val, val.new_empty(val.shape, dtype=torch.bool))}
+            pair.meta.pop("parc_shard", None)
+            new = gm.graph.call_function(operator.getitem, (pair, 0))
         else:
             a = _sdpa_args(node)
             new = gm.graph.call_function(torch.ops.parc.keyed_attention.default, (

@@ -21,9 +21,8 @@ run's mask; recompute replays it (a pure function); pipeline stages need no
 generator state at all.
 
 The ops:
-- `parc::keyed_dropout(x, p, site, full, per_sample, shard)`: x · keep / (1 − p).
-  Backward: the same mask × grad / (1 − p), redrawn from the forward's key (no
-  mask is saved: a byte per element of memory traded for a second hash).
+- `parc::keyed_dropout(x, p, site, full, per_sample, shard)`: (x · keep / (1 − p), keep),
+  like aten.native_dropout. Backward: the saved mask × grad / (1 − p).
 - `parc::keyed_attention(q, k, v, mask, p, causal, scale, gqa, site, full, per_sample, shard)`:
   `scaled_dot_product_attention` with dropout on the attention probabilities,
   written out (softmax(q·kᵀ·scale + mask) → keyed dropout → ·v) since the fused
@@ -34,7 +33,7 @@ The ops:
 binding in runtime/ops.py: a program's text cannot carry it. The runtime sets
 it around each micro-batch's forward AND backward, so a recomputed region
 (which re-runs forward inside backward) sees its own micro-batch's key.
-`serial_keys(model, sites, batch)` keys the user's eager model the same way,
+`serial_keys(model, sites, batch, micro)` keys the user's eager model the same way,
 for the serial reference of `--verify` (runtime/verify.py).
 """
 
@@ -152,24 +151,26 @@ def _apply(x: Tensor, keep: Tensor, p: float) -> Tensor:
 # --- parc::keyed_dropout ----------------------------------------------------------------
 
 @torch.library.custom_op("parc::keyed_dropout", mutates_args=())
-def keyed_dropout(x: Tensor, p: float, site: int, full: list[int], per_sample: int, shard: list[int]) -> Tensor:
-    """Forward: x · keep / (1 − p), keep = `keep_mask(...)`. Backward: grad · keep / (1 − p)."""
-    return _apply(x, keep_mask(x.shape, p, current_key(), site, full, per_sample, shard, x.device), p)
+def keyed_dropout(x: Tensor, p: float, site: int, full: list[int], per_sample: int,
+                  shard: list[int]) -> tuple[Tensor, Tensor]:
+    """Forward: (x · keep / (1 − p), keep), keep = `keep_mask(...)`, as aten.native_dropout returns its mask.
+    Backward: grad · keep / (1 − p), with the saved mask."""
+    keep = keep_mask(x.shape, p, current_key(), site, full, per_sample, shard, x.device)
+    return _apply(x, keep, p), keep
 
 
-keyed_dropout.register_fake(lambda x, p, site, full, per_sample, shard: torch.empty_like(x))
+keyed_dropout.register_fake(lambda x, p, site, full, per_sample, shard: (torch.empty_like(x),
+                                                                          torch.empty_like(x, dtype=torch.bool)))
 
 
 def _dropout_setup(ctx, inputs, output):
-    ctx.args, ctx.key = inputs[1:], current_key()  # the forward's key: backward redraws its mask, saves no tensor
+    ctx.p = inputs[1]
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1])
 
 
-def _dropout_backward(ctx, g):
-    p, site, full, per_sample, shard = ctx.args
-    return _apply(g, keep_mask(g.shape, p, ctx.key, site, full, per_sample, shard, g.device), p), *[None] * 5
-
-
-keyed_dropout.register_autograd(_dropout_backward, setup_context=_dropout_setup)
+keyed_dropout.register_autograd(lambda ctx, g, _: (_apply(g, ctx.saved_tensors[0], ctx.p), *[None] * 5),
+                                setup_context=_dropout_setup)
 
 
 # --- parc::keyed_attention --------------------------------------------------------------
@@ -289,7 +290,7 @@ class serial_keys(TorchFunctionMode):
             train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
             if train and p > 0:
                 site, full, per_sample = self._site("dropout", list(x.shape))
-                return keyed_dropout(x, float(p), site, full, per_sample, [])
+                return keyed_dropout(x, float(p), site, full, per_sample, [])[0]
         if func is torch.nn.functional.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             a = {**dict(zip(names, args)), **kwargs}

@@ -72,13 +72,13 @@ def test_mask_is_the_python_reference():
     assert got == want
 
 
-def test_op_backward_uses_the_forward_mask_and_needs_a_key():
+def test_op_backward_uses_the_forward_mask_and_forward_needs_a_key():
     x = torch.randn(4, 6, 8, requires_grad=True)
     with D.key_scope(0, 0, 0):
-        y = torch.ops.parc.keyed_dropout(x, 0.25, SITE, [4, 6, 8], 48, [])
+        y, saved = torch.ops.parc.keyed_dropout(x, 0.25, SITE, [4, 6, 8], 48, [])
     keep = _mask([4, 6, 8], [4, 6, 8], 48)
-    assert torch.equal(y, x * (keep.float() * (1 / 0.75)))
-    y.backward(torch.ones_like(y))  # outside the key scope: backward redraws from the forward's key
+    assert torch.equal(saved, keep) and torch.equal(y, x * (keep.float() * (1 / 0.75)))
+    y.backward(torch.ones_like(y))  # outside the key scope: backward reads the saved mask
     assert torch.equal(x.grad, keep.float() * (1 / 0.75))
     with pytest.raises(RuntimeError, match="no dropout key is set"):
         torch.ops.parc.keyed_dropout(x, 0.25, SITE, [4, 6, 8], 48, [])
@@ -182,6 +182,8 @@ def test_verify_refuses_an_unkeyed_random_op_before_training(tmp_path):
     art = compile_text("mesh dp=1\nbatch global=2 micro=2\n", tmp_path / "c", model)
     assert [(s["module"], s["kind"]) for s in art.plan["dropout"]["sites"]] == [("drop", "dropout")]  # not p=0's
     assert [u["module"] for u in art.plan["dropout"]["unkeyed"]] == ["noise"]
+    src = art.programs["stage0_tp0"]  # the p 0.1 dropout keyed; p 0 and bernoulli left as they were
+    assert src.count("keyed_dropout.default(") == 1 and "aten.dropout.default(" in src and "bernoulli" in src
     r = subprocess.run([sys.executable, "-m", "parc.run", str(tmp_path / "c"), "--steps", "2", "--verify"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
