@@ -19,7 +19,7 @@ from pathlib import Path
 import parc
 from parc import activations, artifact, codegen, cost, mesh as meshlib, support
 from parc.errors import Diagnostic, TraceError
-from parc.passes import PassCtx, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
+from parc.passes import PassCtx, dropout, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
@@ -29,7 +29,8 @@ from parc.grammar.validate import validate
 log = logging.getLogger("parc.compile")
 
 # The pass pipeline, in order. Each entry is (name, run(graph, plan, ctx) -> graph).
-PASSES: list = [("tensor_parallel", tensor_parallel.run)]
+# dropout runs after tensor_parallel (it reads the shards) and before the split (it counts sites over the model)
+PASSES: list = [("tensor_parallel", tensor_parallel.run), ("dropout", dropout.run)]
 
 
 @dataclass
@@ -211,6 +212,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         "stages": ([{"index": 0, "pp_rank": 0}] if n_stages == 1 else
                    [{"pp_rank": d["index"] % m.pp, "chunk": d["index"] // m.pp, **d} for d in summaries]),
         "programs": programs,
+        "dropout": ctx.notes["dropout"],  # keyed sites and unkeyed random ops (passes/dropout.py), for --verify
         "costs": {"param_count": traced.param_count,
                   "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),
                   # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/cost.py)

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                           f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
+    if args.verify and (why := verifier.dropout_refusal(art.plan)):  # before training, not after it
+        raise LaunchError(why)
     from parc.runtime import checkpoint_dir
 
     # files only, before any process group, at start rather than at the first save; rank 0 alone stats the

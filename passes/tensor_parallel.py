@@ -126,25 +126,12 @@ class _Rewriter:
             self.own_stream(node)
 
     def own_stream(self, node: fx.Node) -> None:
-        """A dropout on a sharded value draws from this tp rank's stream (runtime/ops.py "dropout streams")."""
+        """A dropout on a sharded value: passes/dropout.py keys its mask by global coordinates, from this shard."""
         t = node.target
-        if t is aten.dropout.default:
-            p = node.args[1] if node.args[2] else 0.0
-        elif t in SDPA:
-            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        else:
-            return self.lay.fail(node, "a random op on a sharded value: parc gives a tp-rank stream only to "
-                                 "dropout and attention dropout", self.lay.get(node.args[0]))
-        if not p:
-            return
-        x = node.args[0]
-        enter = self.call(node, parc_ops.tp_rng_enter.default, (x, "tp"), x, self.lay.get(x))
-        node.replace_input_with(x, enter)
-        users = list(node.users)
-        leave = self.call(node.next, parc_ops.tp_rng_exit.default, (node, "tp"), node, self.lay.get(node))
-        leave.meta["nn_module_stack"] = node.meta.get("nn_module_stack")  # the dropout's module, not the next op's
-        for u in users:
-            u.replace_input_with(node, leave)
+        if t is not aten.dropout.default and t not in SDPA:
+            return self.lay.fail(node, "a random op on a sharded value: parc keys only dropout and attention "
+                                 "dropout by the global position of each element", self.lay.get(node.args[0]))
+        node.meta["parc_shard"] = self.lay.get(node.args[0])
 
     # --- helpers ------------------------------------------------------------------
 

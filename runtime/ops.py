@@ -228,58 +228,10 @@ def _vpce_backward(ctx, grad_loss, grad_probs):
 vocab_parallel_cross_entropy.register_autograd(_vpce_backward, setup_context=_vpce_setup)
 
 
-# --- dropout streams under tensor parallelism (Megatron's model-parallel RNG tracker) ----------
+# --- dropout ----------------------------------------------------------------------------
 #
-# The Trainer seeds the default generators identically on every rank of a tp group, so a
-# dropout on a replicated value draws the same mask everywhere, as it must. A dropout on a
-# sharded value (attention on local heads, a column layer's output, a sequence slice) must
-# draw a different mask per tp rank, or rank 1's heads would reuse rank 0's masks. The tp
-# pass brackets such a dropout with `tp_rng_enter` / `tp_rng_exit`. Enter draws one key from
-# the default CPU generator (the same draw on every tp rank, so the replicated stream stays in
-# step) and reseeds the default generator of the tensor's device with key + this tp rank; exit
-# restores the device generator. The stream is a function of the default generator's state,
-# not a second stateful generator, so recomputing a region (which restores the default state)
-# redraws the same masks.
+# Dropout needs no tp stream or generator bookkeeping: passes/dropout.py rewrites every dropout to
+# `parc.keyed_dropout` / `parc.keyed_attention` (runtime/dropout.py), whose masks are a pure function
+# of (seed, step, call site, global element index), the same on every plan and in the serial model.
 
-_TP_KEY_STRIDE = 1_000_003  # a prime: keys of tp ranks r and r' never collide for different draws in practice
-_RNG_STACK: list = []  # (device, saved state) of each open enter; regions do not nest in practice
-
-
-def _device_state(dev: torch.device):
-    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-
-
-def _set_device_state(dev: torch.device, state) -> None:
-    if dev.type == "cuda":
-        torch.cuda.set_rng_state(state, dev)
-    else:
-        torch.set_rng_state(state)
-
-
-@torch.library.custom_op("parc::tp_rng_enter", mutates_args=())
-def tp_rng_enter(x: Tensor, axis: str) -> Tensor:
-    """Start a dropout region on a tp-sharded value. Forward: a copy of `x`; switches the default
-    generator of x's device to this tp rank's stream (see above). Backward: identity."""
-    key = int(torch.randint(0, 2**31 - 1, (), generator=torch.default_generator))  # same on every tp rank
-    tp_rank = dist.get_rank(group(axis))
-    _RNG_STACK.append((x.device, _device_state(x.device)))
-    seed = key * _TP_KEY_STRIDE + 1 + tp_rank
-    if x.device.type == "cuda":
-        torch.cuda.default_generators[x.device.index or 0].manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
-    return x.clone()
-
-
-@torch.library.custom_op("parc::tp_rng_exit", mutates_args=())
-def tp_rng_exit(x: Tensor, axis: str) -> Tensor:
-    """End a dropout region opened by `tp_rng_enter`. Forward: a copy of `x`; restores the default
-    generator of its device. Backward: identity."""
-    dev, state = _RNG_STACK.pop()
-    _set_device_state(dev, state)
-    return x.clone()
-
-
-for _op in (tp_rng_enter, tp_rng_exit):
-    _op.register_fake(lambda x, axis: torch.empty_like(x))
-    _op.register_autograd(lambda ctx, g: (g, None), setup_context=_axis_ctx)
+import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*

@@ -117,7 +117,8 @@ class PipelineExecutor:
             a = acts[i]
             self._wait(self._micro(a.stage, a.micro), "RECV_F" if a.kind == "F" else "RECV_B")
             t = time.perf_counter()  # after the wait: a compute slice is compute only
-            loss = self._compute(a, micro_batches, hooks)
+            with hooks.dropout_key(a.micro):  # forward and backward: a recomputed region redraws its masks
+                loss = self._compute(a, micro_batches, hooks)
             if loss is not None:
                 total += loss
             self._record(str(a), t)

@@ -28,7 +28,7 @@ from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
-from parc.runtime import grad_norm, ops, precision, tensor_parallel
+from parc.runtime import dropout, grad_norm, ops, precision, tensor_parallel
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -80,7 +80,8 @@ class StepResult:
 
 class Trainer:
     def __init__(self, art: Artifact, ctx: ParallelContext, user, seed: int):
-        self.art, self.ctx, self.user = art, ctx, user
+        self.art, self.ctx, self.user, self.seed = art, ctx, user, seed
+        self.current_step = 0  # the step being run: it keys dropout masks (runtime/dropout.py)
         plan = art.plan
         self.name = plan["ranks"][ctx.rank]["program"]
         self.pp = plan["mesh"]["pp"]
@@ -152,10 +153,16 @@ class Trainer:
         return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device) for t in batch)
                 for k in range(self.accumulation)]
 
+    def dropout_key(self, k: int):
+        """Key the dropouts of this rank's micro-batch `k` of the current step by its first global sample."""
+        first = self.ctx.coord["dp"] * (self.global_batch // self.ctx.degree["dp"]) + k * self.micro
+        return dropout.key_scope(self.seed, self.current_step, first)
+
     def step(self, step: int, skip_nonfinite: bool = False) -> StepResult:
         """One optimizer step on global batch `step`. `skip_nonfinite`: if any rank's loss or gradient is
         nan/inf, update nothing (runtime/divergence.py; costs a host sync per step)."""
         t0 = time.perf_counter()
+        self.current_step = step
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
         if self.probe:
@@ -166,11 +173,12 @@ class Trainer:
             else:
                 for k, mb in enumerate(micro_batches):
                     self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
-                    with self.probe.tracking() if self.probe else contextlib.nullcontext():
-                        (loss,) = self.forward(*self.state, *mb)
-                    if self.probe:
-                        self.probe.sample()
-                    (loss / self.accumulation).backward()
+                    with self.dropout_key(k):  # forward and backward: a recomputed region redraws its masks
+                        with self.probe.tracking() if self.probe else contextlib.nullcontext():
+                            (loss,) = self.forward(*self.state, *mb)
+                        if self.probe:
+                            self.probe.sample()
+                        (loss / self.accumulation).backward()
                     total += loss.detach()
             self.buckets.finish()
         self.casts.clear()

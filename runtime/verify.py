@@ -13,6 +13,13 @@ summation orders move such an entry by a different ±lr. Per tensor this looks
 like an O(1) error; model-wide it is the ~1e-6 it really is. A real mistake — a
 wrong shard, a lost micro-batch — moves whole tensors and shows at 1e-3 or more.
 The worst single tensor is still reported, for diagnosis.
+
+Dropout. The compiled programs key every dropout mask by (seed, step, call
+site, global element index) (passes/dropout.py, runtime/dropout.py); the serial
+reference runs the user's eager model under `serial_keys`, which keys each
+`F.dropout` and attention dropout the same way, so both runs drop exactly the
+same elements. Random ops parc does not key (`unkeyed`) are refused before
+training by `dropout_refusal`, naming their modules.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parc.runtime.dropout import key_scope, serial_keys
 from parc.runtime.precision import autocast
 from parc.runtime.state import build_reference
 
@@ -73,11 +81,16 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     global_batch = plan_json["plan"]["batch"]["global"]
     losses = []
     compute = plan_json["plan"].get("precision", "fp32")
+    keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), global_batch,
+                       plan_json["plan"]["batch"]["micro"])
     for step in range(steps):
-        with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
-            loss = user.loss_fn(model, *user.get_batch(step, global_batch)).float()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        keys.new_forward()
+        # the whole global batch: its first sample is sample 0 (runtime/dropout.py keys by global sample)
+        with key_scope(seed, step, 0), keys:
+            with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
+                loss = user.loss_fn(model, *user.get_batch(step, global_batch)).float()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         if cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
         optimizer.step()
@@ -85,6 +98,19 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
     # have kept either name
     return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def dropout_refusal(plan_json: dict) -> str | None:
+    """Why --verify cannot be exact for this artifact (random ops parc does not key), or None."""
+    unkeyed = plan_json.get("dropout", {}).get("unkeyed", [])
+    if not unkeyed:
+        return None
+    where = "; ".join(f"`{u['module'] or '<top level>'}` ({u['op']}: {u['why']})" for u in unkeyed[:5])
+    more = f" and {len(unkeyed) - 5} more" if len(unkeyed) > 5 else ""
+    return (f"--verify cannot match the serial model's random draws at {len(unkeyed)} op(s): {where}{more}; "
+            "parc keys only F.dropout / nn.Dropout and attention dropout. To verify the plan, turn these ops "
+            "off (a dropout: probability 0, e.g. the model config's *_dropout / *_pdrop), compile again and "
+            "run --verify on that")
 
 
 def compare(parallel_losses: list[float], serial_losses: list[float], parallel_state: dict[str, torch.Tensor],

@@ -1,0 +1,142 @@
+"""Keyed dropout: every dropout draws the serial model's mask, on every rank of every plan.
+
+Start at `run`. Changes: each `aten.dropout(x, p, train=True)` with p > 0 becomes
+`parc.keyed_dropout` (and a `getitem` of its output), and each `aten.scaled_dot_product_attention` with
+`dropout_p` > 0 becomes `parc.keyed_attention` (the same attention, written out,
+with keyed dropout on its probabilities; runtime/dropout.py). Their masks are a
+pure function of (seed, step, call site, the element's index in the serial
+run's tensor over the global batch), so data, tensor and sequence parallelism,
+micro-batching, pipeline stages and recompute all draw exactly the masks the
+serial model draws under `--verify` (runtime/verify.py keys it the same way).
+
+The call site is (module path, occurrence): the k-th dropout the module runs,
+counted in graph order, which is the eager model's call order. The op's
+constant arguments give the element's global coordinates: the traced (full)
+shape, elements per sample (full numel / micro-batch), and, for a value sharded
+over tp, `[dim, parts, tp rank, blocks]` from the layout the tensor_parallel
+pass left in `meta["parc_shard"]`.
+
+Other random ops (bernoulli, rand, `native_dropout`, feature/alpha dropout) keep
+the default generators and are listed, with their modules, in
+`ctx.notes["dropout"]["unkeyed"]`: `--verify` refuses them before training.
+Dim 0 of a keyed value must carry the samples (batch-major layout); a traced
+dim 0 that is not a multiple of the micro-batch is left unkeyed and listed too.
+
+Assumes: runs after tensor_parallel (local `meta["val"]` shapes, `parc_shard`
+on sharded random ops) and before pipeline_split, on the whole graph, so each
+site's occurrence is counted over the whole model.
+Guarantees: no `aten.dropout` with p > 0 and no SDPA with dropout remains; the
+values computed differ only in which elements are dropped; `ctx.notes["dropout"]`
+= {"sites": [{module, occurrence, kind, p, shape}], "unkeyed": [{module, op, why}]}
+lists the same sites on every tp rank.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+import parc.runtime.dropout  # noqa: F401 — registers torch.ops.parc.keyed_*
+from parc.errors import ParcError
+from parc.runtime.dropout import site_id
+from parc.traced import module_path
+
+aten = torch.ops.aten
+NAME = "dropout"
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    full_of = {n.name: n for n in ctx.traced.gm.graph.nodes}
+    seen: dict[str, int] = {}
+    sites, unkeyed = [], []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        kind, p = _kind(node)
+        if kind is None:
+            if node.target is aten.dropout.default or node.target is aten.scaled_dot_product_attention.default:
+                continue  # p = 0 or eval: deterministic
+            if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+                unkeyed.append({"module": module_path(node), "op": str(node.target),
+                                "why": "a random op parc does not key"})
+            continue
+        path = module_path(node)
+        k = seen[path] = seen.get(path, -1) + 1
+        full = _full_shape(full_of[node.name], kind)
+        if full[0] % plan.micro_batch:
+            why = f"its dim 0 ({full[0]}) does not carry the micro-batch's {plan.micro_batch} samples"
+            unkeyed.append({"module": path, "op": str(node.target), "why": why})
+            continue
+        shard = _shard(node, kind, full, plan, ctx)
+        per_sample = math.prod(full) // plan.micro_batch
+        _rewrite(gm, node, kind, p, [site_id(path, k), full, per_sample, shard])
+        sites.append({"module": path, "occurrence": k, "kind": kind, "p": p, "shape": full})
+        ctx.count(NAME)
+    ctx.notes["dropout"] = {"sites": sites, "unkeyed": unkeyed}
+    gm.recompile()
+    return gm
+
+
+def _kind(node: fx.Node) -> tuple[str | None, float]:
+    if node.target is aten.dropout.default:
+        p, train = node.args[1], node.args[2]
+        return ("dropout", float(p)) if train and p > 0 else (None, 0.0)
+    if node.target is aten.scaled_dot_product_attention.default:
+        p = _sdpa_args(node).get("dropout_p", 0.0)
+        return ("attention", float(p)) if p > 0 else (None, 0.0)
+    return None, 0.0
+
+
+def _sdpa_args(node: fx.Node) -> dict:
+    return {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
+
+
+def _full_shape(traced: fx.Node, kind: str) -> list[int]:
+    """The serial (unsharded) shape the mask covers: the dropout's input, or attention's (B, nh, L, S)."""
+    if kind == "dropout":
+        return list(traced.args[0].meta["val"].shape)
+    q, k = traced.args[0].meta["val"].shape, traced.args[1].meta["val"].shape
+    return [*q[:-1], k[-2]]
+
+
+def _shard(node: fx.Node, kind: str, full: list[int], plan, ctx) -> list[int]:
+    """[dim, parts, index, blocks] of the local value within `full`, or [] where it is whole."""
+    x = node.args[0]
+    local = list(x.meta["val"].shape)
+    if kind == "attention":
+        local = [*local[:-1], node.args[1].meta["val"].shape[-2]]
+    s = node.meta.get("parc_shard")
+    if s is None:
+        if local != full:
+            raise ParcError(f"dropout: `{node.name}` in module `{module_path(node)}` has local shape {local} but "
+                            f"traced shape {full}, and the tensor_parallel pass left no shard for it")
+        return []
+    tp = plan.mesh.tp
+    expect = [f // tp if d == s.dim else f for d, f in enumerate(full)]
+    if local != expect:
+        raise ParcError(f"dropout: `{node.name}` in module `{module_path(node)}`: local shape {local} ≠ traced "
+                        f"{full} split in tp {tp} along dim {s.dim} = {expect}")
+    return [s.dim, tp, ctx.tp_rank, s.blocks]
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, kind: str, p: float, key: list) -> None:
+    with gm.graph.inserting_before(node):
+        if kind == "dropout":  # (output, mask), as aten.native_dropout: backward reads the saved mask
+            pair = gm.graph.call_function(torch.ops.parc.keyed_dropout.default, (node.args[0], p, *key))
+            val = node.meta["val"]
+            pair.meta = {**node.meta, "val": (val, val.new_empty(val.shape, dtype=torch.bool))}
+            pair.meta.pop("parc_shard", None)
+            new = gm.graph.call_function(operator.getitem, (pair, 0))
+        else:
+            a = _sdpa_args(node)
+            new = gm.graph.call_function(torch.ops.parc.keyed_attention.default, (
+                a["query"], a["key"], a["value"], a.get("attn_mask"), p, bool(a.get("is_causal", False)),
+                a.get("scale"), bool(a.get("enable_gqa", False)), *key))
+    new.meta = dict(node.meta)
+    new.meta.pop("parc_shard", None)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

@@ -1,0 +1,303 @@
+"""Keyed dropout: masks that are a pure function of (seed, step, call site, global element index).
+
+Start at `keep_mask`. A dropout mask drawn from a stateful generator depends on
+who draws it: the serial model draws one mask over the whole global batch, a
+dp rank draws its own slice, a tp rank only its heads or its sequence chunk, a
+pipeline stage whatever its generator's history left. So `--verify` could not
+compare a run with dropout against the serial model. Here every element's
+keep/drop is a counter-based hash (splitmix64, in torch int64 ops: exact and
+identical on CPU and CUDA) of
+
+    key   = mix(seed, step, site)        site: the call site (passes/dropout.py `site_id`)
+    index = the element's linear index in the serial run's tensor over the global batch
+
+The index is `sample0 · per_sample + Σ_d coord_d · stride_d`, where sample0 is
+the global index of the micro-batch's first sample (set by the runtime with
+`key_scope`), per_sample the elements one sample contributes, and coord_d the
+element's GLOBAL coordinate along dim d: on a tp-sharded dim, chunk `index` of
+`parts` (of each of `blocks` blocks) is shifted to where it sits in the full
+tensor. So dp, micro-batching, tp and sequence parallelism all see the serial
+run's mask; recompute replays it (a pure function); pipeline stages need no
+generator state at all.
+
+The ops:
+- `parc::keyed_dropout(x, p, site, full, per_sample, shard)`: (x · keep / (1 − p), keep),
+  like aten.native_dropout. Backward: the saved mask × grad / (1 − p).
+- `parc::keyed_attention(q, k, v, mask, p, causal, scale, gqa, site, full, per_sample, shard)`:
+  `scaled_dot_product_attention` with dropout on the attention probabilities,
+  written out (softmax(q·kᵀ·scale + mask) → keyed dropout → ·v) since the fused
+  kernels draw their own masks. Backward re-runs that math under autograd (only
+  q, k, v are saved, as a fused kernel would).
+
+`key_scope(seed, step, sample0)` is a per-process setting, like the group
+binding in runtime/ops.py: a program's text cannot carry it. The runtime sets
+it around each micro-batch's forward AND backward, so a recomputed region
+(which re-runs forward inside backward) sees its own micro-batch's key.
+`serial_keys(model, sites, batch, micro)` keys the user's eager model the same way,
+for the serial reference of `--verify` (runtime/verify.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+_KEY: tuple[int, int, int] | None = None  # (seed, step, sample0): see the module docstring for why this is global
+
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
+_MASK64 = (1 << 64) - 1
+_BITS = 24  # keep iff the top 24 bits of the hash < round((1 − p) · 2^24): p is honoured to 6e-8
+
+
+def _signed(c: int) -> int:
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int (the reference the tensor version is tested against)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def site_id(module: str, occurrence: int) -> int:
+    """A call site's stable 63-bit id: its module path and which dropout of that module it is (0, 1, …)."""
+    digest = hashlib.blake2b(f"{module}#{occurrence}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def stream_key(seed: int, step: int, site: int) -> int:
+    return mix64(mix64(mix64(seed + _GOLDEN) + step) ^ site)
+
+
+def counters(local: list[int], full: list[int], per_sample: int, sample0: int, shard: list[int], device,
+             mult: int = 1, add: int = 0) -> Tensor:
+    """int64 (local shape, a fresh tensor): each element's linear index in the serial run's tensor over
+    the global batch, times `mult` plus `add` (mod 2^64: folded into the per-dim terms, so the one
+    full-size pass is the broadcast sum)."""
+    dim, parts, index, blocks = shard if shard else (-1, 1, 0, 1)
+    for d, (n, f) in enumerate(zip(local, full)):
+        if n * (parts if d == dim else 1) != f:
+            raise RuntimeError(f"keyed dropout: local shape {list(local)} is not full shape {list(full)} "
+                               f"split in {parts} along dim {dim}")
+    stride, strides = 1, []
+    for f in reversed(full):
+        strides.append(stride)
+        stride *= f
+    idx = torch.full((), _signed(sample0 * per_sample * mult + add), dtype=torch.int64, device=device)
+    for d, (n, s) in enumerate(zip(local, reversed(strides))):
+        c = torch.arange(n, dtype=torch.int64, device=device)
+        if d == dim:  # chunk `index` of each block: local j → its coordinate in the full dim
+            per_block = n // blocks
+            c = (c // per_block) * (full[d] // blocks) + index * per_block + c % per_block
+        shape = [1] * len(local)
+        shape[d] = n
+        idx = idx + (c * _signed(s * mult)).view(shape)
+    return idx.clone() if idx.dim() == 0 else idx
+
+
+def current_key() -> tuple[int, int, int]:
+    if _KEY is None:
+        raise RuntimeError("keyed dropout ran outside a training step: no dropout key is set "
+                           "(parc.runtime.dropout.key_scope)")
+    return _KEY
+
+
+def keep_mask(shape, p: float, key: tuple[int, int, int], site: int, full: list[int], per_sample: int,
+              shard: list[int], device) -> Tensor:
+    """bool (shape): True where the element is kept; key = (seed, step, sample0).
+
+    keep ⇔ top 24 bits of mix64(key' + index · golden) < (1 − p) · 2^24: splitmix64. mix64's last
+    xor-shift (by 31) leaves the top 24 bits alone, so it is skipped; the unsigned comparison is a
+    signed one after flipping the sign bit. Peak memory: two int64 tensors of the shape.
+    """
+    seed, step, sample0 = key
+    h = counters(list(shape), full, per_sample, sample0, shard, device, _GOLDEN, stream_key(seed, step, site))
+    tmp = torch.empty_like(h)
+    for shift, mult in ((30, _M1), (27, _M2)):
+        torch.bitwise_right_shift(h, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1  # logical shift: torch's >> copies the sign bit
+        h ^= tmp
+        h *= _signed(mult)
+    threshold = round((1.0 - p) * (1 << _BITS)) << (64 - _BITS)
+    if threshold >= 1 << 64:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    h ^= -(1 << 63)
+    return h < _signed(threshold ^ (1 << 63))
+
+
+@contextmanager
+def key_scope(seed: int, step: int, sample0: int):
+    """Key the dropouts run inside: `sample0` is the global index of the batch's first sample."""
+    global _KEY
+    outer, _KEY = _KEY, (seed, step, sample0)
+    try:
+        yield
+    finally:
+        _KEY = outer
+
+
+def _apply(x: Tensor, keep: Tensor, p: float) -> Tensor:
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
+
+
+# --- parc::keyed_dropout ----------------------------------------------------------------
+
+@torch.library.custom_op("parc::keyed_dropout", mutates_args=())
+def keyed_dropout(x: Tensor, p: float, site: int, full: list[int], per_sample: int,
+                  shard: list[int]) -> tuple[Tensor, Tensor]:
+    """Forward: (x · keep / (1 − p), keep), keep = `keep_mask(...)`, as aten.native_dropout returns its mask.
+    Backward: grad · keep / (1 − p), with the saved mask."""
+    keep = keep_mask(x.shape, p, current_key(), site, full, per_sample, shard, x.device)
+    return _apply(x, keep, p), keep
+
+
+keyed_dropout.register_fake(lambda x, p, site, full, per_sample, shard: (torch.empty_like(x),
+                                                                          torch.empty_like(x, dtype=torch.bool)))
+
+
+def _dropout_setup(ctx, inputs, output):
+    ctx.p = inputs[1]
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1])
+
+
+keyed_dropout.register_autograd(lambda ctx, g, _: (_apply(g, ctx.saved_tensors[0], ctx.p), *[None] * 5),
+                                setup_context=_dropout_setup)
+
+
+# --- parc::keyed_attention --------------------------------------------------------------
+
+def _attention(q, k, v, mask, p, causal, scale, gqa, site, full, per_sample, shard, key):
+    """torch's reference math for scaled_dot_product_attention, with the keyed dropout."""
+    if gqa:  # (B, nkv, S, E) → (B, nh, S, E)
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    att = (q @ k.transpose(-2, -1)) * scale  # (B, nh, L, S)
+    if causal:
+        att = att.masked_fill(~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril(),
+                              float("-inf"))
+    if mask is not None:
+        att = att.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else att + mask
+    att = att.softmax(-1)
+    return _apply(att, keep_mask(att.shape, p, key, site, full, per_sample, shard, att.device), p) @ v
+
+
+@torch.library.custom_op("parc::keyed_attention", mutates_args=())
+def keyed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, causal: bool,
+                    scale: float | None, gqa: bool, site: int, full: list[int], per_sample: int,
+                    shard: list[int]) -> Tensor:
+    """Forward: softmax(q·kᵀ·scale + mask), keyed dropout, ·v. Backward: that math re-run under autograd."""
+    return _attention(q, k, v, mask, p, causal, scale, gqa, site, full, per_sample, shard, current_key())
+
+
+keyed_attention.register_fake(lambda q, k, v, *rest: q.new_empty((*q.shape[:-1], v.shape[-1])))
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask = inputs[:4]
+    ctx.rest = (*inputs[4:], current_key())
+    ctx.save_for_backward(q, k, v, mask)
+    dev = q.device.type
+    ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))  # bf16: re-run as forward ran
+
+
+def _attention_backward(ctx, g):
+    q, k, v, mask = ctx.saved_tensors
+    diff = mask is not None and mask.is_floating_point() and ctx.needs_input_grad[3]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)] + ([mask.detach().requires_grad_()] if diff else [])
+    dev, on, dtype = ctx.autocast
+    with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+        out = _attention(*leaves[:3], leaves[3] if diff else mask, *ctx.rest)
+    grads = torch.autograd.grad(out, leaves, g)
+    return (*grads[:3], grads[3] if diff else None, *[None] * 8)
+
+
+keyed_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# --- the serial reference: the user's eager model, keyed the same way ---------------------
+
+class serial_keys(TorchFunctionMode):
+    """Run the eager model with every dropout keyed as the compiled programs key it.
+
+    `sites` is plan.json's `dropout.sites` (passes/dropout.py); `batch` the samples per call (the
+    global batch). Module hooks keep the path of the module running; each `F.dropout` /
+    `torch.dropout` / attention with dropout becomes the keyed op for (path, occurrence), with the
+    traced shape scaled from the micro-batch to `batch` samples. A call the trace did not see, or
+    with another shape, raises: a mask that cannot be matched is never drawn silently.
+    """
+
+    def __init__(self, model: torch.nn.Module, sites: list[dict], batch: int, micro: int):
+        super().__init__()
+        self.paths = {id(m): name for name, m in model.named_modules()}
+        self.sites = {(s["module"], s["occurrence"]): s for s in sites}
+        self.batch, self.micro = batch, micro
+        self.stack: list[str] = [""]
+        self.seen: dict[str, int] = {}
+        self.hooks = []
+
+    def __enter__(self):
+        from torch.nn.modules import module as mm
+
+        def pre(m, args):
+            self.stack.append(self.paths.get(id(m), self.stack[-1]))
+
+        def post(m, args, out):
+            self.stack.pop()
+
+        self.hooks = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def new_forward(self) -> None:
+        self.seen.clear()
+        del self.stack[1:]
+
+    def _site(self, kind: str, shape: list[int]) -> tuple[int, list[int], int]:
+        path = self.stack[-1]
+        k = self.seen[path] = self.seen.get(path, -1) + 1
+        site = self.sites.get((path, k))
+        where = f"dropout #{k} of module `{path or '<top level>'}`"
+        if site is None or site["kind"] != kind:
+            raise RuntimeError(f"verify: the serial model ran {where} ({kind}), which the compiled trace does "
+                               "not have; its mask cannot be matched")
+        full = site["shape"]
+        want = [full[0] * self.batch // self.micro, *full[1:]]
+        if list(shape) != want:
+            raise RuntimeError(f"verify: {where} has shape {list(shape)} in the serial model, not the traced "
+                               f"{full} with dim 0 scaled by batch {self.batch} / micro {self.micro} = {want}: "
+                               "its dim 0 does not carry the samples, so its masks cannot be matched")
+        return site_id(path, k), list(shape), math.prod(shape) // self.batch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.functional.dropout, torch.dropout):
+            x = args[0]
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+            if train and p > 0:
+                site, full, per_sample = self._site("dropout", list(x.shape))
+                return keyed_dropout(x, float(p), site, full, per_sample, [])[0]
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            a = {**dict(zip(names, args)), **kwargs}
+            if a.get("dropout_p", 0.0) > 0:
+                q, k = a["query"], a["key"]
+                site, full, per_sample = self._site("attention", [*q.shape[:-1], k.shape[-2]])
+                return keyed_attention(q, k, a["value"], a.get("attn_mask"), float(a["dropout_p"]),
+                                       bool(a.get("is_causal", False)), a.get("scale"),
+                                       bool(a.get("enable_gqa", False)), site, full, per_sample, [])
+        return func(*args, **kwargs)
