@@ -64,12 +64,11 @@ def _regions(names: dict) -> list[str]:
         region = getattr(fn, "parc_region", None)
         if region is None:
             continue
-        inst, body, early_stop = region
+        inst, body = region
         inner = f"_{name}"
-        stop = "" if early_stop else ", early_stop=False"  # tp dropout streams: passes/recompute.py
         out.append(f"def {name}(*args):\n"
                    f'    """{inst}: keeps only its inputs in forward and runs again in backward."""\n'
-                   f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False{stop})")
+                   f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False)")
         out.append(_flat(body.python_code(root_module="self").src, inner))
     return out
 

@@ -58,26 +58,19 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     return gm  # run_passes lints it
 
 
-def early_stop(body: fx.Graph) -> bool:
-    """Whether backward may stop re-running the region at its last saved value (torch's default).
-    Not with tp dropout streams: their enter/exit pair on a stack (runtime/ops.py), and a recompute
-    stopped between the two leaves an enter's saved generator state there, one per region per backward."""
-    return not any(str(n.target).startswith("parc.tp_rng_") for n in body.nodes)
-
-
 def region_function(inst: str, body: fx.Graph):
     """The callable a region's call node targets: checkpoint(body). FX prints it as `recompute_<inst>`.
     The runtime runs the generated program's text; in-process, the body's module is built on first call
     (building one per region eagerly costs a recompile each, seconds for a GPT-3-sized plan)."""
-    stop, module = early_stop(body), []
+    module = []
 
     def fn(*args):
         if not module:
             module.append(fx.GraphModule(torch.nn.Module(), body))
-        return checkpoint(module[0], *args, use_reentrant=False, early_stop=stop)
+        return checkpoint(module[0], *args, use_reentrant=False)
     fn.__name__ = fn.__qualname__ = inst.replace(".", "_")
     fn.__module__ = "recompute"
-    fn.parc_region = (inst, body, stop)  # parc/codegen.py writes the same call
+    fn.parc_region = (inst, body)  # parc/codegen.py writes the same call
     return fn
 
 
