@@ -49,6 +49,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import ParcError
 from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
+from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -62,14 +63,22 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if tp == 1 or not rules:
         return gm
     rw = _Rewriter(gm, plan, ctx)
-    _as_linears(gm, rw)
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function":
-            rw.visit(node)
-    rw.finish()
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    _local_shapes(gm, ctx)
+    node = None
+    try:
+        _as_linears(gm, rw)
+        rw.start()
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function":
+                rw.visit(node)
+        node = None
+        rw.finish()
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        _local_shapes(gm, ctx)
+    except ParcError:
+        raise
+    except Exception as e:  # noqa: BLE001 — parc's gap, not the user's mistake: still told at the rule
+        raise rw.internal(getattr(e, "parc_node", node), e) from e
     return gm
 
 
@@ -80,8 +89,25 @@ class _Rewriter:
         self.sp = plan.tensor_parallel.sequence_parallel
         self.lay = Layouts(gm, self.tp, self.rank, self.sp)
         self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
-        self.sharded: dict[fx.Node, fx.Node] = {}  # sharded param placeholder → its one allowed user
+        self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
         self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by _as_linears for an (in, out) weight → w
+        self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
+
+    def start(self) -> None:
+        """Before the walk: check parameters with several uses (passes/tp_shared.py), and mark the nodes
+        whose values still reach a sharded layer (a replicated head after sequence parallelism is not one)."""
+        params = [n for n in self.gm.graph.nodes if _is_param(n)]
+        self.implied = shared_rules(params, self.rule_for, self.conv1d)
+        feeds: set[fx.Node] = set()
+        for n in reversed(list(self.gm.graph.nodes)):
+            if n.op == "call_function" and (self.shards(n) or any(u in feeds for u in n.users)):
+                feeds.add(n)
+        self.lay.feeds_tp = feeds
+
+    def shards(self, node: fx.Node) -> bool:
+        """Does a column/row/vocab rule apply to this node?"""
+        rule = self.rule_at(node)
+        return rule is not None and rule.style != "replicate" and any(self.is_weight(a) for a in node.all_input_nodes)
 
     # --- dispatch -----------------------------------------------------------------
 
@@ -89,17 +115,16 @@ class _Rewriter:
         path = module_path(node)
         return next((r for r in self.plan.tensor_parallel.rules if fnmatchcase(path, r.pattern)), None)
 
+    def rule_at(self, node: fx.Node):
+        """The rule a node runs under: its module's, or for a use of a tied vocab weight, the tie's."""
+        return self.implied.get(node) or self.rule_for(node)
+
     def visit(self, node: fx.Node) -> None:
-        for a in node.all_input_nodes:
-            if a in self.sharded and self.sharded[a] is not node:
-                raise ParcError(f"tensor parallelism: `{a.name}` is sharded for `{self.sharded[a].name}` but also "
-                                f"used by `{node.name}` in module `{module_path(node)}` (tied weights?)",
-                                hint="untie the weights, or mark one of the modules `replicate`")
         t = node.target
         if node in self.conv1d:  # the transposed view of a Conv1D weight: sharded with the linear it feeds
             self.lay.of[node] = None
             return
-        rule = self.rule_for(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
+        rule = self.rule_at(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
         if rule is not None and rule.style != "replicate" and not _handled(node, self.is_weight):
             p = next(a for a in node.all_input_nodes if _is_param(a))
             raise ParcError(f"`{rule.style}` on module `{module_path(node)}`: its parameter `{p.name}` is used by "
@@ -118,8 +143,9 @@ class _Rewriter:
                 return self.column(node, rule)
             elif style == "row":
                 return self.row(node, rule)
-        if t is aten.cross_entropy_loss.default and self.lay.get(node.args[0]) is not None:
-            return self.cross_entropy(node)
+        logits = self.lay.get(node.args[0]) if node.args else None
+        if t is aten.cross_entropy_loss.default and isinstance(logits, Shard) and not logits.seq:
+            return self.cross_entropy(node)  # (a sequence slice is gathered by `propagate` instead)
         self.lay.of[node] = self.lay.propagate(node)
         if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags \
                 and any(self.lay.get(a) is not None for a in node.all_input_nodes):
@@ -176,8 +202,13 @@ class _Rewriter:
         spec = {"dim": dim, "parts": self.tp, "index": self.rank}
         if blocks > 1:
             spec["blocks"] = blocks
+        if p in self.sharded and self.sharded[p][0] != spec:  # two uses of a tied weight that disagree
+            _, first, other = self.sharded[p]
+            raise ParcError(f"`{rule.style}` on `{module_path(user)}` shards {p.meta.get('parc_fqn', p.name)} as "
+                            f"{spec}, but `{module_path(other)}` (rule `{first.style}`) shards it as "
+                            f"{self.sharded[p][0]}", rule.span, "give the two uses the same rule, or untie them")
         self.ctx.shards[p.name] = spec
-        self.sharded[p] = user
+        self.sharded[p] = (spec, rule, user)
 
     def replicated_input(self, node: fx.Node, x: fx.Node, rule) -> fx.Node:
         """The column layer's input made replicated: f, or an all-gather of a sequence slice."""
@@ -254,12 +285,17 @@ class _Rewriter:
         w, ids = node.args[0], node.args[1]
         if self.lay.get(ids) is not None:
             raise ParcError(f"`vocab` embedding `{module_path(node)}` gets sharded ids", rule.span)
-        if len(node.args) > 2 and node.args[2] not in (-1, None):
-            raise ParcError(f"`vocab` embedding `{module_path(node)}` has a padding_idx; parc does not shard those",
-                            rule.span, "mark it `replicate`")
+        if len(node.args) > 3 and node.args[3]:  # the counts would see every other rank's id as row 0
+            raise ParcError(f"`vocab` embedding `{module_path(node)}` has scale_grad_by_freq=True; parc does not "
+                            "shard those", rule.span, f"mark `{module_path(node)}` `replicate`")
         self.shard_param(w, node, 0, rule)
         rows = shape(w)[0] // self.tp  # this rank owns ids [start, start + rows)
         start = self.rank * rows
+        pad = node.args[2] if len(node.args) > 2 else -1
+        if pad not in (-1, None):  # padding_idx only zeroes that row's gradient: the row's owner keeps it, locally
+            pad %= shape(w)[0]
+            pad = pad - start if start <= pad < start + rows else -1
+            node.args = (*node.args[:2], pad, *node.args[3:])
         local = self.call(node, aten.sub.Tensor, (ids, start), ids)
         below = self.call(node, aten.lt.Scalar, (local, 0), ids)
         above = self.call(node, aten.ge.Scalar, (local, rows), ids)
@@ -299,12 +335,64 @@ class _Rewriter:
         for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and _is_param(n)):
             if p.name in self.ctx.shards and self.ctx.shards[p.name] is not None:
                 continue
-            outs = [self.lay.get(u) for u in p.users]
-            if any(isinstance(o, Shard) and o.seq for o in outs):
+            outs = [self.lay.get(u) for u in _consumers(p) if isinstance(u.meta.get("val"), torch.Tensor)]
+            seq = [o for o in outs if isinstance(o, Shard) and o.seq]
+            if seq and len(seq) < len(outs):  # summed over tp, the full-sequence use's gradient would count tp times
+                rule = seq[0].rule
+                raise ParcError(f"sequence_parallel: {p.meta.get('parc_fqn', p.name)} is used both on a sequence "
+                                "slice and on the whole sequence; parc sums its gradient over tp, which would count "
+                                "the whole-sequence use tp times", getattr(rule, "span", None),
+                                "drop sequence_parallel, or give the two uses their own parameters")
+            if seq:
                 partial.append(p.name)
         self.ctx.notes["tp_partial_grads"] = partial
 
+    def internal(self, node: fx.Node | None, e: Exception) -> ParcError:
+        """An unexpected failure while rewriting `node`, as a diagnostic at the rule most likely behind it."""
+        rule = self.blame(node) if node is not None else None
+        rules = self.plan.tensor_parallel.rules
+        span = rule.span if rule is not None else (self.plan.tensor_parallel.span or rules[0].span)
+        where = f" `{node.name}` ({getattr(node.target, '__name__', node.target)}) in module " \
+                f"`{module_path(node) or '<top level>'}`" if node is not None else ""
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return ParcError(f"tensor parallelism: parc could not shard{where}: {type(e).__name__}: {first}", span,
+                         "a case parc's tensor parallelism does not handle yet: mark the modules around it "
+                         "`replicate` (or shard fewer modules), and please report it")
 
+    def blame(self, node: fx.Node):
+        """The rule behind `node`'s sharded inputs: the nearest sharded value or sharded layer upstream."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop(0)
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            s = self.lay.get(n)
+            for one in s if isinstance(s, list) else [s]:
+                if isinstance(one, Shard) and one.rule is not None:
+                    return one.rule
+            if n in self.sharded:
+                return self.sharded[n][1]
+            if n.op == "call_function" and self.shards(n):
+                return self.rule_at(n)
+            todo.extend(n.all_input_nodes)
+        return None
+
+
+def _consumers(p: fx.Node) -> list[fx.Node]:
+    """The nodes computing with parameter `p`, looking through its transposes and casts."""
+    out, todo = [], list(p.users)
+    while todo:
+        u = todo.pop()
+        if u.target in PARAM_VIEWS and len(u.all_input_nodes) == 1:
+            todo.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
+               aten.view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 MATMULS = {aten.matmul.default, aten.mm.default, aten.addmm.default}
 
@@ -422,7 +510,8 @@ def _local_shapes(gm: fx.GraphModule, ctx) -> None:
 
 
 def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
-    """Re-run shapes with this rank's local placeholders; a wrong rewrite raises here, at compile time."""
+    """Re-run shapes with this rank's local placeholders; a wrong rewrite raises here, at compile time,
+    with the node it failed at (`run` turns that into a diagnostic at the rule behind the node)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args = []
     with mode:
@@ -435,7 +524,19 @@ def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
             if spec is not None:
                 local[spec["dim"]] //= spec["parts"]
             args.append(torch.empty(local, dtype=v.dtype, device="cpu", requires_grad=v.requires_grad))
+    prop = _NodeProp(gm, mode)
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
-    except Exception as e:  # noqa: BLE001 — a shape the rewrite got wrong: parc's bug, reported with the op
-        raise RuntimeError(f"tensor_parallel produced an inconsistent local graph: {e}") from e
+        prop.propagate_dont_convert_inputs(*args)
+    except Exception as e:  # noqa: BLE001 — a shape the rewrite got wrong: parc's bug, reported at its node
+        e.parc_node = prop.current
+        raise
+
+
+class _NodeProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to say where a local shape went wrong."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        return super().run_node(n)

@@ -283,3 +283,18 @@ def tp_rng_exit(x: Tensor, axis: str) -> Tensor:
 for _op in (tp_rng_enter, tp_rng_exit):
     _op.register_fake(lambda x, axis: torch.empty_like(x))
     _op.register_autograd(lambda ctx, g: (g, None), setup_context=_axis_ctx)
+
+
+# --- leaving a sequence-parallel region -----------------------------------------------------------
+
+@torch.library.custom_op("parc::allgather_split", mutates_args=())
+def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """A sequence slice entering replicated computation (a head no rule shards, or an op parc cannot
+    follow on a slice): Megatron's gather before the output layer. Forward: all-gather along `dim`.
+    Backward: keep this rank's chunk of the gradient, which every tp rank computed in full and alike."""
+    return all_gather(x, dim, axis, "fwd")
+
+
+allgather_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
+allgather_split.register_autograd(
+    lambda ctx, g: (split(g, ctx.args[1], ctx.args[0]), None, None, None), setup_context=_axis_ctx)
