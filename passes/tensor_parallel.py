@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
-from parc.errors import ParcError
+from parc.errors import Diagnostic, ParcError
 from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
 from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
@@ -71,13 +71,19 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
             if node.op == "call_function":
                 rw.visit(node)
         node = None
+        if rw.errors:
+            raise ParcError(diagnostics=rw.errors)
         rw.finish()
         gm.graph.eliminate_dead_code()
         gm.recompile()
         _local_shapes(gm, ctx)
-    except ParcError:
+    except ParcError as e:
+        if rw.errors and e.diagnostics[0] is not rw.errors[0]:  # a later error: report the widths found before it
+            raise ParcError(diagnostics=rw.errors + e.diagnostics) from None
         raise
     except Exception as e:  # noqa: BLE001 — parc's gap, not the user's mistake: still told at the rule
+        if rw.errors:  # the walk went on past widths tp does not divide: those explain it
+            raise ParcError(diagnostics=rw.errors) from None
         raise rw.internal(getattr(e, "parc_node", node), e) from e
     return gm
 
@@ -88,10 +94,13 @@ class _Rewriter:
         self.tp, self.rank = plan.mesh.tp, ctx.tp_rank
         self.sp = plan.tensor_parallel.sequence_parallel
         self.lay = Layouts(gm, self.tp, self.rank, self.sp)
+        self.lay.indivisible = self.collect
         self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
         self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
         self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by _as_linears for an (in, out) weight → w
         self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
+        self.errors: list[Diagnostic] = []  # sizes tp does not divide, one per rule, raised after the walk
+        self.seen: set[tuple] = set()  # what those errors are about (see `collect`)
 
     def start(self) -> None:
         """Before the walk: check parameters with several uses (passes/tp_shared.py), and mark the nodes
@@ -192,13 +201,27 @@ class _Rewriter:
         self.ctx.count(NAME)
         return n
 
+    def indivisible(self, rule, message: str, hint: str) -> None:
+        """A size tp does not divide: collected, not raised, so that the walk goes on and one compile names
+        every rule with such a size (once per rule and kind: each layer repeats its blocks' sizes)."""
+        self.collect(Diagnostic(message, rule.span, hint, "error", self.plan.source or None))
+
+    def collect(self, d) -> None:
+        """Keep `d` (a Diagnostic or the ParcError carrying one) unless an error says the same already."""
+        d = d.diagnostics[0] if isinstance(d, ParcError) else d
+        # a rule's first size error, and the sequence length once (every layer's tokens are the same tokens)
+        key = ("tokens",) if d.message.startswith("sequence_parallel") else ("size", d.span)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.errors.append(d)
+
     def shard_param(self, p: fx.Node, user: fx.Node, dim: int, rule, blocks: int = 1) -> None:
         full = shape(p)[dim]
         if full % (self.tp * blocks):
             what = f"{blocks} blocks × tp {self.tp}" if blocks > 1 else f"tp {self.tp}"
-            raise ParcError(f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim {dim} "
-                            f"has size {full}, not divisible by {what} = {self.tp * blocks}",
-                            rule.span, f"use a tp that divides {full // blocks}")
+            self.indivisible(rule, f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim "
+                             f"{dim} has size {full}, not divisible by {what} = {self.tp * blocks}",
+                             f"use a tp that divides {full // blocks}")
         spec = {"dim": dim, "parts": self.tp, "index": self.rank}
         if blocks > 1:
             spec["blocks"] = blocks
@@ -233,10 +256,13 @@ class _Rewriter:
         users = list(after.users)
         if self.sp:
             dim = len(shape(after)) - 2
-            if dim < 0 or shape(after)[dim] % self.tp:
-                raise ParcError(f"sequence_parallel: `{module_path(node)}` output {shape(after)} has "
-                                f"{shape(after)[dim] if dim >= 0 else 'no'} tokens on dim {dim}, not divisible "
-                                f"by tp {self.tp}", rule.span, "use a sequence length that divides by tp")
+            if dim < 0:
+                raise ParcError(f"sequence_parallel: `{module_path(node)}` output {shape(after)} has no token dim",
+                                rule.span, "drop sequence_parallel")
+            if shape(after)[dim] % self.tp:
+                self.indivisible(rule, f"sequence_parallel: `{module_path(node)}` output {shape(after)} has "
+                                 f"{shape(after)[dim]} tokens on dim {dim}, not divisible by tp {self.tp}",
+                                 "use a sequence length that divides by tp")
             op, args, layout = parc_ops.reducescatter_allgather.default, (after, "tp", dim, self.tp), \
                 Shard(dim, 1, True, rule)
         else:

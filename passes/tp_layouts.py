@@ -54,6 +54,7 @@ class Layouts:
         self.feeds_tp: set[fx.Node] = set()  # nodes whose values still reach a sharded layer (set by the tp pass)
         self.gathered: dict[fx.Node, fx.Node] = {}  # sequence slice → its all-gather
         self.made: list[fx.Node] = []  # nodes this class inserted, so a failed attempt can be undone
+        self.indivisible = _raise  # what to do with a size tp does not divide; the tp pass collects them
 
     def get(self, a):
         return self.of.get(a) if isinstance(a, fx.Node) else None
@@ -184,11 +185,14 @@ class Layouts:
             if not outs:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
             o = outs[0]
-            if b[o] % self.tp:
+            if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
                 heads = " (with grouped-query attention, kv heads must be a multiple of tp too)" if len(go) > 1 else ""
-                self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
-                          f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
-                          f"use a tp that divides {b[o]}")
+                try:
+                    self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
+                              f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
+                              f"use a tp that divides {b[o]}")
+                except ParcError as e:
+                    self.indivisible(e)
             sizes = list(node.args[1])
             if sizes[o] != -1:
                 sizes[o] = sizes[o] // self.tp
@@ -314,6 +318,10 @@ class Layouts:
         if self.get(node.args[0]) is not None:
             self.fail(node, "a sharded embedding table without a `vocab` rule", s)
         return s
+
+
+def _raise(e: ParcError) -> None:
+    raise e
 
 
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
