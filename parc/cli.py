@@ -74,8 +74,8 @@ def cmd_check(args) -> int:
 def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
     """What `parc compile` would refuse (parc/support.py, precision, and with the model its passes), then
     topology, schedule and (with the model) memory checks (parc/review.py). When the plan already `failed`
-    validation, a check that cannot run on it (an exception that is no ParcError) is skipped: the errors
-    found explain it."""
+    validation, a check that cannot run on it (an exception that is no ParcError) is skipped, and so are
+    its errors that point at no line (echoes of the errors found, such as the pipeline split's layer count)."""
     from parc import support
     from parc.review import review
     from parc.runtime import precision
@@ -86,7 +86,7 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
         try:
             return fn(*a, **kw)
         except ParcError as e:
-            out.extend(e.diagnostics)
+            out.extend(d for d in e.diagnostics if d.span is not None or not failed)
         except Exception:  # noqa: BLE001 — only on a plan with errors already (see the docstring)
             if not failed and not out:
                 raise
