@@ -24,7 +24,7 @@ order, giving every value a layout — replicated (None) or a `Shard`
 
 Linears written as matmuls (`x @ w.t() + b`, `addmm(b, x, w.t())`) and HF's
 transposed `Conv1D` (`addmm(b, x, w)` with w (in, out)) are first rewritten to
-`aten.linear` in the modules a rule names (`_as_linears`); a Conv1D weight is
+`aten.linear` in the modules a rule names (passes/tp_linears.py); a Conv1D weight is
 sharded along its other dim.
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output
@@ -48,7 +48,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
-from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
+from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
+from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
 
@@ -65,7 +66,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     rw = _Rewriter(gm, plan, ctx)
     node = None
     try:
-        _as_linears(gm, rw)
+        as_linears(gm, rw)
         rw.start()
         for node in list(gm.graph.nodes):
             if node.op == "call_function":
@@ -97,7 +98,7 @@ class _Rewriter:
         self.lay.indivisible = self.collect
         self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
         self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
-        self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by _as_linears for an (in, out) weight → w
+        self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by as_linears for an (in, out) weight → w
         self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
         self.errors: list[Diagnostic] = []  # sizes tp does not divide, one per rule, raised after the walk
         self.seen: set[tuple] = set()  # what those errors are about (see `collect`)
@@ -105,7 +106,7 @@ class _Rewriter:
     def start(self) -> None:
         """Before the walk: check parameters with several uses (passes/tp_shared.py), and mark the nodes
         whose values still reach a sharded layer (a replicated head after sequence parallelism is not one)."""
-        params = [n for n in self.gm.graph.nodes if _is_param(n)]
+        params = [n for n in self.gm.graph.nodes if is_param(n)]
         self.implied = shared_rules(params, self.rule_for, self.conv1d)
         feeds: set[fx.Node] = set()
         for n in reversed(list(self.gm.graph.nodes)):
@@ -135,7 +136,7 @@ class _Rewriter:
             return
         rule = self.rule_at(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
         if rule is not None and rule.style != "replicate" and not _handled(node, self.is_weight):
-            p = next(a for a in node.all_input_nodes if _is_param(a))
+            p = next(a for a in node.all_input_nodes if is_param(a))
             raise ParcError(f"`{rule.style}` on module `{module_path(node)}`: its parameter `{p.name}` is used by "
                             f"`{node.name}` ({getattr(t, '__name__', t)}), which parc cannot shard; parc shards "
                             "`aten.linear` weights/biases and `aten.embedding` tables",
@@ -184,7 +185,7 @@ class _Rewriter:
     # --- helpers ------------------------------------------------------------------
 
     def is_weight(self, a) -> bool:
-        return _is_param(a) or a in self.conv1d
+        return is_param(a) or a in self.conv1d
 
     def shard_weight(self, node: fx.Node, w: fx.Node, dim: int, rule, blocks: int = 1) -> None:
         """Shard a linear's (out, in) weight along `dim`; a Conv1D weight w (in, out), seen as `t(w)`, along 1 - dim."""
@@ -358,7 +359,7 @@ class _Rewriter:
     def finish(self) -> None:
         """Under sequence parallelism, replicated params used on a sequence slice have partial grads."""
         partial = []
-        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and _is_param(n)):
+        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and is_param(n)):
             if p.name in self.ctx.shards and self.ctx.shards[p.name] is not None:
                 continue
             outs = [self.lay.get(u) for u in _consumers(p) if isinstance(u.meta.get("val"), torch.Tensor)]
@@ -419,90 +420,13 @@ def _consumers(p: fx.Node) -> list[fx.Node]:
 
 PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
                aten.view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
-TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
-MATMULS = {aten.matmul.default, aten.mm.default, aten.addmm.default}
-
-
-def _as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
-    """Rewrite `x @ w.t() (+ b)` in a module a column/row/vocab rule names into `aten.linear(x, w, b)`, which
-    the rules shard: matmul/mm/addmm of a transposed (out, in) parameter, with a following bias add folded in.
-    Modules no such rule names keep their ops (their programs are unchanged)."""
-    for wt in [n for n in gm.graph.nodes if n.target in TRANSPOSES and _is_param(n.args[0])]:
-        w, users = wt.args[0], list(wt.users)
-        rule = rw.rule_for(wt)
-        if rule is None or rule.style == "replicate" or len(users) != 1 or len(shape(w)) != 2 \
-                or (wt.target is aten.transpose.int and sorted(a % 2 for a in wt.args[1:3]) != [0, 1]):
-            continue
-        mm = users[0]
-        if mm.target not in MATMULS or mm.args[-1] is not wt or len(mm.args) != (3 if mm.target is aten.addmm.default else 2) \
-                or mm.kwargs:
-            continue
-        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
-        out = mm
-        adds = list(mm.users)
-        if b is None and len(adds) == 1 and adds[0].target is aten.add.Tensor and adds[0].args[0] is mm \
-                and _is_param(adds[0].args[1]) and shape(adds[0].args[1]) == (shape(w)[0],) and not adds[0].kwargs:
-            b, out = adds[0].args[1], adds[0]  # the bias add of `x @ w.t() + b`
-        with gm.graph.inserting_before(mm):
-            lin = gm.graph.call_function(aten.linear.default, (x, w) if b is None else (x, w, b))
-        lin.meta = dict(mm.meta)
-        lin.meta["val"] = out.meta["val"]
-        out.replace_all_uses_with(lin)
-        for dead in ([out, mm] if out is not mm else [mm]) + [wt]:
-            gm.graph.erase_node(dead)
-        rw.ctx.count(NAME)
-    _conv1d_as_linears(gm, rw)
-
-
-def _conv1d_as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
-    """Rewrite HF's transposed `Conv1D` — `addmm(b, x, w)`, `mm(x, w)`, `matmul(x, w)` of an UNtransposed
-    (in, out) parameter w — in a module a column/row/vocab rule names into `aten.linear(x, t(w), b)`. `t(w)` is
-    recorded in `rw.conv1d`, so the rules shard w itself along the other dim (column: dim 1, row: dim 0) and the
-    runtime slices the user's (in, out) tensor. Conv1D flattens its input to 2-D and views the result back
-    (`x.view(-1, in)` … `.view(*lead, out)`); those views are folded into the linear, so that a fused c_attn's
-    output reaches its split directly and is sharded per block."""
-    for mm in [n for n in gm.graph.nodes if n.target in MATMULS]:
-        w = mm.args[-1]
-        n_args = 3 if mm.target is aten.addmm.default else 2
-        if not _is_param(w) or len(mm.args) != n_args or mm.kwargs or len(shape(w)) != 2:
-            continue
-        rule = rw.rule_for(mm)
-        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
-        if rule is None or rule.style == "replicate" or not isinstance(x, fx.Node) or len(shape(x)) < 2 \
-                or (b is not None and not (isinstance(b, fx.Node) and shape(b) == (shape(w)[1],))):
-            continue
-        (n_in, n_out), out = shape(w), mm
-        if x.target in VIEWS and len(x.users) == 1 and shape(x0 := x.args[0])[-1:] == (n_in,) \
-                and len(mm.users) == 1 and (v := next(iter(mm.users))).target in VIEWS \
-                and shape(v) == shape(x0)[:-1] + (n_out,):
-            x, out = x0, v  # x.view(-1, in) → addmm → .view(*lead, out): one linear on x
-        with gm.graph.inserting_before(mm):
-            wt = gm.graph.call_function(aten.t.default, (w,))
-            lin = gm.graph.call_function(aten.linear.default, (x, wt) if b is None else (x, wt, b))
-        wt.meta = {"nn_module_stack": mm.meta.get("nn_module_stack"), "val": w.meta["val"].t()}
-        lin.meta = dict(mm.meta)
-        lin.meta["val"] = out.meta["val"]
-        old_x = mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
-        out.replace_all_uses_with(lin)
-        for dead in [out, mm] if out is not mm else [mm]:
-            gm.graph.erase_node(dead)
-        if old_x is not x and not old_x.users:
-            gm.graph.erase_node(old_x)
-        rw.conv1d[wt] = w
-        rw.ctx.count(NAME)
-
-
 def _handled(node: fx.Node, is_weight=None) -> bool:
     """A node whose parameter inputs sit where a rule can shard them: a linear's weight (and bias), an embedding table."""
     is_weight = is_weight or _is_param
     params = [i for i, a in enumerate(node.args) if is_weight(a)]
     if node.target is aten.linear.default:
-        return bool(params) and params[0] == 1 and not any(_is_param(v) for v in node.kwargs.values())
+        return bool(params) and params[0] == 1 and not any(is_param(v) for v in node.kwargs.values())
     return node.target is aten.embedding.default and params == [0]
-
-
-def _is_param(n) -> bool:
-    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
 
 
 def _fused_blocks(node: fx.Node) -> int:

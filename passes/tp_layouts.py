@@ -47,6 +47,11 @@ def shape(n) -> tuple[int, ...]:
     return tuple(n.meta["val"].shape)
 
 
+def is_param(n) -> bool:
+    """A parameter placeholder of the traced graph (torch.export names them `p_<fqn>`)."""
+    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
+
+
 class Layouts:
     def __init__(self, gm: fx.GraphModule, tp: int, tp_rank: int, sequence_parallel: bool):
         self.gm, self.tp, self.tp_rank, self.sp = gm, tp, tp_rank, sequence_parallel
