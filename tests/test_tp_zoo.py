@@ -7,6 +7,8 @@ tables (test_tp_tied), plain heads under SP on GPT and Qwen2 (test_tp_sp_heads),
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import GPT, ROOT, compile_text, gpt_tp_rules, llama_tp_rules
@@ -63,7 +65,8 @@ CASES = {
                       "ok"),
     "neox_sp_plain_head": (MODELS / "neox_tiny.py", rules({**NEOX, "gpt_neox.embed_in": "vocab"}, sp=True), "train"),
     "phi3_fused_qkv": (MODELS / "phi3_tiny.py", rules(PHI3_ATTN), "it slices dim 2, which is sharded"),
-    "phi3_fused_gate_up": (MODELS / "phi3_tiny.py", rules({**PHI3_MLP, "lm_head": "vocab"}), "train"),
+    "phi3_fused_gate_up": (MODELS / "phi3_tiny.py", rules({**PHI3_MLP, "model.embed_tokens": "vocab",
+                                                           "lm_head": "vocab"}), "train"),
 }
 
 
@@ -122,3 +125,13 @@ def test_trains_like_serial(trained, name):
     verdict = compare(got["losses"], serial_losses, got["state"], serial_state, TOL)
     assert verdict.ok, verdict.render()
     assert serial_losses[0] != serial_losses[-1]  # the run trained
+
+
+def test_padding_idx_stays_with_its_row(trained):
+    """Phi-3's embedding has padding_idx 0 (pad_token_id): tp rank 0 owns row 0 and keeps it at local index 0;
+    rank 1 owns rows 128..255 and has no padding row (-1). The training above checks the numbers."""
+    root = trained["phi3_fused_gate_up"][0]
+    for rank, pad in ((0, "0"), (1, "-1")):
+        src = (Path(root) / "programs" / f"stage0_tp{rank}.py").read_text()
+        (line,) = [x for x in src.splitlines() if "aten.embedding.default(" in x]
+        assert line.split("aten.embedding.default(")[1].split(")")[0].endswith(f", {pad}"), line
