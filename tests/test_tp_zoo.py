@@ -135,3 +135,31 @@ def test_padding_idx_stays_with_its_row(trained):
         src = (Path(root) / "programs" / f"stage0_tp{rank}.py").read_text()
         (line,) = [x for x in src.splitlines() if "aten.embedding.default(" in x]
         assert line.split("aten.embedding.default(")[1].split(")")[0].endswith(f", {pad}"), line
+
+
+def test_a_failure_inside_the_pass_is_located(tmp_path, monkeypatch):
+    """A gap in the pass itself (here: LayerNorm's handler made to crash) reaches the user as a diagnostic at the
+    rule of the nearest sharded value upstream, naming the node, not as a traceback."""
+    from parc.passes.tp_layouts import Layouts
+
+    monkeypatch.setattr(Layouts, "_layer_norm", lambda self, node: {}["no rule"])
+    plan = _plan(gpt_tp_rules(True))
+    with pytest.raises(ParcError) as e:
+        compile_text(plan, tmp_path / "c", GPT)
+    assert "parc could not shard `layer_norm" in e.value.message and "KeyError" in e.value.message
+    assert '"wte"' in plan.splitlines()[e.value.span.line - 1]  # the embedding's reduce-scatter feeds ln_1
+
+
+def test_a_wrong_local_shape_is_located(tmp_path, monkeypatch):
+    """A rewrite that leaves a full-size constant (here: GQA's expand of kv heads, not divided by tp) fails the
+    local-shape run at compile time, reported at the rule behind the node it failed at."""
+    from parc.passes.tp_layouts import Layouts
+
+    monkeypatch.setattr(Layouts, "_expand", lambda self, node: self.get(node.args[0]))
+    plan = _plan(LLAMA)
+    with pytest.raises(ParcError) as e:
+        compile_text(plan, tmp_path / "c", MODELS / "llama_tiny.py")
+    # the full-size expand still runs; the reshape after it (repeat_kv's) finds the element count wrong
+    assert "parc could not shard `reshape` (reshape.default) in module `model.layers.0.self_attn`" in e.value.message
+    assert "is invalid for input of size" in e.value.message
+    assert "_proj\" : column" in plan.splitlines()[e.value.span.line - 1]  # k_proj/v_proj feed repeat_kv
