@@ -34,17 +34,26 @@ def _head_input(src: str) -> str:
     return next(line for line in src.splitlines() if "lm_head_weight" in line and "linear" in line and "=" in line)
 
 
-@pytest.mark.parametrize("model,rules,gather", [
-    (QWEN2, llama_tp_rules(True).replace(LLAMA_HEAD, ""), "allgather_split"),
-    (GPT, gpt_tp_rules(True).replace(GPT_HEAD, ""), "allgather_split"),
-    (GPT, gpt_tp_rules(True).replace(GPT_HEAD, '    "lm_head" : column\n'), "allgather_reducescatter"),
-], ids=["qwen2_plain", "gpt_plain", "gpt_column"])
-def test_sp_head_matches_serial(tmp_path, model, rules, gather):
-    art = compile_text(_plan(rules), tmp_path / "c", model)
+def _reads_gather(art, gather: str) -> None:
     src = (art.root / "programs" / "stage0_tp1.py").read_text()
     assert f"torch.ops.parc.{gather}.default(" in src
     assert _head_input(src).split("linear.default(")[1].startswith(f"{gather}_default")  # the head reads the gather
+
+
+@pytest.mark.parametrize("model,rules", [(QWEN2, llama_tp_rules(True).replace(LLAMA_HEAD, "")),
+                                         (GPT, gpt_tp_rules(True).replace(GPT_HEAD, ""))], ids=["qwen2", "gpt"])
+def test_sp_plain_head_matches_serial(tmp_path, model, rules):
+    art = compile_text(_plan(rules), tmp_path / "c", model)
+    _reads_gather(art, "allgather_split")
     _check(parallel_vs_serial(art.root, steps=3))
+
+
+def test_sp_column_head_gathers_at_its_input(tmp_path):
+    """A column head is the vocab head's linear (trained in tests/test_tensor_parallel.py): its input is gathered
+    like any column layer's, and its logits reach the vocab-parallel cross-entropy."""
+    art = compile_text(_plan(gpt_tp_rules(True).replace(GPT_HEAD, '    "lm_head" : column\n')), tmp_path / "c", GPT)
+    _reads_gather(art, "allgather_reducescatter")
+    assert "vocab_parallel_cross_entropy" in (art.root / "programs" / "stage0_tp1.py").read_text()
 
 
 def _count_body(ctx, compiled: str):
