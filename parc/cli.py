@@ -48,50 +48,68 @@ def _batch_line(plan) -> str:
 
 
 def cmd_check(args) -> int:
+    """Every error and warning, all at once: the plan against itself, the launch and the model
+    (parc/grammar/validate.py), what the runtime does not implement (parc/support.py, precision), the
+    topology, schedule and memory (parc/review.py), and with --model the errors of compile's passes."""
+    from parc.errors import PlanError
     from parc.grammar.parser import load_plan
     from parc.grammar.validate import validate
 
-    plan = load_plan(args.plan)
-    module_paths = num_layers = None
+    plan = load_plan(args.plan)  # reads special files and bad encodings safely (grammar/parser.py)
+    traced = None
     if args.model:
         from parc.trace import load_user_module, trace
 
         traced = trace(load_user_module(_existing(args.model, "model")), plan.micro_batch)
-        module_paths, num_layers = traced.module_paths, traced.num_layers
-    warnings = validate(plan, world_size=args.world_size, module_paths=module_paths, num_layers=num_layers)
-    warnings += _review(plan, args, traced if args.model else None)
-    _print(warnings)
+    try:
+        diags = validate(plan, world_size=args.world_size, module_paths=traced and traced.module_paths,
+                         num_layers=traced and traced.num_layers)
+    except PlanError as e:
+        diags = e.diagnostics
+    diags += _review(plan, args, traced, failed=any(d.severity == "error" for d in diags))
+    if any(d.severity == "error" for d in diags):
+        raise PlanError(diagnostics=diags)
+    _print(diags)
     print(f"{args.plan}: ok — {_batch_line(plan)}")
     return 0
 
 
-def _review(plan, args, traced) -> list[Diagnostic]:
-    """What `parc compile` would refuse (parc/support.py, precision), then topology, schedule and (with the
-    model) memory checks (parc/review.py). Every error is collected, then raised together."""
+def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
+    """What `parc compile` would refuse (parc/support.py, precision, and with the model its passes), then
+    topology, schedule and (with the model) memory checks (parc/review.py). When the plan already `failed`
+    validation, a check that cannot run on it (an exception that is no ParcError) is skipped, and so are
+    its errors that point at no line (echoes of the errors found, such as the pipeline split's layer count)."""
     from parc import support
-    from parc.errors import ParcError, PlanError
     from parc.review import review
     from parc.runtime import precision
 
-    refused: list[Diagnostic] = []
-    for check in (precision.check_supported, support.check):
-        try:
-            check(plan)
-        except ParcError as e:
-            refused += e.diagnostics
+    out: list[Diagnostic] = []
 
+    def attempt(fn, *a, **kw):
+        try:
+            return fn(*a, **kw)
+        except ParcError as e:
+            out.extend(d for d in e.diagnostics if d.span is not None or not failed)
+        except Exception:  # noqa: BLE001 — only on a plan with errors already (see the docstring)
+            if not failed and not out:
+                raise
+        return None
+
+    attempt(precision.check_supported, plan)
+    attempt(support.check, plan)
     stats = None
     if traced is not None:
         from parc import cost
         from parc.passes.pipeline_split import assign_stages
 
         virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
-        assign_stages(traced, plan, plan.mesh.pp * virtual)
-        stats = cost.graph_stats(traced, plan)
-    diags = refused + review(plan, world_size=args.world_size, stats=stats, preset=args.preset)
-    if any(d.severity == "error" for d in diags):
-        raise PlanError(diagnostics=diags)
-    return diags
+        split = attempt(assign_stages, traced, plan, plan.mesh.pp * virtual)
+        if split is not None:
+            out.extend(split[1])  # the split's warnings, as compile prints them
+            out.extend(attempt(support.compile_errors, traced, plan) or [])
+            stats = attempt(cost.graph_stats, traced, plan)
+    out.extend(attempt(review, plan, world_size=args.world_size, stats=stats, preset=args.preset) or [])
+    return out
 
 
 def cmd_compile(args) -> int:

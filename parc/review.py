@@ -3,7 +3,8 @@
 Start at `review(plan, world_size=, stats=, preset=)`. `parc.grammar.validate` checks a plan
 against itself; this looks at how it lands on hardware:
 
-- the world size against the topology (nodes × gpus_per_node);
+- the world size against the topology (nodes × gpus_per_node): the topology is the
+  cluster, so a launch may use fewer ranks than it has devices, never more;
 - tp groups that cross nodes because the mesh order puts one tp group's ranks on
   two nodes (its all-reduces then run at network speed; tp > gpus_per_node is
   already a warning of parc.grammar.validate);
@@ -34,10 +35,10 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
     topo, m = plan.topology, plan.mesh
     stated = topo != Topology()
     devices = topo.nodes * topo.gpus_per_node
-    if stated and world_size is not None and world_size != devices:
-        diag(f"world size {world_size} ≠ topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = "
-             f"{devices}", "topology", "state the nodes the job runs on", "error")
-    elif stated and m.world_size < devices:
+    if stated and world_size is not None and world_size > devices:
+        diag(f"world size {world_size} > topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = "
+             f"{devices} devices", "topology", "state the cluster the job runs on in `topology`", "error")
+    elif stated and world_size is None and m.world_size < devices:  # a stated launch size means it on purpose
         diag(f"mesh dp {m.dp} × pp {m.pp} × tp {m.tp} = {m.world_size} ranks leave {devices - m.world_size} of "
              f"topology nodes {topo.nodes} × gpus_per_node {topo.gpus_per_node} = {devices} devices idle",
              "topology")

@@ -24,7 +24,7 @@ order, giving every value a layout — replicated (None) or a `Shard`
 
 Linears written as matmuls (`x @ w.t() + b`, `addmm(b, x, w.t())`) and HF's
 transposed `Conv1D` (`addmm(b, x, w)` with w (in, out)) are first rewritten to
-`aten.linear` in the modules a rule names (`_as_linears`); a Conv1D weight is
+`aten.linear` in the modules a rule names (passes/tp_linears.py); a Conv1D weight is
 sharded along its other dim.
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output
@@ -47,8 +47,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
-from parc.errors import ParcError
-from parc.passes.tp_layouts import SDPA, VIEWS, Layouts, Shard, shape
+from parc.errors import Diagnostic, ParcError
+from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
+from parc.passes.tp_linears import as_linears
+from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -62,14 +64,28 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if tp == 1 or not rules:
         return gm
     rw = _Rewriter(gm, plan, ctx)
-    _as_linears(gm, rw)
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function":
-            rw.visit(node)
-    rw.finish()
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    _local_shapes(gm, ctx)
+    node = None
+    try:
+        as_linears(gm, rw)
+        rw.start()
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function":
+                rw.visit(node)
+        node = None
+        if rw.errors:
+            raise ParcError(diagnostics=rw.errors)
+        rw.finish()
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        _local_shapes(gm, ctx)
+    except ParcError as e:
+        if rw.errors and e.diagnostics[0] is not rw.errors[0]:  # a later error: report the widths found before it
+            raise ParcError(diagnostics=rw.errors + e.diagnostics) from None
+        raise
+    except Exception as e:  # noqa: BLE001 — parc's gap, not the user's mistake: still told at the rule
+        if rw.errors:  # the walk went on past widths tp does not divide: those explain it
+            raise ParcError(diagnostics=rw.errors) from None
+        raise rw.internal(getattr(e, "parc_node", node), e) from e
     return gm
 
 
@@ -79,9 +95,29 @@ class _Rewriter:
         self.tp, self.rank = plan.mesh.tp, ctx.tp_rank
         self.sp = plan.tensor_parallel.sequence_parallel
         self.lay = Layouts(gm, self.tp, self.rank, self.sp)
+        self.lay.indivisible = self.collect
         self.entry: dict[tuple, fx.Node] = {}  # (source, op) → the f / all-gather already made for it
-        self.sharded: dict[fx.Node, fx.Node] = {}  # sharded param placeholder → its one allowed user
-        self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by _as_linears for an (in, out) weight → w
+        self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
+        self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by as_linears for an (in, out) weight → w
+        self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
+        self.errors: list[Diagnostic] = []  # sizes tp does not divide, one per rule, raised after the walk
+        self.seen: set[tuple] = set()  # what those errors are about (see `collect`)
+
+    def start(self) -> None:
+        """Before the walk: check parameters with several uses (passes/tp_shared.py), and mark the nodes
+        whose values still reach a sharded layer (a replicated head after sequence parallelism is not one)."""
+        params = [n for n in self.gm.graph.nodes if is_param(n)]
+        self.implied = shared_rules(params, self.rule_for, self.conv1d)
+        feeds: set[fx.Node] = set()
+        for n in reversed(list(self.gm.graph.nodes)):
+            if n.op == "call_function" and (self.shards(n) or any(u in feeds for u in n.users)):
+                feeds.add(n)
+        self.lay.feeds_tp = feeds
+
+    def shards(self, node: fx.Node) -> bool:
+        """Does a column/row/vocab rule apply to this node?"""
+        rule = self.rule_at(node)
+        return rule is not None and rule.style != "replicate" and any(self.is_weight(a) for a in node.all_input_nodes)
 
     # --- dispatch -----------------------------------------------------------------
 
@@ -89,19 +125,18 @@ class _Rewriter:
         path = module_path(node)
         return next((r for r in self.plan.tensor_parallel.rules if fnmatchcase(path, r.pattern)), None)
 
+    def rule_at(self, node: fx.Node):
+        """The rule a node runs under: its module's, or for a use of a tied vocab weight, the tie's."""
+        return self.implied.get(node) or self.rule_for(node)
+
     def visit(self, node: fx.Node) -> None:
-        for a in node.all_input_nodes:
-            if a in self.sharded and self.sharded[a] is not node:
-                raise ParcError(f"tensor parallelism: `{a.name}` is sharded for `{self.sharded[a].name}` but also "
-                                f"used by `{node.name}` in module `{module_path(node)}` (tied weights?)",
-                                hint="untie the weights, or mark one of the modules `replicate`")
         t = node.target
         if node in self.conv1d:  # the transposed view of a Conv1D weight: sharded with the linear it feeds
             self.lay.of[node] = None
             return
-        rule = self.rule_for(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
+        rule = self.rule_at(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
         if rule is not None and rule.style != "replicate" and not _handled(node, self.is_weight):
-            p = next(a for a in node.all_input_nodes if _is_param(a))
+            p = next(a for a in node.all_input_nodes if is_param(a))
             raise ParcError(f"`{rule.style}` on module `{module_path(node)}`: its parameter `{p.name}` is used by "
                             f"`{node.name}` ({getattr(t, '__name__', t)}), which parc cannot shard; parc shards "
                             "`aten.linear` weights/biases and `aten.embedding` tables",
@@ -118,8 +153,9 @@ class _Rewriter:
                 return self.column(node, rule)
             elif style == "row":
                 return self.row(node, rule)
-        if t is aten.cross_entropy_loss.default and self.lay.get(node.args[0]) is not None:
-            return self.cross_entropy(node)
+        logits = self.lay.get(node.args[0]) if node.args else None
+        if t is aten.cross_entropy_loss.default and isinstance(logits, Shard) and not logits.seq:
+            return self.cross_entropy(node)  # (a sequence slice is gathered by `propagate` instead)
         self.lay.of[node] = self.lay.propagate(node)
         if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags \
                 and any(self.lay.get(a) is not None for a in node.all_input_nodes):
@@ -136,7 +172,7 @@ class _Rewriter:
     # --- helpers ------------------------------------------------------------------
 
     def is_weight(self, a) -> bool:
-        return _is_param(a) or a in self.conv1d
+        return is_param(a) or a in self.conv1d
 
     def shard_weight(self, node: fx.Node, w: fx.Node, dim: int, rule, blocks: int = 1) -> None:
         """Shard a linear's (out, in) weight along `dim`; a Conv1D weight w (in, out), seen as `t(w)`, along 1 - dim."""
@@ -153,18 +189,37 @@ class _Rewriter:
         self.ctx.count(NAME)
         return n
 
+    def indivisible(self, rule, message: str, hint: str) -> None:
+        """A size tp does not divide: collected, not raised, so that the walk goes on and one compile names
+        every rule with such a size (once per rule and kind: each layer repeats its blocks' sizes)."""
+        self.collect(Diagnostic(message, rule.span, hint, "error", self.plan.source or None))
+
+    def collect(self, d) -> None:
+        """Keep `d` (a Diagnostic or the ParcError carrying one) unless an error says the same already."""
+        d = d.diagnostics[0] if isinstance(d, ParcError) else d
+        # a rule's first size error, and the sequence length once (every layer's tokens are the same tokens)
+        key = ("tokens",) if d.message.startswith("sequence_parallel") else ("size", d.span)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.errors.append(d)
+
     def shard_param(self, p: fx.Node, user: fx.Node, dim: int, rule, blocks: int = 1) -> None:
         full = shape(p)[dim]
         if full % (self.tp * blocks):
             what = f"{blocks} blocks × tp {self.tp}" if blocks > 1 else f"tp {self.tp}"
-            raise ParcError(f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim {dim} "
-                            f"has size {full}, not divisible by {what} = {self.tp * blocks}",
-                            rule.span, f"use a tp that divides {full // blocks}")
+            self.indivisible(rule, f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim "
+                             f"{dim} has size {full}, not divisible by {what} = {self.tp * blocks}",
+                             f"use a tp that divides {full // blocks}")
         spec = {"dim": dim, "parts": self.tp, "index": self.rank}
         if blocks > 1:
             spec["blocks"] = blocks
+        if p in self.sharded and self.sharded[p][0] != spec:  # two uses of a tied weight that disagree
+            _, first, other = self.sharded[p]
+            raise ParcError(f"`{rule.style}` on `{module_path(user)}` shards {p.meta.get('parc_fqn', p.name)} as "
+                            f"{spec}, but `{module_path(other)}` (rule `{first.style}`) shards it as "
+                            f"{self.sharded[p][0]}", rule.span, "give the two uses the same rule, or untie them")
         self.ctx.shards[p.name] = spec
-        self.sharded[p] = user
+        self.sharded[p] = (spec, rule, user)
 
     def replicated_input(self, node: fx.Node, x: fx.Node, rule) -> fx.Node:
         """The column layer's input made replicated: f, or an all-gather of a sequence slice."""
@@ -189,10 +244,13 @@ class _Rewriter:
         users = list(after.users)
         if self.sp:
             dim = len(shape(after)) - 2
-            if dim < 0 or shape(after)[dim] % self.tp:
-                raise ParcError(f"sequence_parallel: `{module_path(node)}` output {shape(after)} has "
-                                f"{shape(after)[dim] if dim >= 0 else 'no'} tokens on dim {dim}, not divisible "
-                                f"by tp {self.tp}", rule.span, "use a sequence length that divides by tp")
+            if dim < 0:
+                raise ParcError(f"sequence_parallel: `{module_path(node)}` output {shape(after)} has no token dim",
+                                rule.span, "drop sequence_parallel")
+            if shape(after)[dim] % self.tp:
+                self.indivisible(rule, f"sequence_parallel: `{module_path(node)}` output {shape(after)} has "
+                                 f"{shape(after)[dim]} tokens on dim {dim}, not divisible by tp {self.tp}",
+                                 "use a sequence length that divides by tp")
             op, args, layout = parc_ops.reducescatter_allgather.default, (after, "tp", dim, self.tp), \
                 Shard(dim, 1, True, rule)
         else:
@@ -241,12 +299,17 @@ class _Rewriter:
         w, ids = node.args[0], node.args[1]
         if self.lay.get(ids) is not None:
             raise ParcError(f"`vocab` embedding `{module_path(node)}` gets sharded ids", rule.span)
-        if len(node.args) > 2 and node.args[2] not in (-1, None):
-            raise ParcError(f"`vocab` embedding `{module_path(node)}` has a padding_idx; parc does not shard those",
-                            rule.span, "mark it `replicate`")
+        if len(node.args) > 3 and node.args[3]:  # the counts would see every other rank's id as row 0
+            raise ParcError(f"`vocab` embedding `{module_path(node)}` has scale_grad_by_freq=True; parc does not "
+                            "shard those", rule.span, f"mark `{module_path(node)}` `replicate`")
         self.shard_param(w, node, 0, rule)
         rows = shape(w)[0] // self.tp  # this rank owns ids [start, start + rows)
         start = self.rank * rows
+        pad = node.args[2] if len(node.args) > 2 else -1
+        if pad not in (-1, None):  # padding_idx only zeroes that row's gradient: the row's owner keeps it, locally
+            pad %= shape(w)[0]
+            pad = pad - start if start <= pad < start + rows else -1
+            node.args = (*node.args[:2], pad, *node.args[3:])
         local = self.call(node, aten.sub.Tensor, (ids, start), ids)
         below = self.call(node, aten.lt.Scalar, (local, 0), ids)
         above = self.call(node, aten.ge.Scalar, (local, rows), ids)
@@ -283,99 +346,74 @@ class _Rewriter:
     def finish(self) -> None:
         """Under sequence parallelism, replicated params used on a sequence slice have partial grads."""
         partial = []
-        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and _is_param(n)):
+        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and is_param(n)):
             if p.name in self.ctx.shards and self.ctx.shards[p.name] is not None:
                 continue
-            outs = [self.lay.get(u) for u in p.users]
-            if any(isinstance(o, Shard) and o.seq for o in outs):
+            outs = [self.lay.get(u) for u in _consumers(p) if isinstance(u.meta.get("val"), torch.Tensor)]
+            seq = [o for o in outs if isinstance(o, Shard) and o.seq]
+            if seq and len(seq) < len(outs):  # summed over tp, the full-sequence use's gradient would count tp times
+                rule = seq[0].rule
+                raise ParcError(f"sequence_parallel: {p.meta.get('parc_fqn', p.name)} is used both on a sequence "
+                                "slice and on the whole sequence; parc sums its gradient over tp, which would count "
+                                "the whole-sequence use tp times", getattr(rule, "span", None),
+                                "drop sequence_parallel, or give the two uses their own parameters")
+            if seq:
                 partial.append(p.name)
         self.ctx.notes["tp_partial_grads"] = partial
 
+    def internal(self, node: fx.Node | None, e: Exception) -> ParcError:
+        """An unexpected failure while rewriting `node`, as a diagnostic at the rule most likely behind it."""
+        rule = self.blame(node) if node is not None else None
+        rules = self.plan.tensor_parallel.rules
+        span = rule.span if rule is not None else (self.plan.tensor_parallel.span or rules[0].span)
+        where = f" `{node.name}` ({getattr(node.target, '__name__', node.target)}) in module " \
+                f"`{module_path(node) or '<top level>'}`" if node is not None else ""
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return ParcError(f"tensor parallelism: parc could not shard{where}: {type(e).__name__}: {first}", span,
+                         "a case parc's tensor parallelism does not handle yet: mark the modules around it "
+                         "`replicate` (or shard fewer modules), and please report it")
 
-TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
-MATMULS = {aten.matmul.default, aten.mm.default, aten.addmm.default}
-
-
-def _as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
-    """Rewrite `x @ w.t() (+ b)` in a module a column/row/vocab rule names into `aten.linear(x, w, b)`, which
-    the rules shard: matmul/mm/addmm of a transposed (out, in) parameter, with a following bias add folded in.
-    Modules no such rule names keep their ops (their programs are unchanged)."""
-    for wt in [n for n in gm.graph.nodes if n.target in TRANSPOSES and _is_param(n.args[0])]:
-        w, users = wt.args[0], list(wt.users)
-        rule = rw.rule_for(wt)
-        if rule is None or rule.style == "replicate" or len(users) != 1 or len(shape(w)) != 2 \
-                or (wt.target is aten.transpose.int and sorted(a % 2 for a in wt.args[1:3]) != [0, 1]):
-            continue
-        mm = users[0]
-        if mm.target not in MATMULS or mm.args[-1] is not wt or len(mm.args) != (3 if mm.target is aten.addmm.default else 2) \
-                or mm.kwargs:
-            continue
-        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
-        out = mm
-        adds = list(mm.users)
-        if b is None and len(adds) == 1 and adds[0].target is aten.add.Tensor and adds[0].args[0] is mm \
-                and _is_param(adds[0].args[1]) and shape(adds[0].args[1]) == (shape(w)[0],) and not adds[0].kwargs:
-            b, out = adds[0].args[1], adds[0]  # the bias add of `x @ w.t() + b`
-        with gm.graph.inserting_before(mm):
-            lin = gm.graph.call_function(aten.linear.default, (x, w) if b is None else (x, w, b))
-        lin.meta = dict(mm.meta)
-        lin.meta["val"] = out.meta["val"]
-        out.replace_all_uses_with(lin)
-        for dead in ([out, mm] if out is not mm else [mm]) + [wt]:
-            gm.graph.erase_node(dead)
-        rw.ctx.count(NAME)
-    _conv1d_as_linears(gm, rw)
+    def blame(self, node: fx.Node):
+        """The rule behind `node`'s sharded inputs: the nearest sharded value or sharded layer upstream."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop(0)
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            s = self.lay.get(n)
+            for one in s if isinstance(s, list) else [s]:
+                if isinstance(one, Shard) and one.rule is not None:
+                    return one.rule
+            if n in self.sharded:
+                return self.sharded[n][1]
+            if n.op == "call_function" and self.shards(n):
+                return self.rule_at(n)
+            todo.extend(n.all_input_nodes)
+        return None
 
 
-def _conv1d_as_linears(gm: fx.GraphModule, rw: _Rewriter) -> None:
-    """Rewrite HF's transposed `Conv1D` — `addmm(b, x, w)`, `mm(x, w)`, `matmul(x, w)` of an UNtransposed
-    (in, out) parameter w — in a module a column/row/vocab rule names into `aten.linear(x, t(w), b)`. `t(w)` is
-    recorded in `rw.conv1d`, so the rules shard w itself along the other dim (column: dim 1, row: dim 0) and the
-    runtime slices the user's (in, out) tensor. Conv1D flattens its input to 2-D and views the result back
-    (`x.view(-1, in)` … `.view(*lead, out)`); those views are folded into the linear, so that a fused c_attn's
-    output reaches its split directly and is sharded per block."""
-    for mm in [n for n in gm.graph.nodes if n.target in MATMULS]:
-        w = mm.args[-1]
-        n_args = 3 if mm.target is aten.addmm.default else 2
-        if not _is_param(w) or len(mm.args) != n_args or mm.kwargs or len(shape(w)) != 2:
-            continue
-        rule = rw.rule_for(mm)
-        x, b = (mm.args[1], mm.args[0]) if mm.target is aten.addmm.default else (mm.args[0], None)
-        if rule is None or rule.style == "replicate" or not isinstance(x, fx.Node) or len(shape(x)) < 2 \
-                or (b is not None and not (isinstance(b, fx.Node) and shape(b) == (shape(w)[1],))):
-            continue
-        (n_in, n_out), out = shape(w), mm
-        if x.target in VIEWS and len(x.users) == 1 and shape(x0 := x.args[0])[-1:] == (n_in,) \
-                and len(mm.users) == 1 and (v := next(iter(mm.users))).target in VIEWS \
-                and shape(v) == shape(x0)[:-1] + (n_out,):
-            x, out = x0, v  # x.view(-1, in) → addmm → .view(*lead, out): one linear on x
-        with gm.graph.inserting_before(mm):
-            wt = gm.graph.call_function(aten.t.default, (w,))
-            lin = gm.graph.call_function(aten.linear.default, (x, wt) if b is None else (x, wt, b))
-        wt.meta = {"nn_module_stack": mm.meta.get("nn_module_stack"), "val": w.meta["val"].t()}
-        lin.meta = dict(mm.meta)
-        lin.meta["val"] = out.meta["val"]
-        old_x = mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
-        out.replace_all_uses_with(lin)
-        for dead in [out, mm] if out is not mm else [mm]:
-            gm.graph.erase_node(dead)
-        if old_x is not x and not old_x.users:
-            gm.graph.erase_node(old_x)
-        rw.conv1d[wt] = w
-        rw.ctx.count(NAME)
+def _consumers(p: fx.Node) -> list[fx.Node]:
+    """The nodes computing with parameter `p`, looking through its transposes and casts."""
+    out, todo = [], list(p.users)
+    while todo:
+        u = todo.pop()
+        if u.target in PARAM_VIEWS and len(u.all_input_nodes) == 1:
+            todo.extend(u.users)
+        else:
+            out.append(u)
+    return out
 
 
+PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
+               aten.view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
 def _handled(node: fx.Node, is_weight=None) -> bool:
     """A node whose parameter inputs sit where a rule can shard them: a linear's weight (and bias), an embedding table."""
     is_weight = is_weight or _is_param
     params = [i for i, a in enumerate(node.args) if is_weight(a)]
     if node.target is aten.linear.default:
-        return bool(params) and params[0] == 1 and not any(_is_param(v) for v in node.kwargs.values())
+        return bool(params) and params[0] == 1 and not any(is_param(v) for v in node.kwargs.values())
     return node.target is aten.embedding.default and params == [0]
-
-
-def _is_param(n) -> bool:
-    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
 
 
 def _fused_blocks(node: fx.Node) -> int:
@@ -409,7 +447,8 @@ def _local_shapes(gm: fx.GraphModule, ctx) -> None:
 
 
 def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
-    """Re-run shapes with this rank's local placeholders; a wrong rewrite raises here, at compile time."""
+    """Re-run shapes with this rank's local placeholders; a wrong rewrite raises here, at compile time,
+    with the node it failed at (`run` turns that into a diagnostic at the rule behind the node)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args = []
     with mode:
@@ -422,7 +461,19 @@ def _propagate_local_shapes(gm: fx.GraphModule, ctx) -> None:
             if spec is not None:
                 local[spec["dim"]] //= spec["parts"]
             args.append(torch.empty(local, dtype=v.dtype, device="cpu", requires_grad=v.requires_grad))
+    prop = _NodeProp(gm, mode)
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
-    except Exception as e:  # noqa: BLE001 — a shape the rewrite got wrong: parc's bug, reported with the op
-        raise RuntimeError(f"tensor_parallel produced an inconsistent local graph: {e}") from e
+        prop.propagate_dont_convert_inputs(*args)
+    except Exception as e:  # noqa: BLE001 — a shape the rewrite got wrong: parc's bug, reported at its node
+        e.parc_node = prop.current
+        raise
+
+
+class _NodeProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to say where a local shape went wrong."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        return super().run_node(n)

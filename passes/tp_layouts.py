@@ -47,10 +47,19 @@ def shape(n) -> tuple[int, ...]:
     return tuple(n.meta["val"].shape)
 
 
+def is_param(n) -> bool:
+    """A parameter placeholder of the traced graph (torch.export names them `p_<fqn>`)."""
+    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
+
+
 class Layouts:
     def __init__(self, gm: fx.GraphModule, tp: int, tp_rank: int, sequence_parallel: bool):
         self.gm, self.tp, self.tp_rank, self.sp = gm, tp, tp_rank, sequence_parallel
         self.of: dict[fx.Node, object] = {}
+        self.feeds_tp: set[fx.Node] = set()  # nodes whose values still reach a sharded layer (set by the tp pass)
+        self.gathered: dict[fx.Node, fx.Node] = {}  # sequence slice → its all-gather
+        self.made: list[fx.Node] = []  # nodes this class inserted, so a failed attempt can be undone
+        self.indivisible = _raise  # what to do with a size tp does not divide; the tp pass collects them
 
     def get(self, a):
         return self.of.get(a) if isinstance(a, fx.Node) else None
@@ -68,6 +77,39 @@ class Layouts:
     # --- the dispatcher -------------------------------------------------------------
 
     def propagate(self, node: fx.Node):
+        """The node's layout. An op parc cannot follow on a sequence slice (sequence parallelism) gets the
+        whole sequence instead: the slice is all-gathered first, as Megatron gathers before its output
+        layer. That is exact (the slice and its gather hold the same numbers), only more communication."""
+        args, kwargs, made = node.args, node.kwargs, len(self.made)
+        try:
+            return self._dispatch(node)
+        except ParcError:
+            node.args, node.kwargs = args, kwargs  # undo the failed attempt
+            for n in reversed(self.made[made:]):
+                if not n.users:
+                    self.gm.graph.erase_node(n)
+            del self.made[made:]
+            seq = [a for a in node.all_input_nodes if isinstance(self.get(a), Shard) and self.get(a).seq
+                   and self.get(a).blocks == 1]
+            if not seq:
+                raise
+            for a in seq:
+                node.replace_input_with(a, self.gather(a, node))
+            return self._dispatch(node)
+
+    def gather(self, x: fx.Node, before: fx.Node) -> fx.Node:
+        """The whole sequence of slice `x` (`parc.allgather_split`), made once, before its first user `before`."""
+        if x not in self.gathered:
+            s = self.get(x)
+            with self.gm.graph.inserting_before(before):
+                g = self.gm.graph.call_function(torch.ops.parc.allgather_split.default, (x, "tp", s.dim, self.tp))
+            g.meta["val"] = x.meta["val"]  # the traced (full) shape
+            g.meta["nn_module_stack"] = before.meta.get("nn_module_stack")
+            self.of[g] = None
+            self.gathered[x] = g
+        return self.gathered[x]
+
+    def _dispatch(self, node: fx.Node):
         ins = [a for a in node.all_input_nodes if self.get(a) is not None]
         t = node.target
         if t is operator.getitem:
@@ -127,6 +169,7 @@ class Layouts:
     def _split_replicated(self, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:
         with self.gm.graph.inserting_before(node):
             cut = self.gm.graph.call_function(torch.ops.parc.split_allgather.default, (a, "tp", d, self.tp))
+        self.made.append(cut)
         cut.meta["val"] = a.meta["val"]
         self.of[cut] = Shard(d, 1, True, s.rule)
         node.replace_input_with(a, cut)
@@ -147,11 +190,14 @@ class Layouts:
             if not outs:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
             o = outs[0]
-            if b[o] % self.tp:
+            if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
                 heads = " (with grouped-query attention, kv heads must be a multiple of tp too)" if len(go) > 1 else ""
-                self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
-                          f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
-                          f"use a tp that divides {b[o]}")
+                try:
+                    self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
+                              f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
+                              f"use a tp that divides {b[o]}")
+                except ParcError as e:
+                    self.indivisible(e)
             sizes = list(node.args[1])
             if sizes[o] != -1:
                 sizes[o] = sizes[o] // self.tp
@@ -257,10 +303,16 @@ class Layouts:
         return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
 
     def _linear(self, node):
-        """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features."""
+        """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features.
+        On a sequence slice with no sharded layer after it (a replicated lm head), it takes the whole
+        sequence, as Megatron's output layer does: the ops after a head (flattening B and T for the loss)
+        could not follow a slice anyway, and gathering the hidden state moves H, not V, values per token."""
         s = self.get(node.args[0])
         if any(self.get(a) is not None for a in node.args[1:]):
             self.fail(node, "an unsharded linear uses a sharded weight", s)
+        if s.seq and s.blocks == 1 and node not in self.feeds_tp:
+            node.replace_input_with(node.args[0], self.gather(node.args[0], node))
+            return None
         if s.dim == len(shape(node)) - 1:
             self.fail(node, "its input is sharded along its input features but no `row` rule names it", s,
                       f'add `"{module_path(node)}" : row` to tensor_parallel')
@@ -271,6 +323,10 @@ class Layouts:
         if self.get(node.args[0]) is not None:
             self.fail(node, "a sharded embedding table without a `vocab` rule", s)
         return s
+
+
+def _raise(e: ParcError) -> None:
+    raise e
 
 
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:

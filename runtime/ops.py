@@ -234,4 +234,19 @@ vocab_parallel_cross_entropy.register_autograd(_vpce_backward, setup_context=_vp
 # `parc.keyed_dropout` / `parc.keyed_attention` (runtime/dropout.py), whose masks are a pure function
 # of (seed, step, call site, global element index), the same on every plan and in the serial model.
 
+# --- leaving a sequence-parallel region -----------------------------------------------------------
+
+@torch.library.custom_op("parc::allgather_split", mutates_args=())
+def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """A sequence slice entering replicated computation (a head no rule shards, or an op parc cannot
+    follow on a slice): Megatron's gather before the output layer. Forward: all-gather along `dim`.
+    Backward: keep this rank's chunk of the gradient, which every tp rank computed in full and alike."""
+    return all_gather(x, dim, axis, "fwd")
+
+
+allgather_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
+allgather_split.register_autograd(
+    lambda ctx, g: (split(g, ctx.args[1], ctx.args[0]), None, None, None), setup_context=_axis_ctx)
+
+
 import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*

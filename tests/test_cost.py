@@ -185,11 +185,15 @@ def test_tp_group_split_by_rank_order():
 
 
 def test_world_size_against_topology(tmp_path, capsys):
+    """The topology is the cluster: a launch may use fewer of its devices, never more."""
     plan = tmp_path / "p.par"
-    plan.write_text("mesh dp=4 tp=4\ntopology nodes=4 gpus_per_node=8\n")
+    plan.write_text("mesh dp=4 tp=4\ntopology nodes=2 gpus_per_node=4\n")
     assert main(["check", str(plan), "--world-size", "16"]) == 2
     err = capsys.readouterr().err
-    assert f"{plan}:2:1: error: world size 16 ≠ topology nodes 4 × gpus_per_node 8 = 32" in err
+    assert f"{plan}:2:1: error: world size 16 > topology nodes 2 × gpus_per_node 4 = 8 devices" in err
+    plan.write_text("mesh dp=4 tp=4\ntopology nodes=4 gpus_per_node=8\n")
+    assert main(["check", str(plan), "--world-size", "16"]) == 0
+    assert "error" not in capsys.readouterr().err
 
 
 def test_pipeline_bubble_warning(tmp_path, capsys):

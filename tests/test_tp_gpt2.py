@@ -7,8 +7,8 @@ from helpers import ROOT, compile_text, parallel_vs_serial
 from parc.runtime.state import shard, unshard
 
 MODEL = ROOT / "tests" / "models" / "gpt2_tiny.py"
-# lm_head is tied to transformer.wte (one placeholder, used by the embedding and the head), so neither gets a
-# `vocab` rule: a sharded parameter with two users is an error, and here both stay replicated.
+# lm_head is tied to transformer.wte (one placeholder, used by the embedding and the head); here both stay
+# replicated (tests/test_tp_tied.py shards such a table with `vocab`).
 PLAN = """
 mesh tp=2
 batch global=4 micro=2
