@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 from helpers import GPT, ROOT
 
@@ -18,9 +20,13 @@ def _run(args, cwd, timeout=300):
 def test_compile_then_torchrun_trains(tmp_path):
     plan = tmp_path / "dp2.par"
     plan.write_text("mesh dp=2\nbatch global=16 micro=4\noptimizer adamw lr=3e-3\n")
+    t0 = time.perf_counter()
     r = _run([sys.executable, "-m", "parc.cli", "compile", str(GPT), "--plan", str(plan), "-o", "compiled"], tmp_path)
+    wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr
     assert "torchrun --nproc-per-node 2 -m parc.run compiled" in r.stdout
+    said, compiling = map(float, re.search(r"in ([0-9.]+)s \(([0-9.]+)s compiling\)", r.stdout).groups())
+    assert compiling < said <= wall  # the time printed is the command's, start-up (importing torch) included
     r = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "parc.run", "compiled", "--steps", "12",
               "--log-every", "4", "--metrics", "m.jsonl"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
