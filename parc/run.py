@@ -32,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parc.run", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("compiled", type=Path, help="directory written by `parc compile`")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run (default 20)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="the step to train up to (default 20); with --resume, the total: the steps the checkpoint "
+                        "holds count towards it")
     p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and dropout (default 0)")
     p.add_argument("--log-every", type=int, default=1, metavar="N", help="log loss and speed every N steps")
     p.add_argument("--metrics", type=Path, default=Path("runs/metrics.jsonl"),
@@ -98,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
                           f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
+    if args.log_every < 1:
+        raise LaunchError(f"--log-every {args.log_every}: need at least 1 (a line, and a metrics record, every N steps)")
+    if args.trace is not None and art.plan["mesh"]["pp"] == 1:
+        raise LaunchError(f"--trace {args.trace}: the trace records the pipeline schedule, and this plan has pp 1",
+                          hint="trace a pipelined plan, or profile this one with torch.profiler")
     if args.verify and (why := verifier.dropout_refusal(art.plan)):  # before training, not after it
         raise LaunchError(why)
     from parc.runtime import checkpoint_dir
@@ -115,10 +122,15 @@ def run(args: argparse.Namespace) -> int:
         from parc.runtime.launch import oversubscribe_env
 
         os.environ.update(oversubscribe_env(dict(os.environ), torch.cuda.device_count()))
+    lead = os.environ.get("RANK", "0") == "0"
+    t_start = time.perf_counter()
+    if lead:  # start-up takes seconds (process groups, building the model, sending shards): say so
+        m = art.plan["mesh"]
+        print(f"parc.run: {art.world_size} ranks (dp {m['dp']} × pp {m['pp']} × tp {m['tp']}); starting process "
+              "groups, building the model and loading each rank's state", flush=True)
     init_distributed(args.timeout)
     trainer = Trainer.load(art, args.seed)
     ctx, user = trainer.ctx, trainer.user
-    lead = ctx.rank == 0
     first = 0
     if args.resume is not None:
         from parc.runtime import checkpoint
@@ -131,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     from parc.runtime.divergence import Guard
 
     guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
-    metrics = Metrics(args.steps, args.metrics, enabled=lead)
+    metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None)
+    if lead:
+        print(f"parc.run: ready in {time.perf_counter() - t_start:.1f} s; steps {first}…{args.steps - 1}"
+              + (f", metrics to {args.metrics}" if args.metrics else ""), flush=True)
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
     watchdog = _Watchdog(args.timeout, ctx.rank)

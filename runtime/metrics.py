@@ -1,8 +1,10 @@
 """Progress bar and metrics log, on rank 0 only.
 
-A rich progress bar (step, loss, tokens/s) when stderr is a terminal; plain log
-lines every `log_every` steps otherwise, so CI logs stay readable. Every logged
-step is also appended to a JSON-lines file.
+A rich progress bar (step, loss, tokens/s) on stderr when it is a terminal; plain
+log lines on stdout every `log_every` steps otherwise (with parc.run's other
+lines, so one redirect keeps them in order), so CI logs stay readable. Every
+logged step is also written to a JSON-lines file: a fresh one for a fresh run,
+appended to on --resume so the earlier steps stay.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class Metrics:
-    def __init__(self, total_steps: int, path: Path | None, enabled: bool):
+    def __init__(self, total_steps: int, path: Path | None, enabled: bool, append: bool = False):
         self.enabled = enabled
-        self.console = Console(stderr=True)
+        tty = sys.stderr.isatty()
+        self.console = Console(stderr=True) if tty else Console(soft_wrap=True)
         self.file = None
         self.bar = None
         if not enabled:
             return
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = path.open("w")
-        if sys.stderr.isatty():
+            self.file = path.open("a" if append else "w")
+        if tty:
             self.bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),
                                 TimeRemainingColumn(), console=self.console)

@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 from helpers import GPT, ROOT
 
@@ -18,9 +20,13 @@ def _run(args, cwd, timeout=300):
 def test_compile_then_torchrun_trains(tmp_path):
     plan = tmp_path / "dp2.par"
     plan.write_text("mesh dp=2\nbatch global=16 micro=4\noptimizer adamw lr=3e-3\n")
+    t0 = time.perf_counter()
     r = _run([sys.executable, "-m", "parc.cli", "compile", str(GPT), "--plan", str(plan), "-o", "compiled"], tmp_path)
+    wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr
     assert "torchrun --nproc-per-node 2 -m parc.run compiled" in r.stdout
+    said, compiling = map(float, re.search(r"in ([0-9.]+)s \(([0-9.]+)s compiling\)", r.stdout).groups())
+    assert compiling < said <= wall  # the time printed is the command's, start-up (importing torch) included
     r = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "parc.run", "compiled", "--steps", "12",
               "--log-every", "4", "--metrics", "m.jsonl"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -28,6 +34,29 @@ def test_compile_then_torchrun_trains(tmp_path):
     assert [rec["step"] for rec in records] == [3, 7, 11]
     assert records[-1]["loss"] < records[0]["loss"] - 0.3  # byte-level loss starts at ln 256 ≈ 5.5
     assert all(rec["tokens_per_s"] > 0 for rec in records)
+    # rank 0's lines, in order, on stdout: start-up said before its seconds of silence, steps, the end
+    lines = r.stdout.splitlines()
+    order = [next(i for i, line in enumerate(lines) if line.startswith(p))
+             for p in ("parc.run: 2 ranks", "parc.run: ready in", "step      3", "step     11", "done: 12 steps")]
+    assert order == sorted(order), r.stdout
+    for bad, said in ((["--log-every", "0"], "--log-every 0: need at least 1"),
+                      (["--trace", "t.json"], "this plan has pp 1")):
+        r = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "parc.run", "compiled", *bad], tmp_path)
+        assert r.returncode != 0 and said in r.stderr and "ZeroDivisionError" not in r.stderr
+
+
+def test_metrics_appended_on_resume(tmp_path):
+    plan = tmp_path / "dp2.par"
+    plan.write_text("mesh dp=2\nbatch global=8 micro=2\n")
+    assert _run([sys.executable, "-m", "parc.cli", "compile", str(GPT), "--plan", str(plan), "-o", "c"],
+                tmp_path).returncode == 0
+    run = [*TORCHRUN, "--nproc-per-node", "2", "-m", "parc.run", "c", "--metrics", "m.jsonl"]
+    r = _run([*run, "--steps", "2", "--save-every", "2", "--checkpoint-dir", "ck"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _run([*run, "--steps", "4", "--resume", "ck"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]  # the first run's steps are kept
 
 
 def test_verify_flag_passes(tmp_path):
