@@ -48,7 +48,7 @@ VIEWS = ("view", "reshape", "expand", "permute", "transpose", "t.default", "slic
 NO_SAVE = ("aten.add.", "aten.sub.", "aten.cat.", "aten.clone.", "aten._to_copy.", "aten.neg.", "aten.sum.",
            "aten.mean.", "aten.embedding.", "aten.cross_entropy_loss.", "parc.identity_allreduce.",
            "parc.allreduce_identity.", "parc.allgather_reducescatter.", "parc.reducescatter_allgather.",
-           "parc.split_allgather.", "parc.vocab_parallel_cross_entropy.")
+           "parc.split_allgather.", "parc.allgather_split.", "parc.vocab_parallel_cross_entropy.")
 SAVES_OUTPUT = ("aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.", "aten.relu.",
                 "aten.tanh.", "aten.sigmoid.", "aten.exp.", "aten.scaled_dot_product_attention.")
 # ops that multiply by a python number save nothing; by a tensor, the other operand

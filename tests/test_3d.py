@@ -5,8 +5,8 @@ costs more to start than a case to run):
   - examples/3d.par on examples/gpt.py (dp2 pp2 tp2, SP, ZeRO-1, 1F1B, clip 1.0);
   - the tiny HF Llama under the same shape (2 layers: one per stage);
   - the tied-embedding GPT under dp2 pp2 tp2, ZeRO-2 — tied gradients through ZeRO shards
-    (embedding and head tp-replicated: the tp pass refuses to shard a tied weight; so no sequence
-    parallelism, whose sequence-sharded output needs a vocab-parallel head);
+    (embedding and head left tp-replicated here, the case with no rule on a tied weight; the tied
+    vocab-parallel shard and SP with any head are tests/test_tp_tied.py and test_tp_sp_heads.py);
   - the GPT under dp2 pp2 tp2, SP, without ZeRO (bucketed dp all-reduce per stage).
 Each must match the serial model (`parc.runtime.verify`), and the global grad norm
 each rank clips by must be the serial model's (`parc.runtime.grad_norm`), with
