@@ -82,7 +82,7 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
     topology, schedule and (with the model) memory checks (parc/review.py). When the plan already `failed`
     validation, a check that cannot run on it (an exception that is no ParcError) is skipped, and so are
     its errors that point at no line (echoes of the errors found, such as the pipeline split's layer count)."""
-    from parc import support
+    from parc import compiler, support
     from parc.review import review
     from parc.runtime import precision
 
@@ -109,7 +109,7 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
         split = attempt(assign_stages, traced, plan, plan.mesh.pp * virtual)
         if split is not None:
             out.extend(split[1])  # the split's warnings, as compile prints them
-            out.extend(attempt(support.compile_errors, traced, plan) or [])
+            out.extend(attempt(compiler.pass_errors, traced, plan) or [])
             stats = attempt(cost.graph_stats, traced, plan)
     out.extend(attempt(review, plan, world_size=args.world_size, stats=stats, preset=args.preset) or [])
     return out

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parc
-from parc import activations, artifact, codegen, cost, mesh as meshlib, support
-from parc.errors import Diagnostic, TraceError
+from parc import activations, artifact, codegen, cost, mesh as meshlib, review, support
+from parc.errors import Diagnostic, ParcError, PlanError, TraceError
 from parc.passes import PassCtx, dropout, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
@@ -151,6 +151,8 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
     precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
     support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
+    if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
+        raise PlanError(diagnostics=[unknown])
     user = load_user_module(model_file)
     traced = trace(user, plan.micro_batch, fast=not exact_trace)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
@@ -262,3 +264,29 @@ def _tokens_per_sample(traced: Traced) -> int:
     for d in first.shape[1:]:
         n *= d
     return n
+
+
+def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
+    """The diagnostics `parc compile` would stop with after tracing: tensor parallelism (every width tp does
+    not divide, shared weights, ops it cannot shard), the pipeline split, ZeRO, a parameter two stages of one
+    pp rank share, a constant too large to carry. Runs each stage's program for tp rank 0 only: the tp ranks'
+    programs differ only in shard indices and vocab offsets, which no check reads. Assumes
+    `pipeline_split.assign_stages` already ran on `traced` (as `parc check` and compile both do)."""
+    _, virtual = _pipeline(plan)
+    n = plan.mesh.pp * virtual
+    whole: dict = {}
+    programs = {}
+    try:
+        for stage in range(n):
+            gm, _ = compile_program(traced, plan, stage, 0, stages=n, whole=whole)
+            held = {x.name for x in gm.graph.nodes if x.op == "placeholder"}
+            programs[stage] = {"stage": stage, "state": [{"fqn": s.fqn, "kind": s.kind, "requires_grad": s.requires_grad}
+                                                         for s in traced.state if s.name in held]}
+        if n > 1:
+            _tied(programs, plan.mesh.pp)
+        for spec in traced.state:
+            if spec.fqn in traced.constants:
+                _state_entry(spec, None, traced.constants, set())
+    except ParcError as e:
+        return e.diagnostics
+    return []

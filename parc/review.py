@@ -24,6 +24,21 @@ from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
 
 
+def preset_error(plan: Plan) -> Diagnostic | None:
+    """A `topology preset=` the cost model does not know, located at the value; parc check and parc compile
+    both refuse it, so a compiled plan never fails later in `parc report` without a location."""
+    name = plan.topology.preset
+    if name is None:
+        return None
+    try:
+        cost.hardware(name)
+    except ParcError as e:
+        span = plan.spans.get("topology.preset") or (Span(plan.file, 1, 1) if plan.source else None)
+        return Diagnostic(f"topology preset `{name}` is not a known hardware preset", span,
+                          e.diagnostics[0].hint, "error", plan.source or None)
+    return None
+
+
 def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = None,
            preset: str | None = None) -> list[Diagnostic]:
     out: list[Diagnostic] = []
@@ -57,13 +72,9 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
         span = plan.spans.get("mesh.pp")
         out += [replace(d, span=d.span or span, source=d.source or plan.source or None)
                 for d in schedule_diagnostics(name, m.pp, plan.accumulation, virtual)]
-    if topo.preset is not None:  # the cost model's names; checked here so it is located, with or without --model
-        try:
-            cost.hardware(topo.preset)
-        except ParcError as e:
-            diag(f"topology preset `{topo.preset}` is not a known hardware preset", "topology.preset",
-                 e.diagnostics[0].hint, "error")
-            return out
+    unknown = preset_error(plan)
+    if unknown is not None:
+        return out + [unknown]
     if stats is not None:
         name = preset or topo.preset
         hw = cost.hardware(name, topo)

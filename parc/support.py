@@ -11,19 +11,18 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-3 with tp                                                 test_zero_combos
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
 
-`compile_errors(traced, plan)` is the rest of what `parc compile` refuses, the
-part that needs the model: it runs the compiler's passes as compile does (without
-writing anything) and returns their diagnostics, so `parc check --model` reports
-them together with the plan's own errors.
+The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
+runs the compiler's passes as compile does, without writing anything, so that
+`parc check --model` reports their errors with the plan's own.
 
 Assumes: the plan passed `parc.grammar.validate.validate`.
 Guarantees: `check` returns only if the runtime implements every feature the plan
-asks for; `compile_errors` is empty exactly when compile's passes accept the plan.
+asks for.
 """
 
 from __future__ import annotations
 
-from parc.errors import Diagnostic, ParcError, PlanError
+from parc.errors import Diagnostic, PlanError
 from parc.grammar.plan import Plan
 
 
@@ -54,31 +53,3 @@ def check(plan: Plan) -> None:
                "pipeline.virtual", pipe, "use schedule=1f1b with ZeRO, or drop zero")
     if out:
         raise PlanError(diagnostics=out)
-
-
-def compile_errors(traced, plan: Plan) -> list[Diagnostic]:
-    """The diagnostics `parc compile` would stop with after tracing: tensor parallelism (every width tp does
-    not divide, shared weights, ops it cannot shard), the pipeline split, ZeRO, a parameter two stages of one
-    pp rank share, a constant too large to carry. Runs each stage's program for tp rank 0 only: the tp ranks'
-    programs differ only in shard indices and vocab offsets, which no check reads. Assumes
-    `pipeline_split.assign_stages` already ran on `traced` (as `parc check` and compile both do)."""
-    from parc import compiler  # the driver imports this module: import it when called
-
-    _, virtual = compiler._pipeline(plan)
-    n = plan.mesh.pp * virtual
-    whole: dict = {}
-    programs = {}
-    try:
-        for stage in range(n):
-            gm, _ = compiler.compile_program(traced, plan, stage, 0, stages=n, whole=whole)
-            held = {x.name for x in gm.graph.nodes if x.op == "placeholder"}
-            programs[stage] = {"stage": stage, "state": [{"fqn": s.fqn, "kind": s.kind, "requires_grad": s.requires_grad}
-                                                         for s in traced.state if s.name in held]}
-        if n > 1:
-            compiler._tied(programs, plan.mesh.pp)
-        for spec in traced.state:
-            if spec.fqn in traced.constants:
-                compiler._state_entry(spec, None, traced.constants, set())
-    except ParcError as e:
-        return e.diagnostics
-    return []

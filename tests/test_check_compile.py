@@ -1,5 +1,5 @@
 """`parc check --model` finds everything `parc compile` would refuse, all at once (parc/cli.py `cmd_check`,
-parc/support.py `compile_errors`): over a corpus of plans, every error compile stops with is among check's,
+parc/compiler.py `pass_errors`): over a corpus of plans, every error compile stops with is among check's,
 and check fails exactly when compile does. Every shipped example passes its own check at its world size."""
 
 import re
@@ -25,6 +25,7 @@ CORPUS = {  # name → (model, plan text)
     "zero3_with_pp": (GPT, "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=3\n"),
     "fp16_and_tp3": (GPT, TP3 + "precision fp16\n"),
     "pp_over_layers": (GPT, "mesh pp=8\nbatch global=8 micro=1\n"),
+    "unknown_preset": (GPT, "mesh dp=2\ntopology nodes=1 gpus_per_node=2 preset=h\n"),
     "typo_leaves_row_alone": (GPT, RULES.replace("attn.qkv", "attn.qkvv").replace("tensor_parallel", "mesh tp=2\ntensor_parallel")),
     "sp_plain_head_ok": (GPT, "mesh tp=2\n" + gpt_tp_rules(True).replace('    "lm_head"            : vocab\n', "")),
     "tied_pp_tp_ok": (MODELS / "gpt_tied.py", "mesh pp=2 tp=2\nbatch global=4 micro=1\n" + RULES),
