@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from parc.cli import _review
-from parc.errors import MAX_ECHO, MAX_SHOWN, ParcError, render_all
+from parc.errors import MAX_ECHO, MAX_SHOWN, ParcError, PlanError, render_all
 from parc.grammar.parser import MAX_PLAN_BYTES, decode_plan, parse
 from parc.grammar.printer import format_plan
 from parc.grammar.validate import validate
@@ -54,7 +54,7 @@ TOKEN = re.compile(r'"[^"\n]*"|[{}=,:#]|[^\s{}=,:#"]+|\s+')
 
 # Warm up outside any timer: the first review imports torch (parc.runtime.precision) and lark builds
 # its tables once; an alarm inside an import would measure the import and could leave it half done.
-_review(parse("mesh\n", FILE), ARGS, None)
+_review(parse("mesh\n", FILE), ARGS, None, failed=False)
 
 
 class _Hang(BaseException):
@@ -73,7 +73,9 @@ def _run(data: bytes | str, limit: float = LIMIT_S):
         text = decode_plan(data, FILE) if isinstance(data, bytes) else data
         plan = parse(text, FILE)
         validate(plan)
-        _review(plan, ARGS, None)
+        diags = _review(plan, ARGS, None, failed=False)
+        if any(d.severity == "error" for d in diags):  # as parc check raises them, all together
+            raise PlanError(diagnostics=diags)
         return plan, None
     except ParcError as e:
         return None, e
