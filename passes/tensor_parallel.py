@@ -407,9 +407,10 @@ def _consumers(p: fx.Node) -> list[fx.Node]:
 
 PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
                aten.view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
-def _handled(node: fx.Node, is_weight=None) -> bool:
+
+
+def _handled(node: fx.Node, is_weight) -> bool:
     """A node whose parameter inputs sit where a rule can shard them: a linear's weight (and bias), an embedding table."""
-    is_weight = is_weight or _is_param
     params = [i for i, a in enumerate(node.args) if is_weight(a)]
     if node.target is aten.linear.default:
         return bool(params) and params[0] == 1 and not any(is_param(v) for v in node.kwargs.values())
