@@ -52,8 +52,8 @@ def _batch_line(plan) -> str:
 
 def cmd_check(args) -> int:
     """Every error and warning, all at once: the plan against itself, the launch and the model
-    (parc/grammar/validate.py), what the runtime does not implement (parc/support.py, precision), the
-    topology, schedule and memory (parc/review.py), and with --model the errors of compile's passes."""
+    (parc/grammar/validate.py), what the runtime does not implement (parc/analysis/support.py, precision), the
+    topology, schedule and memory (parc/analysis/review.py), and with --model the errors of compile's passes."""
     from parc.errors import PlanError
     from parc.grammar.parser import load_plan
     from parc.grammar.validate import validate
@@ -78,12 +78,13 @@ def cmd_check(args) -> int:
 
 
 def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
-    """What `parc compile` would refuse (parc/support.py, precision, and with the model its passes), then
-    topology, schedule and (with the model) memory checks (parc/review.py). When the plan already `failed`
+    """What `parc compile` would refuse (parc/analysis/support.py, precision, and with the model its passes), then
+    topology, schedule and (with the model) memory checks (parc/analysis/review.py). When the plan already `failed`
     validation, a check that cannot run on it (an exception that is no ParcError) is skipped, and so are
     its errors that point at no line (echoes of the errors found, such as the pipeline split's layer count)."""
-    from parc import compiler, support
-    from parc.review import review
+    from parc import compiler
+    from parc.analysis import support
+    from parc.analysis.review import review
     from parc.runtime import precision
 
     out: list[Diagnostic] = []
@@ -102,7 +103,7 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
     attempt(support.check, plan)
     stats = None
     if traced is not None:
-        from parc import cost
+        from parc.analysis import cost
         from parc.passes.pipeline_split import assign_stages
 
         virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
@@ -167,7 +168,7 @@ def cmd_import_deepspeed(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from parc import report
+    from parc.analysis import report
 
     rep = report.build(args.compiled, model=args.model, plan=args.plan, preset=args.preset,
                        allreduce=args.allreduce)

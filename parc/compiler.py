@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parc
-from parc import activations, artifact, codegen, cost, mesh as meshlib, review, support
+from parc import artifact, codegen, mesh as meshlib
+from parc.analysis import activations, cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
 from parc.passes import PassCtx, dropout, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
@@ -217,7 +218,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         "dropout": ctx.notes["dropout"],  # keyed sites and unkeyed random ops (passes/dropout.py), for --verify
         "costs": {"param_count": traced.param_count,
                   "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),
-                  # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/cost.py)
+                  # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/analysis/cost.py)
                   "graph": cost.graph_stats(traced, plan)},
     }
     if n_stages > 1:

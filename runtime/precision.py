@@ -12,7 +12,7 @@
   scaling, which parc does not implement; silently training in fp32 would lie.
 
 Weights that only matmuls read (the compiler marks them `"autocast_weight"` in
-plan.json; parc/activations.py `autocast_weights`) are cast to bf16 once per step
+plan.json; parc/analysis/activations.py `autocast_weights`) are cast to bf16 once per step
 by `StepCasts`, not by autocast once per micro-batch forward: autocast's cast cache
 lives for one forward, and each matmul saves the copy it used, so a pipeline rank
 with p micro-batches in flight held p bf16 copies of its weights. The one copy is

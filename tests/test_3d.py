@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from helpers import GPT, ROOT, compile_text, gpt_tp_rules, llama_tp_rules
-from parc import artifact, support
+from parc import artifact
+from parc.analysis import support
 from parc.compiler import compile_model
 from parc.errors import PlanError
 from parc.grammar.parser import load_plan, parse

@@ -81,7 +81,7 @@ def test_plan_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_check_reports_what_compile_would_refuse(tmp_path):
-    """`parc check` lists the runtime's refusals (parc/support.py, fp16) with the plan's other errors."""
+    """`parc check` lists the runtime's refusals (parc/analysis/support.py, fp16) with the plan's other errors."""
     plan = tmp_path / "refused.par"
     plan.write_text('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n')
     r = _run([sys.executable, "-m", "parc.cli", "check", str(plan)], tmp_path)

@@ -1,4 +1,4 @@
-"""The cost model (parc/cost.py), `parc report`, and the hardware checks of `parc check` (parc/review.py).
+"""The cost model (parc/analysis/cost.py), `parc report`, and the hardware checks of `parc check` (parc/analysis/review.py).
 
 Arithmetic is tested on hand-made statistics where every figure can be worked out
 by hand; the graph statistics and the report on the tiny GPT (examples/gpt.py).
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from parc import cost
+from parc.analysis import cost
 from parc.cli import main
 from parc.grammar.parser import parse
 from parc.passes.schedule import bubble_formula
-from parc.review import review
+from parc.analysis.review import review
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"

@@ -1,5 +1,6 @@
 """The source layout keeps its promises: module-level imports between parc's modules form
-no cycle (deferred imports included), and the plan language (grammar/) stands alone, without torch or the rest of parc."""
+no cycle (deferred imports included), the plan language (grammar/) stands alone, without torch or the rest of parc,
+and the analysis (parc/analysis/) only reads: no pass or runtime module imports it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from helpers import ROOT
 
 PACKAGES = {"parc": ROOT / "parc", "parc.grammar": ROOT / "grammar", "parc.passes": ROOT / "passes",
-            "parc.runtime": ROOT / "runtime"}
+            "parc.runtime": ROOT / "runtime", "parc.analysis": ROOT / "parc" / "analysis"}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -59,3 +60,11 @@ def test_grammar_needs_only_lark_and_diagnostics():
             for imp in _imports(tree, top_level_only=True):
                 assert not imp.startswith("torch"), (name, imp)
                 assert not imp.startswith("parc.") or imp.startswith(("parc.grammar", "parc.errors")), (name, imp)
+
+
+def test_passes_and_runtime_do_not_import_the_analysis():
+    """What trains must not depend on what predicts: the cost model can change without touching a run."""
+    for name, tree in _modules().items():
+        if name.startswith(("parc.passes", "parc.runtime")):
+            for imp in _imports(tree):
+                assert not imp.startswith("parc.analysis"), (name, imp)

@@ -1,4 +1,4 @@
-"""The wheel installs `parc`, `parc.passes`, `parc.runtime`, `parc.grammar` — and no top-level
+"""The wheel installs `parc`, `parc.analysis`, `parc.passes`, `parc.runtime`, `parc.grammar` — and no top-level
 `passes` or `runtime` — and imports from the wheel alone."""
 
 import subprocess
@@ -16,7 +16,7 @@ def test_wheel_contents_and_import(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"parc"}, tops
     assert "parc/grammar/parc.lark" in names and "parc/runtime/train.py" in names
-    assert "parc/passes/grad_buckets.py" in names
+    assert "parc/passes/grad_buckets.py" in names and "parc/analysis/cost.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = ("import parc, parc.passes, parc.runtime.train, parc.grammar.parser as f; "

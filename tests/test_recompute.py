@@ -23,7 +23,8 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import GPT, ROOT, compile_text, gpt_tp_rules
-from parc import artifact, support
+from parc import artifact
+from parc.analysis import support
 from parc.codegen import load_program
 from parc.errors import PlanError, TraceError
 from parc.grammar.parser import parse

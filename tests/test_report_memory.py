@@ -1,6 +1,6 @@
 """`parc report`'s memory figures against what every example plan really holds, rank by rank.
 
-For each plan in examples/, the report's per-rank rows (parc/cost.py) are held to
+For each plan in examples/, the report's per-rank rows (parc/analysis/cost.py) are held to
 a run of that plan on CPU ranks (runtime/memory.py):
 
 - state: weights, gradients and optimizer state, counted from the tensors each
@@ -26,7 +26,8 @@ import pytest
 import torch.distributed as dist
 
 from helpers import GPT, ROOT
-from parc import artifact, report
+from parc import artifact
+from parc.analysis import report
 from parc.compiler import compile_model
 from parc.grammar.parser import load_plan, parse
 from parc.runtime.launch import spawn

@@ -1,4 +1,4 @@
-"""`parc check`'s review (parc/review.py) on big meshes and bad presets (issue 10).
+"""`parc check`'s review (parc/analysis/review.py) on big meshes and bad presets (issue 10).
 
 Start at `test_split_tp_groups_match_the_rank_lists`: the review counts tp groups that
 cross nodes by arithmetic (one division per group) instead of listing every rank of
@@ -15,7 +15,7 @@ from parc import mesh as meshlib
 from parc.grammar.parser import parse
 from parc.grammar.plan import Mesh
 from parc.grammar.validate import MAX_WORLD
-from parc.review import _split_tp_groups, review
+from parc.analysis.review import _split_tp_groups, review
 
 
 def test_split_tp_groups_match_the_rank_lists():

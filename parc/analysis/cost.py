@@ -93,7 +93,7 @@ def graph_stats(traced, plan) -> dict:
     Reads the stage of each node from `meta["parc_stage"]` (set by
     pipeline_split.assign_stages; absent means stage 0).
     """
-    from parc import activations  # torch.fx: the report reads these statistics without importing torch
+    from parc.analysis import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
     from parc.traced import module_path
 

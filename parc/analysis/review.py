@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from parc import cost
+from parc.analysis import cost
 from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
 

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from parc import cost
+from parc.analysis import cost
 from parc.errors import ParcError
 
 GiB = cost.GiB

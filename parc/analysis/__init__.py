@@ -1,0 +1,13 @@
+"""What parc can say about a plan before it runs: support, review, cost, report.
+
+Reading order, each file one job:
+
+  support.py      which feature combinations the runtime implements (compile refuses the rest)
+  review.py       the plan against a world size and a hardware preset: located findings for `parc check`
+  activations.py  per-layer activation statistics from the traced graph (needs torch.fx)
+  cost.py         memory and step-time estimates from the plan and those statistics (no torch)
+  report.py       `parc report`: the estimates as a table or JSON
+
+Nothing here changes the graph; the passes (passes/) and the runtime (runtime/)
+never import this package.
+"""
