@@ -98,6 +98,17 @@ def run(args: argparse.Namespace) -> int:
         m = art.plan["mesh"]
         raise LaunchError(f"launched with {world} processes but {args.compiled} was compiled for dp {m['dp']} × "
                           f"pp {m['pp']} × tp {m['tp']} = {art.world_size}; use --nproc-per-node {art.world_size}")
+    from parc.runtime import placement
+
+    # every rank alike, before any process group and before torch loads (a refused launch ends in a moment)
+    placed = placement.check(art.plan, dict(os.environ), args.oversubscribe)
+    import torch.distributed as dist
+
+    from parc.runtime.context import init_distributed
+    from parc.runtime.metrics import Metrics
+    from parc.runtime.train import Trainer
+    from parc.runtime import verify as verifier
+
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
     if args.log_every < 1:
