@@ -84,13 +84,7 @@ def _single_process_env() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from parc import artifact
-    from parc.runtime.context import init_distributed
-    from parc.runtime.metrics import Metrics
-    from parc.runtime.train import Trainer
-    from parc.runtime import verify as verifier
 
     art = artifact.load(args.compiled)
     world = int(os.environ["WORLD_SIZE"])
@@ -139,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         m = art.plan["mesh"]
         print(f"parc.run: {art.world_size} ranks (dp {m['dp']} × pp {m['pp']} × tp {m['tp']}); starting process "
               "groups, building the model and loading each rank's state", flush=True)
+        for line in placed:
+            print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)
     init_distributed(args.timeout)
     trainer = Trainer.load(art, args.seed)
     ctx, user = trainer.ctx, trainer.user
