@@ -16,7 +16,8 @@ its devices, never more), so:
 - a tp group whose ranks fall on two nodes of this launch gets a warning (correct, but
   its per-layer all-reduces cross the network; review.py warns the same at compile).
 
-Every rank computes the same verdict from the same environment (a launch with the same
+Without LOCAL_WORLD_SIZE (one process, or a launcher other than torchrun) the placement is
+unknown and nothing is checked. Every rank computes the same verdict from the same environment (a launch with the same
 --nproc-per-node on every node), so every rank exits at once and none waits in a
 rendezvous for a peer that has left. Only the environment is read; nothing is imported
 from torch.
@@ -31,8 +32,10 @@ def check(plan_json: dict, env: dict[str, str], oversubscribe: bool = False) -> 
     """Raise LaunchError on a launch the stated topology cannot hold; return warnings (one line each).
     `oversubscribe`: more ranks than GPUs on purpose (parc.run --oversubscribe), so ranks per node
     may exceed gpus_per_node."""
+    if "LOCAL_WORLD_SIZE" not in env:  # not torchrun (one process, or a launcher that does not say): unknown
+        return []
     world = int(env.get("WORLD_SIZE", "1"))
-    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    local = int(env["LOCAL_WORLD_SIZE"])
     nodes = int(env.get("GROUP_WORLD_SIZE", max(world // max(local, 1), 1)))
     reported = f"torchrun started {_count(nodes, 'node')} × {_count(local, 'rank')} (WORLD_SIZE {world}, " \
                f"LOCAL_WORLD_SIZE {local}" + (f", GROUP_WORLD_SIZE {nodes})" if "GROUP_WORLD_SIZE" in env else ")")
