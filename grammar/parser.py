@@ -242,6 +242,7 @@ class _Stmt:
     args: list[_Arg] = field(default_factory=list)
     words: list[tuple[str, Span]] = field(default_factory=list)    # bare names
     strings: list[tuple[str, Span]] = field(default_factory=list)  # quoted patterns, unquoted
+    optional: set[int] = field(default_factory=set)  # indices into strings marked `?`
     items: list[tuple] = field(default_factory=list)  # block contents
 
 
@@ -266,6 +267,8 @@ class _Statements(Transformer):
                 stmt.items.extend(c)
             elif c.type == "STRING":
                 stmt.strings.append((str(c)[1:-1], self._tok(c)))
+            elif c.type == "OPTIONAL":
+                stmt.optional.add(len(stmt.strings) - 1)
             else:
                 stmt.words.append((str(c), self._tok(c)))
         return stmt
@@ -289,9 +292,9 @@ class _Statements(Transformer):
         return [(str(t), self._tok(t)) for t in tokens]
 
     def tp_rule(self, meta, children):
-        pattern, style = children
+        pattern, style = children[0], children[-1]  # between them, `?` when the rule is optional
         span = Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
-        return ("rule", str(pattern)[1:-1], str(style), span, self._tok(style))
+        return ("rule", str(pattern)[1:-1], str(style), span, self._tok(style), len(children) == 3)
 
     def tp_flag(self, meta, children):
         return ("flag", str(children[0]), self._tok(children[0]))
@@ -498,9 +501,9 @@ class _Builder:
         rules, flags = [], {}
         for item in stmt.items:
             if item[0] == "rule":
-                _, pattern, style, span, style_span = item
+                _, pattern, style, span, style_span, optional = item
                 self.spans[f"tensor_parallel.rules[{len(rules)}].style"] = style_span
-                rules.append(TPRule(pattern, style, span=span))
+                rules.append(TPRule(pattern, style, span=span, optional=optional))
                 continue
             _, flag, span = item
             if flag not in TP_FLAGS:
@@ -529,7 +532,8 @@ class _Builder:
     def _recompute(self, stmt: _Stmt, kw: dict) -> Recompute:
         for i, (_, span) in enumerate(stmt.strings):
             self.spans[f"recompute.patterns[{i}]"] = span
-        return Recompute(tuple(p for p, _ in stmt.strings), span=stmt.span)
+        return Recompute(tuple(p for p, _ in stmt.strings), span=stmt.span,
+                         optional=tuple(p for i, (p, _) in enumerate(stmt.strings) if i in stmt.optional))
 
     def _precision(self, stmt: _Stmt, kw: dict) -> str:
         name, span = stmt.words[0]

@@ -71,6 +71,7 @@ class TPRule:
     pattern: str      # glob over module paths, e.g. "blocks.*.attn.qkv"
     style: TPStyle
     span: Span | None = field(default=None, compare=False)
+    optional: bool = False  # written `"glob"? : style`: matching no module is not an error
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Zero:
 class Recompute:
     patterns: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False)
+    optional: tuple[str, ...] = ()  # the patterns written `"glob"?`: matching no module is not an error
 
     def instance(self, path: str) -> str | None:
         """The outermost module on `path` a glob matches, e.g. `blocks.3` for "blocks.*"; None if none does.

@@ -32,8 +32,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"batch global={b.global_size} micro={b.micro}{acc}")
     tp = plan.tensor_parallel
     if tp.rules or tp.sequence_parallel:
-        width = max((len(r.pattern) + 2 for r in tp.rules), default=0)
-        body = [f'    {_quote(r.pattern):<{width}} : {r.style}' for r in tp.rules]
+        width = max((len(r.pattern) + 2 + r.optional for r in tp.rules), default=0)
+        body = [f'    {_quote(r.pattern) + "?" * r.optional:<{width}} : {r.style}' for r in tp.rules]
         body += ["    sequence_parallel"] if tp.sequence_parallel else []
         lines += ["tensor_parallel {", *body, "}"]
     if plan.pipeline is not None:
@@ -41,7 +41,8 @@ def format_plan(plan: Plan) -> str:
     if plan.zero.stage != 0:
         lines.append(f"zero stage={plan.zero.stage}")
     if plan.recompute.patterns:
-        lines.append("recompute " + " ".join(_quote(p) for p in plan.recompute.patterns))
+        rc = plan.recompute
+        lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))
     if plan.precision != "fp32":
         lines.append(f"precision {plan.precision}")
     if plan.optimizer != Optimizer():

@@ -186,6 +186,10 @@ def _check_tensor_parallel(plan: Plan, out: _Report) -> None:
         first.setdefault(rule.pattern, rule)
     if tp.sequence_parallel and plan.mesh.tp == 1:
         out.warn("sequence_parallel with mesh tp 1 has no effect", out.at("tensor_parallel", tp))
+    if tp.rules and plan.mesh.tp == 1:  # a warning: a tp plan run at tp 1 is a fair reuse (docs/plan-language.md)
+        n = len(tp.rules)
+        out.warn(f"with mesh tp 1, {n} tensor_parallel rule{'s' * (n != 1)} {'has' if n == 1 else 'have'} no effect",
+                 out.at("tensor_parallel", tp), "raise mesh tp to split these modules, or drop the block")
     gpn = plan.topology.gpus_per_node
     if _positive_int(gpn) and _positive_int(plan.mesh.tp) and plan.mesh.tp > gpn:
         out.warn(f"mesh tp {plan.mesh.tp} > topology gpus_per_node {gpn}: tp groups span nodes, and TP's per-layer "
@@ -195,7 +199,12 @@ def _check_tensor_parallel(plan: Plan, out: _Report) -> None:
 
 def _check_pipeline(plan: Plan, out: _Report, num_layers: int | None) -> None:
     pp, pipe = plan.mesh.pp, plan.pipeline
-    if num_layers is not None and _positive_int(pp) and pp > num_layers:
+    # layers matter only to a pipeline: pp 1 runs a model of any shape, and explicit cuts need no layer list
+    if num_layers == 0 and _positive_int(pp) and pp > 1 and (pipe is None or pipe.cuts is None):
+        out.error(f"mesh pp {pp}: placing the stages needs repeated layers (an nn.ModuleList of one block class) "
+                  "to cut between, and the model has none", out.at("mesh.pp", plan.mesh),
+                  f'write the {pp - 1} cut{"s" * (pp > 2)}: pipeline {{ cut after "<module path>" }}')
+    elif num_layers and _positive_int(pp) and pp > num_layers:
         out.error(f"mesh pp {pp} > {num_layers} layers: each pp rank needs at least one layer",
                   out.at("mesh.pp", plan.mesh), f"use pp ≤ {num_layers}")
     if pipe is None:
@@ -294,18 +303,20 @@ def _check_rest(plan: Plan, out: _Report) -> None:
 
 
 def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
-    """A glob that matches no module is a warning: the rule does nothing, often from a typo."""
-    globs = [(r.pattern, r, "tensor_parallel") for r in plan.tensor_parallel.rules]
-    globs += [(p, plan.recompute, "recompute") for p in plan.recompute.patterns]
+    """A glob that matches no module is an error: the rule would do nothing, most often from a typo (a plan
+    that means it, e.g. one written for several models, marks the glob optional: `"glob"?`)."""
+    rc = plan.recompute
+    globs = [(r.pattern, r, "tensor_parallel", r.optional) for r in plan.tensor_parallel.rules]
+    globs += [(p, rc, "recompute", p in rc.optional) for p in rc.patterns]
     suggested = 0  # difflib is slow: the closest paths only for the first 20 unmatched globs
-    for i, (pattern, node, where) in enumerate(globs):
-        if pattern and not any(fnmatchcase(p, pattern) for p in paths):
+    for i, (pattern, node, where, optional) in enumerate(globs):
+        if pattern and not optional and not any(fnmatchcase(p, pattern) for p in paths):
             suggested += 1
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0) if suggested <= 20 else []
             key = f"recompute.patterns[{i - len(plan.tensor_parallel.rules)}]" if where == "recompute" else ""
-            out.warn(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
-                     "closest module paths: " + ", ".join(close) if close else
-                     (None if paths else "the model has no modules"))
+            out.error(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
+                      ("closest module paths: " + ", ".join(close) + "; " if close else
+                       "" if paths else "the model has no modules; ") + f'mark it "{pattern}"? if it may match none')
     if plan.pipeline is not None and plan.pipeline.cuts:
         for cut in plan.pipeline.cuts:
             if cut.path and cut.path not in paths:

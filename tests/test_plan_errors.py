@@ -125,24 +125,54 @@ def test_pp_more_than_layers():
         "mesh pp 8 > 4 layers: each pp rank needs at least one layer", 2, 9)
 
 
+def test_a_model_without_layers_is_refused_only_for_an_automatic_pipeline():
+    """A model with no repeated block list (num_layers 0) trains at pp 1; pp > 1 needs layers or explicit cuts."""
+    for text in ("mesh dp=2\n", "mesh pp=1\n"):
+        assert validate(parse(text), num_layers=0) == []
+    assert validate(parse('mesh pp=2\npipeline { cut after "fc1" }\n'), num_layers=0) == []
+    assert _only("mesh pp=2\n", num_layers=0) == (
+        "mesh pp 2: placing the stages needs repeated layers (an nn.ModuleList of one block class) to cut between, "
+        "and the model has none", 1, 9)
+
+
 def test_virtual_stages_more_than_layers():
     assert _only("mesh pp=2\npipeline schedule=interleaved_1f1b virtual=4\n", num_layers=6) == (
         "pipeline needs pp 2 × virtual 4 = 8 stages but the model has 6 layers", 2, 44)
 
 
-def test_pattern_matching_no_module_is_a_warning_with_the_closest_paths():
+def test_pattern_matching_no_module_is_an_error_with_the_closest_paths():
     plan = parse('mesh tp=2\ntensor_parallel {\n  "blocks.*.atn.qkv" : column\n}\n', "t.par")
     paths = ["blocks.0.attn.qkv", "blocks.1.attn.qkv", "blocks.0.mlp.fc", "wte", "lm_head"]
-    [w] = validate(plan, module_paths=paths)
-    assert (w.severity, w.message, w.span.line, w.span.col) == (
-        "warning", 'tensor_parallel pattern "blocks.*.atn.qkv" matches no module', 3, 3)
-    assert w.hint == "closest module paths: blocks.1.attn.qkv, blocks.0.attn.qkv, blocks.0.mlp.fc"
+    with pytest.raises(ParcError) as info:
+        validate(plan, module_paths=paths)
+    [e] = info.value.diagnostics
+    assert (e.severity, e.message, e.span.line, e.span.col) == (
+        "error", 'tensor_parallel pattern "blocks.*.atn.qkv" matches no module', 3, 3)
+    assert e.hint == ('closest module paths: blocks.1.attn.qkv, blocks.0.attn.qkv, blocks.0.mlp.fc; '
+                      'mark it "blocks.*.atn.qkv"? if it may match none')
 
 
-def test_recompute_pattern_matching_no_module_is_a_warning():
-    plan = parse('mesh\nrecompute "blocks.*" "layers.*"\n', "t.par")
-    [w] = validate(plan, module_paths=["blocks.0", "blocks.1"])
-    assert (w.message, w.span.line, w.span.col) == ('recompute pattern "layers.*" matches no module', 2, 22)
+def test_recompute_pattern_matching_no_module_is_an_error():
+    assert _only('mesh\nrecompute "blocks.*" "layers.*"\n', module_paths=["blocks.0", "blocks.1"]) == (
+        'recompute pattern "layers.*" matches no module', 2, 22)
+
+
+def test_a_pattern_marked_optional_may_match_nothing():
+    """`"glob"?`: a plan written for several models (or transformers versions) names modules some lack."""
+    text = 'mesh tp=2\ntensor_parallel {\n  "embed_out"? : vocab\n  "lm_head"? : vocab\n}\nrecompute "layers.*"?\n'
+    plan = parse(text, "t.par")
+    assert [r.optional for r in plan.tensor_parallel.rules] == [True, True] and plan.recompute.optional == ("layers.*",)
+    assert validate(plan, module_paths=["lm_head", "blocks.0"]) == []
+
+
+def test_rules_on_a_tp1_mesh_are_a_warning_but_unmatched_ones_still_errors():
+    """A plan written for tp 2 and run at tp 1 is a fair reuse: said, not refused; a typo is refused either way."""
+    plan = parse('mesh\ntensor_parallel {\n  "lm_head" : vocab\n}\n', "t.par")
+    [w] = validate(plan, module_paths=["lm_head"])
+    assert (w.severity, w.message, w.span.line) == ("warning", "with mesh tp 1, 1 tensor_parallel rule has no effect", 2)
+    assert _errors('mesh\ntensor_parallel {\n  "lm_hed" : vocab\n}\n', module_paths=["lm_head"]) == [
+        ("with mesh tp 1, 1 tensor_parallel rule has no effect", 2, 1),
+        ('tensor_parallel pattern "lm_hed" matches no module', 3, 3)]
 
 
 # ---- batch arithmetic -------------------------------------------------------------
