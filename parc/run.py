@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
                    help="process-group timeout in seconds: a collective waiting longer on a hung "
                         "rank fails and the job exits (default 600)")
     p.add_argument("--save-every", type=int, default=None, metavar="N",
-                   help="write a sharded checkpoint every N ≥ 1 steps (needs --checkpoint-dir)")
+                   help="write a sharded checkpoint every N ≥ 1 steps and after the last one (needs "
+                        "--checkpoint-dir)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                    help="where --save-every writes step_<N>/ checkpoints and a `latest` pointer; a fresh run "
                         "needs a new or empty directory, a resumed one a directory with nothing beyond the "
@@ -164,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
                 trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
             result = trainer.step(step, skip_nonfinite=args.on_nonfinite == "skip")
             guard.watch(step, result)
-            if args.save_every and (step + 1) % args.save_every == 0:
+            # and at the last step, as torchtitan does: a run given a --checkpoint-dir ends saved, even
+            # one with --save-every beyond --steps
+            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
                 from parc.runtime import checkpoint
 
                 guard.check()  # a diverged step stops the run here, before its checkpoint

@@ -51,8 +51,9 @@ def test_metrics_appended_on_resume(tmp_path):
     assert _run([sys.executable, "-m", "parc.cli", "compile", str(GPT), "--plan", str(plan), "-o", "c"],
                 tmp_path).returncode == 0
     run = [*TORCHRUN, "--nproc-per-node", "2", "-m", "parc.run", "c", "--metrics", "m.jsonl"]
-    r = _run([*run, "--steps", "2", "--save-every", "2", "--checkpoint-dir", "ck"], tmp_path)
+    r = _run([*run, "--steps", "2", "--save-every", "5", "--checkpoint-dir", "ck"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_2"]  # the last step, though 2 < 5
     r = _run([*run, "--steps", "4", "--resume", "ck"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
