@@ -290,9 +290,9 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1,
               "zb_h1": lambda: _zb_h1(pp, m),
               "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
     costs = None
-    if order_costs:  # integer instants, 1/16 of the smallest cost apart, for _with_p2p's meeting points
+    if order_costs:  # small integer instants (the smallest cost 2, the largest ≤ 16) for _with_p2p's meetings
         pos = [c for v in order_costs.values() for c in v if c > 0] or [1.0]
-        unit = max(min(pos) / 16, max(pos) / 256)
+        unit = max(min(pos) / 2, max(pos) / 16)
         costs = {(k, st): max(1, round(v[st] / unit)) for k, v in order_costs.items() for st in range(len(v))}
     return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, costs))
 
