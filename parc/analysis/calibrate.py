@@ -2,7 +2,7 @@
 
 Start at `calibrate(device, out)`. It runs short probes and writes the fields of
 `parc.analysis.cost.Hardware` as JSON, which `--preset FILE` accepts wherever a
-preset name is (report, check, plan); `load_preset` reads it back.
+preset name is (report, check, plan); `read_preset` reads it back.
 
 - matmul: a sweep of (m, n, k) shapes in the plan dtypes the device runs (CPU:
   fp32; CUDA: bf16 and fp32). The peak is the best FLOP/s seen (or
@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from parc.errors import ParcError
@@ -223,10 +222,9 @@ def _memory(device: str) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def load_preset(path: str):
-    """The Hardware a `parc calibrate` file describes; one clear error for a bad file."""
-    from parc.analysis.cost import Hardware
-
+def read_preset(path: str, known: set[str]) -> dict:
+    """The fields of a `parc calibrate` file, checked against `known` (Hardware's); one clear error for a
+    bad file. parc.analysis.cost.hardware builds the Hardware (this module does not import cost)."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -234,10 +232,10 @@ def load_preset(path: str):
         raise ParcError(f"preset file {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise ParcError(f"preset file {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    known = {f.name for f in fields(Hardware)}
     need = {"name", "memory", "flops", "intra_bw", "inter_bw"}
     if not isinstance(data, dict) or need - set(data):
-        raise ParcError(f"preset file {path}: missing {', '.join(sorted(need - set(data or {})))}",
+        missing = need - set(data) if isinstance(data, dict) else need
+        raise ParcError(f"preset file {path}: missing {', '.join(sorted(missing))}",
                         hint="write one with `parc calibrate -o FILE.json`")
     unknown = set(data) - known
     if unknown:
@@ -246,4 +244,4 @@ def load_preset(path: str):
     data.setdefault("achievable", 0.5)
     for key in ("matmul", "attention"):
         data[key] = tuple(tuple(r) for r in data.get(key, ()))
-    return Hardware(**data)
+    return data

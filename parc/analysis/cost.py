@@ -17,11 +17,16 @@ Memory follows DESIGN.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16
 autocast over fp32 masters, so the same — see docs/precision.md; ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
-values while it is recomputed. Times: compute at `peak × achievable`; a ring
-all-reduce moves 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group
-whose ranks sit on more than one node runs at the inter-node bandwidth. The
-pipeline is timed by `parc.passes.simulate` with the bottleneck stage's costs.
-Assumed, and said in the report: no overlap of communication with compute.
+values while it is recomputed; the logits' gradient is a transient peak on the
+loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
+tables by matmul shape and for attention, memory-bound bytes over bandwidth;
+FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
+2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
+runs over as many NICs as it has ranks on a node. The pipeline is timed by
+`parc.passes.simulate` with each stage's own costs. Assumed, and said in the
+report's notes: the precision layout's bytes, plain dp's bucket all-reduces
+overlapping the last backward, ZeRO's collectives not overlapped.
+docs/cost-model.md has the sources and the validation.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ def hardware(name: str | None, topology=None) -> Hardware:
     topology's bandwidths when stated."""
     key = ALIASES.get((name or "h100").lower(), (name or "h100").lower())
     if key not in PRESETS and name and (name.endswith(".json") or "/" in name):
-        from parc.analysis.calibrate import load_preset
-        hw = load_preset(name)
+        from dataclasses import fields
+
+        from parc.analysis.calibrate import read_preset
+        hw = Hardware(**read_preset(name, {f.name for f in fields(Hardware)}))
     elif key not in PRESETS:
         raise ParcError(f"unknown hardware preset `{name}`",
                         hint="valid: " + ", ".join(PRESETS))
