@@ -26,6 +26,7 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o model.safetensors               one file from a sharded checkpoint
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
+  parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
 """
 
@@ -179,6 +180,14 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from parc.analysis.calibrate import calibrate
+
+    calibrate(args.device, args.output, peak_tflops=args.peak_tflops, ranks=args.ranks)
+    print(f"wrote {args.output}: use it as --preset {args.output}")
+    return 0
+
+
 def cmd_viz(args) -> int:
     from parc import viz
 
@@ -255,10 +264,23 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("compiled", type=Path, nargs="?", help="a compiled/ directory")
     r.add_argument("--model", type=Path, help="model file (with --plan, instead of compiled/)")
     r.add_argument("--plan", type=Path, help="the .par file (with --model)")
-    r.add_argument("--preset", help="hardware: a100, h100, h200 (default: the plan's topology preset, else h100)")
+    r.add_argument("--preset", help="hardware: a100, h100, h200 or a `parc calibrate` file (default: the plan's "
+                                    "topology preset, else h100)")
     r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.set_defaults(fn=cmd_report)
+
+    cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",
+                         description="Short probes (a matmul sweep, attention, memory bandwidth, op overhead; on "
+                                     "CPU a gloo all-reduce) written as a preset file that --preset FILE accepts "
+                                     "wherever a preset name is (docs/cost-model.md).")
+    cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to measure (default cpu)")
+    cal.add_argument("-o", "--output", type=Path, default=Path("preset.json"), help="the file to write")
+    cal.add_argument("--peak-tflops", type=float, help="the peak to state efficiencies against (default: the best "
+                                                     "matmul measured)")
+    cal.add_argument("--ranks", type=int, default=2, help="CPU: processes in the gloo probe, as many as the plans "
+                                                           "will run (default 2)")
+    cal.set_defaults(fn=cmd_calibrate)
 
     v = sub.add_parser("viz", help="draw the device mesh, the pipeline schedule and the stages (SVG and PNG)",
                        description="Graphviz drawings of a compiled/ directory: mesh.*, schedule.*, stages.*.")

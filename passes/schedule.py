@@ -190,8 +190,9 @@ def _deps(kind: str, s: int, j: int, last: int, split: dict) -> list[tuple]:
     return [("I", s, j)]  # W
 
 
-def _ideal_starts(orders: list[list[tuple]], last: int) -> dict[tuple, tuple[int, int]]:
-    """(kind, stage, micro) -> (start, end) with unit costs and free communication."""
+def _ideal_starts(orders: list[list[tuple]], last: int, costs: dict | None = None) -> dict[tuple, tuple[int, int]]:
+    """(kind, stage, micro) -> (start, end) with unit costs (or `costs`: (kind, stage) -> int) and free
+    communication."""
     split = {}
     for seq in orders:
         for kind, s, _ in seq:
@@ -209,7 +210,7 @@ def _ideal_starts(orders: list[list[tuple]], last: int) -> dict[tuple, tuple[int
                 if any(d not in times for d in deps):
                     break
                 start = max([free[r]] + [times[d][1] for d in deps])
-                free[r] = start + _ORDER_COST[act[0]]
+                free[r] = start + (costs[act[:2]] if costs else _ORDER_COST[act[0]])
                 times[act] = (start, free[r])
                 ptr[r] += 1
                 progressed = True
@@ -219,7 +220,7 @@ def _ideal_starts(orders: list[list[tuple]], last: int) -> dict[tuple, tuple[int
     return times
 
 
-def _with_p2p(orders: list[list[tuple]], pp: int, stages: int) -> list[list[Action]]:
+def _with_p2p(orders: list[list[tuple]], pp: int, stages: int, costs: dict | None = None) -> list[list[Action]]:
     """Interleave sends/receives into the compute order by one global message key.
 
     A message's key is the first instant, from its producer's end to its
@@ -228,7 +229,7 @@ def _with_p2p(orders: list[list[tuple]], pp: int, stages: int) -> list[list[Acti
     simulator reproduces the ideal timeline. With no such instant the key is
     the producer's end (still deadlock-free; the sender may wait).
     """
-    times = _ideal_starts(orders, stages - 1)
+    times = _ideal_starts(orders, stages - 1, costs)
     inside: list[set[int]] = [set() for _ in range(pp)]  # instants a rank is mid-compute
     for r, seq in enumerate(orders):
         for act in seq:
@@ -275,15 +276,25 @@ def connections(schedule: Schedule) -> list[list[tuple[int, bool, bool]]]:
     return out
 
 
-def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
-    """The named schedule for `pp` ranks, `micro_batches` per step, `virtual` stages per rank."""
+def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1,
+                   order_costs: dict | None = None) -> Schedule:
+    """The named schedule for `pp` ranks, `micro_batches` per step, `virtual` stages per rank.
+
+    `order_costs` ({kind: [seconds per stage]}) places the sends and receives for those costs
+    instead of unit costs (the cost model's simulation: the order the real costs call for; any
+    positive costs keep it deadlock-free). The compiled executor uses unit costs."""
     _check(name, pp, micro_batches, virtual)
     m = micro_batches
     orders = {"gpipe": lambda: _gpipe(pp, m),
               "1f1b": lambda: _one_f_one_b(pp, m),
               "zb_h1": lambda: _zb_h1(pp, m),
               "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
-    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual))
+    costs = None
+    if order_costs:  # small integer instants (the smallest cost 2, the largest ≤ 16) for _with_p2p's meetings
+        pos = [c for v in order_costs.values() for c in v if c > 0] or [1.0]
+        unit = max(min(pos) / 2, max(pos) / 16)
+        costs = {(k, st): max(1, round(v[st] / unit)) for k, v in order_costs.items() for st in range(len(v))}
+    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, costs))
 
 
 # ---------------------------------------------------------------- closed forms, advice, text

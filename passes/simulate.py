@@ -112,9 +112,11 @@ class _Run:
         if a.kind == "W":
             self._need(r, i, a, ("I", s, j), f"its I(s{s},m{j})")
         start = self.clock[r]
-        end = start + self.costs[a.kind]
+        cost = self.costs[a.kind]
+        cost = cost[s] if isinstance(cost, (list, tuple)) else cost   # per-stage costs (the cost model's)
+        end = start + cost
         self.done[key] = end
-        self.clock[r], self.busy[r] = end, self.busy[r] + self.costs[a.kind]
+        self.clock[r], self.busy[r] = end, self.busy[r] + cost
         self.timeline[r].append((start, end, a))
         self.inflight[r] += {"F": 1, "B": -1, "W": -1, "I": 0}[a.kind]
         self.peak[r] = max(self.peak[r], self.inflight[r])
@@ -270,7 +272,8 @@ def simulate(schedule: Schedule, cost_f: float = 1.0, cost_b: float = 2.0, cost_
 
     Progress (and so deadlock) always follows rendezvous rules; `p2p="strict"` adds NCCL's lazy
     connection set-up (`connect="lazy"`: the executor before its warm-up; `"warm"`: after it).
-    Timing: a receive completes `cost_comm` after its send is posted; a send completes when
+    Each cost is one number, or a list of one per stage. Timing: a receive completes `cost_comm`
+    after its send is posted; a send completes when
     posted (eager, buffered) unless `send_waits`, when it also waits for its receiver, like a
     large NCCL send.
     """

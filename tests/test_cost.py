@@ -69,14 +69,19 @@ def test_activations_scale_with_inflight_micro_batches():
 
 
 def test_dp_all_reduce_volume_and_node_split():
-    # dp 16 over 2 nodes of 8: the ring crosses nodes, so it runs at the inter-node bandwidth
+    # dp 16 over 2 nodes of 8: the ring crosses nodes; NCCL's parallel rings use all 8 NICs of a node
+    # (one per GPU), so the group runs at 8 × the per-GPU network bandwidth, NVLink permitting
     plan = parse("mesh dp=16\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
     est = cost.estimate(plan, _stats(), cost.hardware("h100", plan.topology))
     (ar,) = est.comms
     size = PSI * 4
     assert ar.collective == "all-reduce" and ar.bytes == pytest.approx(2 * 15 / 16 * size)
     assert ar.inter == pytest.approx(ar.bytes * 2 / 16)  # 2 of the ring's 16 hops leave a node
-    assert ar.seconds == pytest.approx(ar.bytes / 10e9 + 2 * 15 * 10e-6)
+    assert ar.seconds == pytest.approx(ar.bytes / (8 * 10e9) + 2 * 15 * 10e-6)
+    # a dp group with one GPU per node has that GPU's NIC only: the per-GPU network bandwidth
+    across = parse("mesh dp=2 tp=8\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
+    (ar2, _) = cost.estimate(across, _stats(sharded=True), cost.hardware("h100", across.topology)).comms
+    assert ar2.axis == "dp" and ar2.seconds == pytest.approx(ar2.bytes / 10e9 + 2 * 10e-6)
     one_node = parse("mesh dp=8\ntopology nodes=1 gpus_per_node=8\n")
     (ar8,) = cost.estimate(one_node, _stats(), cost.hardware("h100", one_node.topology)).comms
     assert ar8.inter == 0 and ar8.intra == pytest.approx(2 * 7 / 8 * size)
@@ -96,7 +101,12 @@ def test_step_time_and_mfu():
     est = cost.estimate(plan, _stats(), hw)
     compute = 2 * 3e12 / (hw.flops["fp32"] * hw.achievable)  # 2 micro-batches × (F + 2F)
     assert est.compute_seconds == pytest.approx(compute)
-    assert est.step_seconds == pytest.approx(compute + est.comms[0].seconds)
+    # 4 MB of gradients fit one 25 MiB bucket, launched after the last backward: nothing overlaps it.
+    # The optimizer step is memory-bound: AdamW 28 + clipping 12 + accumulating 1 extra micro-batch 8 bytes/param
+    optimizer = PSI * (28 + 12 + 8) / hw.mem_bw + 4 * hw.op_overhead
+    assert est.dp_exposed_seconds == pytest.approx(est.comms[0].seconds)
+    assert est.optimizer_seconds == pytest.approx(optimizer)
+    assert est.step_seconds == pytest.approx(compute + est.comms[0].seconds + optimizer)
     assert est.mfu == pytest.approx(3e12 * 2 * 2 / (est.step_seconds * 2 * hw.flops["fp32"]))
 
 

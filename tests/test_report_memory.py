@@ -98,7 +98,10 @@ def test_activation_memory_within_10_percent(measured, name):
         assert abs(predicted - r["activations"]) <= ACTIVATION_TOL * r["activations"], (name, r, predicted)
         # the total the report prints is the kept part plus the recompute peak, nothing else
         row = rows[r["pp"]]
-        assert abs(row["activations_bytes"] - predicted - row["recompute_peak_bytes"]) <= 1  # rounding
+        # issue 14: the verdict's activations add the larger of the recompute peak and the logits
+        # gradient's transient peak (it was the recompute peak alone)
+        peak = max(row["recompute_peak_bytes"], row["transient_bytes"])
+        assert abs(row["activations_bytes"] - predicted - peak) <= 1  # rounding
 
 
 

@@ -6,6 +6,9 @@ Reading order, each file one job:
   review.py       the plan against a world size and a hardware preset: located findings for `parc check`
   activations.py  per-layer activation statistics from the traced graph (needs torch.fx)
   cost.py         memory and step-time estimates from the plan and those statistics (no torch)
+  compute.py      compute time per operation: matmul/attention efficiency tables, memory-bound bytes
+  presets.py      the shipped a100/h100/h200 tables and where their figures come from
+  calibrate.py    `parc calibrate`: measure this device into a preset file (torch)
   report.py       `parc report`: the estimates as a table or JSON
 
 Nothing here changes the graph; the passes (passes/) and the runtime (runtime/)

@@ -179,6 +179,14 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
             if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
                 continue
             c = next((c for c in _consumers(p) if c.op == "call_function" and _is(c, LOWERED)), None)
+            if c is not None and not step_casts:
+                # ZeRO-3: the gathered weight and its bf16 copy are freed after the layer and gathered again
+                # in backward (runtime/zero.py's saved-tensor hook): not kept per micro-batch in flight
+                continue
+            if c is not None and p.name not in once and instance_of(c) is not None:
+                w = working.setdefault((instance_of(c), stage_of(c)), [0, 0])   # recast when recomputed
+                w[0 if sharded_of.get(c) else 1] += _numel(p) * 2
+                continue
             if c is not None:  # one per step (runtime/precision.py StepCasts), else one per forward
                 key = ("casts" if p.name in once else "kept") + ("_sharded" if sharded_of.get(c) else "_replicated")
                 out[stage_of(c)][key] += _numel(p) * 2

@@ -17,11 +17,16 @@ Memory follows DESIGN.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16
 autocast over fp32 masters, so the same — see docs/precision.md; ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
-values while it is recomputed. Times: compute at `peak × achievable`; a ring
-all-reduce moves 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group
-whose ranks sit on more than one node runs at the inter-node bandwidth. The
-pipeline is timed by `parc.passes.simulate` with the bottleneck stage's costs.
-Assumed, and said in the report: no overlap of communication with compute.
+values while it is recomputed; the logits' gradient is a transient peak on the
+loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
+tables by matmul shape and for attention, memory-bound bytes over bandwidth;
+FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
+2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
+runs over as many NICs as it has ranks on a node. The pipeline is timed by
+`parc.passes.simulate` with each stage's own costs. Assumed, and said in the
+report's notes: the precision layout's bytes, plain dp's bucket all-reduces
+overlapping the last backward, ZeRO's collectives not overlapped.
+docs/cost-model.md has the sources and the validation.
 """
 
 from __future__ import annotations
@@ -47,24 +52,48 @@ class Hardware:
     gpus_per_node: int = 8
     latency_intra: float = 5e-6
     latency_inter: float = 10e-6
+    # the per-operation compute model (parc/analysis/compute.py); empty tables: FLOPs × achievable
+    mem_bw: float = 0.0            # bytes/s an elementwise kernel reaches (read + written)
+    matmul: tuple = ()             # (dtype, m, n, k, efficiency)
+    attention: tuple = ()          # (dtype, T, head size, efficiency forward, backward), causal
+    op_overhead: float = 0.0       # seconds per kernel launch / op dispatch
+    async_launch: bool = True      # the host runs ahead (GPU): a kernel costs max(work, overhead)
+    nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU
+    cores: int = 0                 # CPU: cores the ranks of a host share; 0: one device per rank
+    source: str = ""               # where the figures come from
+
+
+def _gpu(name, memory, flops, intra, inter, key):
+    from parc.analysis.presets import TABLES
+
+    return Hardware(name, memory, flops, 0.5, intra, inter, source=f"shipped preset {key} (docs/cost-model.md)",
+                    **TABLES[key])
 
 
 PRESETS = {
     # NVLink 3: 600 GB/s both directions; 8 × 200 Gbit/s HDR per node. fp32 is non-tensor-core.
-    "a100": Hardware("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 0.5, 300e9, 25e9),
+    "a100": _gpu("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9, "a100"),
     # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
-    "h100": Hardware("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 0.5, 450e9, 50e9),
-    "h200": Hardware("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 0.5, 450e9, 50e9),
+    "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100"),
+    "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200"),
 }
 ALIASES = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
 
 
 def hardware(name: str | None, topology=None) -> Hardware:
-    """The preset `name` (default h100), with the plan topology's bandwidths when stated."""
+    """The preset `name` (default h100) or a preset file (`parc calibrate -o FILE`), with the plan
+    topology's bandwidths when stated."""
     key = ALIASES.get((name or "h100").lower(), (name or "h100").lower())
-    if key not in PRESETS:
-        raise ParcError(f"unknown hardware preset `{name}`", hint="valid: " + ", ".join(PRESETS))
-    hw = PRESETS[key]
+    if key not in PRESETS and name and (name.endswith(".json") or "/" in name):
+        from dataclasses import fields
+
+        from parc.analysis.calibrate import read_preset
+        hw = Hardware(**read_preset(name, {f.name for f in fields(Hardware)}))
+    elif key not in PRESETS:
+        raise ParcError(f"unknown hardware preset `{name}`",
+                        hint="valid: " + ", ".join(PRESETS))
+    else:
+        hw = PRESETS[key]
     if topology is not None:
         from dataclasses import replace
         hw = replace(hw, intra_bw=topology.intra_bw or hw.intra_bw, inter_bw=topology.inter_bw or hw.inter_bw,
@@ -102,7 +131,8 @@ def graph_stats(traced, plan) -> dict:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
-            "params_sharded", "params_replicated", "tp_bytes", "tp_ops")
+            "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "logits_elements_sharded",
+            "logits_elements_replicated")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -127,6 +157,13 @@ def graph_stats(traced, plan) -> dict:
             tp_inputs.update((a, s) for a in outside)   # backward all-reduce of the input gradient
         if style == "row" or (style == "vocab" and "embedding" in str(n.target)):
             tp_outputs.add((p, s))                       # forward all-reduce of the output
+        if "cross_entropy" in str(n.target) and n.args:   # the loss's logits: their gradient is a transient peak
+            src = n.args[0]
+            while src.op == "call_function" and activations.is_alias(src) and src.args:  # through the reshape
+                src = src.args[0]
+            vocab = "vocab_parallel" in str(n.target) or sharded_of.get(src)  # a vocab-parallel head's
+            d["logits_elements_" + ("sharded" if vocab else "replicated")] += \
+                _elements(n.args[0].meta.get("val"))
         if n.target is operator.getitem or any(v in str(n.target) for v in activations.VIEWS):
             continue
         d[f"act_{tag}"] += _elements(n.meta.get("val"))
@@ -146,6 +183,7 @@ def graph_stats(traced, plan) -> dict:
         instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         step_casts=plan.zero.stage < 3)
+    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of)
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"],
@@ -166,6 +204,35 @@ def graph_stats(traced, plan) -> dict:
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
     return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
             "tokens_per_sample": tokens}
+
+
+def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of) -> None:
+    """Each stage's `ops` (parc.analysis.compute.op_table): matmul and attention shapes, memory-bound bytes."""
+    from parc.analysis import activations, compute
+    from parc.passes.pipeline_split import STAGE
+
+    bf16 = plan.precision != "fp32"
+    size = activations._dtype_sizes([n for n in gm.graph.nodes if n.op == "call_function"], bf16)
+    sp = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel
+
+    def size_of(a):
+        val = a.meta.get("val")
+        return size.get(a, val.element_size() if hasattr(val, "element_size") else 4)
+
+    def split_of(n):
+        if not sharded_of.get(n):
+            return 0
+        style = _style(path_of[n], rules)
+        return {"column": 1, "vocab": 1, "row": 2}.get(style, 3)
+
+    def recomputed_of(n):
+        return bool(plan.recompute.patterns) and plan.recompute.instance(path_of.get(n, "")) is not None
+
+    for s, d in enumerate(stages):
+        mine = [n for n in nodes if n.meta.get(STAGE, 0) == s]
+        d["ops"] = compute.op_table(mine, size_of=size_of, split_of=split_of,
+                                    sharded_of=lambda n: sharded_of.get(n) or sp,
+                                    recomputed_of=recomputed_of, bf16=bf16)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -195,10 +262,21 @@ class Estimate:
     hardware_flops: float              # per step, whole job, with recompute
     mfu: float
     notes: list[str] = field(default_factory=list)
+    dp_exposed_seconds: float = 0.0     # dp communication not hidden behind backward
+    optimizer_seconds: float = 0.0      # the optimizer step, clipping, casts (memory-bound, per step)
+    p2p_exposed_seconds: float = 0.0    # what P2P time adds to the pipeline over free communication
+    tp_seconds: float = 0.0             # tp collectives on the busiest rank's critical path
 
     @property
     def comm_seconds(self) -> float:
+        """Every collective's time added up, as if none overlapped anything (can exceed the step)."""
         return sum(c.seconds for c in self.comms)
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        """The part of the step communication takes: tp on the critical path, P2P beyond the schedule's
+        own bubble, dp not hidden behind backward. A part of the step, so at most the step."""
+        return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds, self.step_seconds)
 
 
 def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
@@ -222,24 +300,51 @@ def _ring_fraction(ranks: list[int], per_node: int) -> float:
     return sum(a // per_node != b // per_node for a, b in hops) / len(hops)
 
 
+def _span(group: list[int], per_node: int) -> tuple[int, int]:
+    """(nodes a group spans, most of its ranks on one node)."""
+    count: dict[int, int] = {}
+    for r in group:
+        count[r // per_node] = count.get(r // per_node, 0) + 1
+    return len(count), max(count.values(), default=0)
+
+
 def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None) -> Comm:
-    """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table."""
+    """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table.
+
+    A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
+    node runs NCCL's parallel rings (channels) over min(r, NICs per node) network links at once,
+    each at `inter_bw`, and no faster than NVLink: the bandwidth is min(intra, links × inter).
+    """
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
               "send/recv": 1.0}[name]
     if name == "all-reduce" and algo == "tree":
         factor = 2.0 if n > 1 else 0.0
     volume = factor * size
     crossing = max((_ring_fraction(g, hw.gpus_per_node) for g in groups), default=0.0)
-    bw, lat = (hw.inter_bw, hw.latency_inter) if crossing else (hw.intra_bw, hw.latency_intra)
+    if crossing:
+        per_node = min(_span(g, hw.gpus_per_node)[1] for g in groups) if name != "send/recv" else 1
+        links = min(per_node, hw.nics_per_node or hw.gpus_per_node)
+        bw, lat = min(hw.intra_bw, links * hw.inter_bw), hw.latency_inter
+    else:
+        bw, lat = hw.intra_bw, hw.latency_intra
     steps = latency_steps if latency_steps is not None else \
         (2 * math.ceil(math.log2(max(n, 2))) if algo == "tree" else 2 * (n - 1))
     return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing, volume / bw + steps * lat)
 
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
-             params_per_rank: list[int] | None = None) -> Estimate:
-    """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's."""
+             params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
+             dp_bytes: int | None = None, overlap_dp: bool = True) -> Estimate:
+    """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
+
+    `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
+    tp rank sends 1/tp, the receiver all-gathers over NVLink); parc's runtime sends the whole value
+    from every tp rank, the default. `dp_bytes`: bytes per gradient element on the dp wire (default:
+    the precision layout's gradient bytes). `overlap_dp=False`: plain dp's all-reduce waits for the
+    whole backward (a system without parc's bucketed overlap; the published-results script's).
+    """
     from parc import mesh as meshlib
+    from parc.analysis import compute
     from parc.passes.schedule import build_schedule
     from parc.passes.simulate import simulate
 
@@ -252,36 +357,59 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         raise ParcError(f"cost model: {len(stages)} stage statistics for pp {pp} × virtual {virtual} stages")
     groups = groups or {a: meshlib.groups(m, a) for a in ("dp", "pp", "tp")}
     act_b = 4 if plan.precision == "fp32" else 2
-    peak = hw.flops.get(plan.precision, hw.flops["fp32"]) * hw.achievable
+    dtype = "fp32" if plan.precision == "fp32" else "bf16"
     pb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
     z = plan.zero.stage
+    # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them
+    slow = max(1.0, min(m.world_size, hw.gpus_per_node) / hw.cores) if hw.cores else 1.0
 
     def per_tp(d, key):  # one tp rank's share
         return d[f"{key}_sharded"] / tp + d[f"{key}_replicated"]
 
-    # -- pipeline timing: the bottleneck stage's per-micro costs drive the simulator
+    # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
-        tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce)
+        tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
+                           latency_steps=2 * (tp - 1) * max(d.get("tp_ops", 1), 1))
         tp_t = tp_c.seconds if tp > 1 else 0.0
-        f = per_tp(d, "flops") / peak
-        rec = d["flops_recomputed"] / tp / peak
-        return f + tp_t / 2, 2 * f + rec + tp_t / 2
+        if compute.has_model(hw, d):
+            f, b = compute.stage_seconds(d["ops"], hw, dtype, tp)
+        else:
+            f, b = compute.fallback(hw, dtype, per_tp(d, "flops"), d["flops_recomputed"] / tp)
+        tp_times.append(tp_t)
+        return f * slow + tp_t / 2, b * slow + tp_t / 2
+    tp_times: list[float] = []
     times = [stage_times(d) for d in stages]
-    t_f, t_b = max(t[0] for t in times), max(t[1] for t in times)
-    send_bytes = max(stats.get("send_elements") or [0]) * act_b / (tp if plan.tensor_parallel.sequence_parallel else 1)
+    cost_f, cost_b = [t[0] for t in times], [t[1] for t in times]
+    send_el = max(stats.get("send_elements") or [0])
+    sp = plan.tensor_parallel.sequence_parallel and tp > 1
+    send_bytes = send_el * act_b / (tp if sp or (p2p_scatter_gather and tp > 1) else 1)
     if pp > 1:
         name = plan.pipeline.schedule if plan.pipeline else "1f1b"
         p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1)
-        split = {"cost_i": t_b / 2, "cost_w": t_b / 2} if name == "zb_h1" else {}
-        schedule = build_schedule(name, pp, acc, virtual)
-        sim = simulate(schedule, cost_f=t_f, cost_b=t_b, cost_comm=p2p.seconds,
-                       **split)
+        p2p_t = p2p.seconds
+        if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
+            p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
+        split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
+        schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
+        sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split)
+        if name == "interleaved_1f1b":
+            # the unit-cost placement can idle ranks that wait on a slow chunk; placed for the stages' own
+            # costs it often does not. The better of the two: the order an executor should use (the
+            # compiled one still uses unit costs; docs/cost-model.md)
+            placed = build_schedule(name, pp, acc, virtual, order_costs={"F": cost_f, "B": cost_b})
+            other = simulate(placed, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t)
+            if other.makespan < sim.makespan:
+                schedule, sim = placed, other
         makespan, bubble, inflight = sim.makespan, sim.bubble_fraction, sim.peak_inflight
-        sched_bubble = simulate(schedule, cost_f=t_f or 1.0, cost_b=t_b or 2.0,
-                                **split).bubble_fraction
+        free = simulate(schedule, cost_f=cost_f, cost_b=cost_b, **split) if any(cost_f + cost_b) else None
+        sched_bubble = free.bubble_fraction if free else \
+            simulate(build_schedule(name, pp, acc, virtual), **({"cost_i": 1.0, "cost_w": 1.0} if split else {})
+                     ).bubble_fraction
     else:
-        makespan, bubble, sched_bubble, inflight = acc * (t_f + t_b), 0.0, 0.0, [1]
-    compute = acc * (t_f + t_b)
+        makespan, bubble, sched_bubble, inflight, free = acc * (times[0][0] + times[0][1]), 0.0, 0.0, [1], None
+    # the busiest pp rank's compute: all its virtual stages, every micro-batch
+    compute_s = max(acc * sum(times[r + k * pp][0] + times[r + k * pp][1] for k in range(virtual))
+                    for r in range(pp))
 
     # -- memory per pp rank
     memory = []
@@ -292,26 +420,34 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
         casts = sum(d.get("weight_casts_bytes_sharded", 0) / tp + d.get("weight_casts_bytes_replicated", 0)
                     for d in held)  # bf16 weight copies, once per step: not per micro-batch in flight
-        act = kept * inflight[r] + casts + rpeak
+        transient = max(_transient(d, tp, act_b) for d in held)
+        act = kept * inflight[r] + casts + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
                        "params": params * pb / (dp if z >= 3 else 1),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
                        "activations": act, "inflight": inflight[r],
-                       "activations_kept": kept * inflight[r] + casts, "recompute_peak": rpeak})
+                       "activations_kept": kept * inflight[r] + casts, "recompute_peak": rpeak,
+                       "transient": transient})
     for row in memory:
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
 
     # -- communication per rank per step (the worst pp rank's sizes)
     comms = []
     big = max(memory, key=lambda row: row["params_count"])["params_count"]
+    wire = dp_bytes or gb
     if dp > 1:
         if z == 0:
-            comms.append(_collective("dp", "all-reduce", dp, big * gb, groups["dp"], hw, allreduce))
+            comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce))
         else:
-            comms.append(_collective("dp", "reduce-scatter", dp, big * gb, groups["dp"], hw, allreduce))
-            comms.append(_collective("dp", "all-gather", dp, big * pb * (2 if z == 3 else 1), groups["dp"], hw,
-                                     allreduce))
+            # runtime/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
+            # ZeRO-3 all-gathers the parameters twice per micro-batch (forward, backward), ZeRO-1/2 once a step
+            rs = acc if z >= 2 else 1
+            comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
+                                     latency_steps=(dp - 1) * rs))
+            ag = 2 * acc if z == 3 else 1
+            comms.append(_collective("dp", "all-gather", dp, big * pb * ag, groups["dp"], hw, allreduce,
+                                     latency_steps=(dp - 1) * ag))
     if tp > 1:
         tp_bytes = max(d["tp_bytes"] for d in stages) * act_b * acc * virtual
         if plan.tensor_parallel.sequence_parallel:
@@ -322,12 +458,44 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     if pp > 1:
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
                                  allreduce, latency_steps=2 * acc * virtual))
-    # tp and pp time is already inside the simulated makespan; dp runs after the last backward
+    # tp and pp time is inside the simulated makespan. dp: plain dp's bucket all-reduces overlap the last
+    # micro-batch's backward (runtime/data_parallel.py), all but the last bucket's share; ZeRO's are not
     dp_time = sum(c.seconds for c in comms if c.axis == "dp")
-    step = makespan + dp_time
+    if z == 0 and dp > 1 and overlap_dp:
+        window = max(sum(times[r + k * pp][1] for k in range(virtual)) for r in range(pp))
+        last = dp_time * min(1.0, 25 * 2 ** 20 / max(big * wire, 1))   # the 25 MiB bucket after backward
+        dp_exposed = max(dp_time - window, last)
+    else:
+        dp_exposed = dp_time
+    optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc) * slow
+    step = makespan + dp_exposed + optimizer_s
     fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
     model_flops = 3 * fwd * acc * dp
     hw_flops = model_flops + sum(d["flops_recomputed"] for d in stages) * acc * dp
     mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
-    notes.append("communication is not overlapped with compute (an upper bound on step time)")
-    return Estimate(hw, memory, comms, step, compute, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu, notes)
+    overlap = "plain dp's bucket all-reduces overlap the last micro-batch's backward, all but the last " \
+        "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
+        if z == 0 else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
+    notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
+                 f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
+    layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
+    notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
+                 f"dp gradients on the wire {wire}, activations {act_b}")
+    notes.append("compute: " + ("per operation (matmul and attention efficiency tables, memory-bound ops at "
+                                f"{hw.mem_bw / 1e9:.0f} GB/s)" if any(compute.has_model(hw, d) for d in stages)
+                                else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
+                                "statistics)") + (f"; {min(m.world_size, hw.gpus_per_node)} ranks share "
+                                                  f"{hw.cores} cores (×{slow:.2g})" if slow > 1 else ""))
+    est = Estimate(hw, memory, comms, step, compute_s, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu,
+                   notes)
+    est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s
+    est.p2p_exposed_seconds = max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0
+    est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
+    return est
+
+
+def _transient(d: dict, tp: int, act_b: int) -> float:
+    """Bytes alive for a moment in the backward of the loss: the logits' gradient (fp32) and, under
+    bf16, its cast for the head's matmul; beside what the forward kept (logits, log-softmax)."""
+    el = d.get("logits_elements_sharded", 0) / tp + d.get("logits_elements_replicated", 0)
+    return el * (4 + (2 if act_b == 2 else 0))

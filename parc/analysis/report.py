@@ -108,7 +108,8 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     rows = []
     for r, row in enumerate(est.memory):
         d = {f"{k}_bytes": round(v) for k, v in row.items()
-             if k in ("params", "grads", "optimizer", "activations", "activations_kept", "recompute_peak", "total")}
+             if k in ("params", "grads", "optimizer", "activations", "activations_kept", "recompute_peak", "total",
+                      "transient")}
         d.update(pp_rank=r, params_count=int(row["params_count"]), inflight=row["inflight"])
         rows.append(d)
     worst = max(est.memory, key=lambda row: row["total"])
@@ -125,7 +126,8 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "source": "compiled" if compiled is not None else "analytic",
         "notes": notes,
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
-                     "achievable": hw.achievable, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
+                     "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
+                     "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
                      "gpus_per_node": hw.gpus_per_node, "allreduce": allreduce or "ring"},
         "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
@@ -134,8 +136,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                  "schedule": (plan_obj.pipeline.schedule if plan_obj.pipeline else "1f1b") if m.pp > 1 else None},
         "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
                    "over_bytes": max(round(over), 0), "verdict": verdict},
-        "communication": {"rows": comm, "seconds": est.comm_seconds,
-                          "share_of_step": round(est.comm_seconds / est.step_seconds, 4) if est.step_seconds else 0},
+        "communication": {"rows": comm, "seconds": est.comm_seconds, "exposed_seconds": est.exposed_comm_seconds,
+                          "share_of_step": round(est.exposed_comm_seconds / est.step_seconds, 4)
+                          if est.step_seconds else 0},
         "utilization": {"model_flops_per_step": est.model_flops, "hardware_flops_per_step": est.hardware_flops,
                         "bubble": est.bubble, "schedule_bubble": est.schedule_bubble, "compute_seconds": est.compute_seconds,
                         "step_seconds": est.step_seconds, "mfu": est.mfu,
@@ -161,7 +164,9 @@ def render(rep: dict, console=None) -> None:
                   f"recompute {', '.join(p['recompute']) or 'none'}")
     console.print(f"[bold]hardware[/]: {hw['name']} ({_size(hw['memory_bytes'])}), {hw['gpus_per_node']} per node, "
                   f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per GPU, "
-                  f"achievable {hw['achievable']:.0%} of peak, {hw['allreduce']} all-reduce")
+                  + (f"matmul efficiency from a {hw['matmul_table']}-shape table, memory {hw['memory_gbps']:g} GB/s"
+                     if hw.get("matmul_table") else f"achievable {hw['achievable']:.0%} of peak")
+                  + f", {hw['allreduce']} all-reduce" + (f" ({hw['source']})" if hw.get("source") else ""))
 
     mem = rep["memory"]
     t = Table(title="1. Memory per rank", title_justify="left")
@@ -182,8 +187,9 @@ def render(rep: dict, console=None) -> None:
         t.add_row(c["axis"], c["collective"], str(c["group"]), _size(c["bytes_per_rank"]), _size(c["intra_bytes"]),
                   _size(c["inter_bytes"]), f"{c['seconds']:.3g}")
     console.print(t)
-    console.print(f"communication {comm['seconds']:.3g} s = {comm['share_of_step']:.1%} of the step "
-                  f"(tp and pp inside the simulated pipeline, dp after the last backward)")
+    console.print(f"communication {comm['seconds']:.3g} s if nothing overlapped; exposed "
+                  f"{comm['exposed_seconds']:.3g} s = {comm['share_of_step']:.1%} of the step (tp on the critical "
+                  f"path, P2P beyond the schedule's own bubble, dp not hidden behind backward)")
 
     u = rep["utilization"]
     t = Table(title="3. Utilization", title_justify="left")

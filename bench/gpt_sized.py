@@ -1,0 +1,28 @@
+"""examples/gpt.py's GPT at a size from PARC_BENCH_GPT="layers,hidden,heads,vocab,seq": for bench/published.py.
+
+Only ever traced on meta, so the batches are random token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig, loss_fn  # noqa: E402,F401  (the convention's third function)
+
+_L, _H, _NH, _V, _T = (int(x) for x in os.environ.get("PARC_BENCH_GPT", "96,12288,96,51200,2048").split(","))
+CONFIG = GPTConfig(vocab_size=_V, block_size=_T, n_layer=_L, n_head=_NH, n_embd=_H)
+
+
+def build_model():
+    return GPT(CONFIG)
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    seq = torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.block_size + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

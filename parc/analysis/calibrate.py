@@ -1,0 +1,247 @@
+"""`parc calibrate`: measure this device for the cost model and write a preset file.
+
+Start at `calibrate(device, out)`. It runs short probes and writes the fields of
+`parc.analysis.cost.Hardware` as JSON, which `--preset FILE` accepts wherever a
+preset name is (report, check, plan); `read_preset` reads it back.
+
+- matmul: a sweep of (m, n, k) shapes in the plan dtypes the device runs (CPU:
+  fp32; CUDA: bf16 and fp32). The peak is the best FLOP/s seen (or
+  `--peak-tflops`); each shape's efficiency is its FLOP/s over that peak.
+- attention: causal scaled_dot_product_attention at a few (T, head size),
+  forward and backward timed apart; FLOPs as parc.analysis.compute counts them
+  (the masked half skipped, the backward 2.5× the forward).
+- memory bandwidth: an elementwise add over tensors far larger than the caches
+  (bytes read and written / time).
+- op overhead: a chain of tiny autograd ops, forward and backward, per kernel:
+  what dispatch costs when there is no work.
+- CPU only: a gloo all-reduce among `--ranks` processes on this host (as many
+  as the plans will run: on a CPU they share the cores, which is part of the
+  latency), small and large, for latency and bandwidth; `cores`, the cores
+  the ranks will share.
+
+Every figure is the median of repeats: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from parc.errors import ParcError
+
+CPU_SHAPES = [(m, n, k) for m in (64, 512, 4096) for n in (64, 256, 1024) for k in (64, 256, 1024)]
+CUDA_SHAPES = [(m, n, k) for m in (256, 1024, 4096, 16384) for n in (256, 1024, 4096, 16384)
+               for k in (256, 1024, 4096, 16384)]
+CPU_ATTN = [(t, hs) for t in (32, 128, 512) for hs in (16, 64)]
+CUDA_ATTN = [(t, hs) for t in (512, 1024, 2048, 4096, 8192) for hs in (64, 128)]
+
+
+def _timer(device: str):
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn, budget: float = 0.05, repeats: int = 5) -> float:
+        """Median seconds of one call, each sample a loop of calls filling about `budget`."""
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        once = max(time.perf_counter() - t0, 1e-7)
+        loops = max(1, min(1000, int(budget / once)))
+        samples = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                fn()
+            sync()
+            samples.append((time.perf_counter() - t0) / loops)
+        return statistics.median(samples)
+    return timed
+
+
+def _matmuls(device: str, dtype, shapes, timed) -> list[tuple[int, int, int, float]]:
+    import torch
+
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = timed(lambda: a @ b)
+        out.append((m, n, k, 2 * m * n * k / t))
+    return out
+
+
+def _attention(device: str, dtype, shapes, timed, peak: float) -> list[tuple]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for t, hs in shapes:
+        bh = max(1, int(2 ** 22 // (t * hs)))  # about 4M elements per tensor
+        q, k, v = (torch.randn(1, bh, t, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        flops = 4 * bh * t * t * hs * 0.5
+        fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+        def both():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        bwd = max(timed(both) - fwd, 1e-9)
+        rows.append((t, hs, flops / (fwd * peak), 2.5 * flops / (bwd * peak)))
+    return rows
+
+
+def _bandwidth(device: str, timed) -> float:
+    import torch
+
+    n = (2 ** 28 if device == "cuda" else 2 ** 24)  # 1 GiB / 64 MiB of fp32 per tensor
+    a, b = torch.ones(n, device=device), torch.ones(n, device=device)
+    out = torch.empty(n, device=device)
+    t = timed(lambda: torch.add(a, b, out=out), budget=0.2)
+    return 3 * 4 * n / t
+
+
+def _overhead(device: str, timed) -> float:
+    import torch
+
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(50):
+            y = y * 1.0001
+        y.sum().backward()
+    return timed(chain) / (50 * 3)  # 50 forward kernels, about 2 per op in backward
+
+
+def _gloo_worker(rank: int, port: int, out, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    for size in (1024, 2 ** 22):
+        x = torch.ones(size // 4)
+        for _ in range(3):
+            dist.all_reduce(x)
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dist.all_reduce(x)
+            samples.append((time.perf_counter() - t0) / 5)
+        res[size] = statistics.median(samples)
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def _gloo(world: int) -> tuple[float, float]:
+    """(latency per ring step, bandwidth bytes/s) of a `world`-process gloo all-reduce on this host."""
+    import torch.multiprocessing as mp
+
+    from parc.runtime.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, q, world)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    small, big = res[1024], res[2 ** 22]
+    steps, share = 2 * (world - 1), 2 * (world - 1) / world   # a ring's latency steps and volume per rank
+    return small / steps, share * 2 ** 22 / max(big - small, 1e-9)
+
+
+def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks: int = 2, log=print) -> dict:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ParcError("parc calibrate --device cuda: no CUDA device here", hint="use --device cpu")
+    timed = _timer(device)
+    dtypes = {"fp32": torch.float32} if device == "cpu" else {"bf16": torch.bfloat16, "fp32": torch.float32}
+    shapes, attn = (CPU_SHAPES, CPU_ATTN) if device == "cpu" else (CUDA_SHAPES, CUDA_ATTN)
+    flops, table, attention = {}, [], []
+    for name, dt in dtypes.items():
+        log(f"matmul {name}: {len(shapes)} shapes")
+        got = _matmuls(device, dt, shapes, timed)
+        peak = peak_tflops * 1e12 if peak_tflops else max(f for *_, f in got)
+        flops[name] = peak
+        table += [(name, m, n, k, f / peak) for m, n, k, f in got]
+        log(f"  best {max(f for *_, f in got) / 1e9:.1f} GFLOP/s at peak {peak / 1e9:.1f}")
+        if name == ("fp32" if device == "cpu" else "bf16"):
+            log(f"attention {name}: {len(attn)} shapes")
+            attention += [(name, *row) for row in _attention(device, dt, attn, timed, peak)]
+    for missing in ("bf16", "fp16", "fp32"):
+        flops.setdefault(missing, flops.get("bf16", flops["fp32"]))
+    mem_bw = _bandwidth(device, timed)
+    log(f"memory bandwidth {mem_bw / 1e9:.1f} GB/s")
+    overhead = _overhead(device, timed)
+    log(f"op overhead {overhead * 1e6:.1f} µs")
+    preset = {
+        "name": f"{device}:{_device_name(device)}", "memory": _memory(device), "flops": flops,
+        "achievable": statistics.median(e for *_, e in table), "mem_bw": mem_bw, "matmul": table,
+        "attention": attention, "op_overhead": overhead, "async_launch": device == "cuda",
+        "source": f"parc calibrate --device {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    }
+    if device == "cpu":
+        lat, bw = _gloo(ranks)
+        log(f"gloo all-reduce over {ranks} processes: latency {lat * 1e6:.0f} µs per ring step, {bw / 1e9:.2f} GB/s")
+        preset.update(intra_bw=bw, inter_bw=bw, latency_intra=lat, latency_inter=lat, gpus_per_node=1024,
+                      cores=len(os.sched_getaffinity(0)))
+    else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
+        preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(preset, indent=1))
+    return preset
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+
+
+def _memory(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def read_preset(path: str, known: set[str]) -> dict:
+    """The fields of a `parc calibrate` file, checked against `known` (Hardware's); one clear error for a
+    bad file. parc.analysis.cost.hardware builds the Hardware (this module does not import cost)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ParcError(f"preset file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ParcError(f"preset file {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    need = {"name", "memory", "flops", "intra_bw", "inter_bw"}
+    if not isinstance(data, dict) or need - set(data):
+        missing = need - set(data) if isinstance(data, dict) else need
+        raise ParcError(f"preset file {path}: missing {', '.join(sorted(missing))}",
+                        hint="write one with `parc calibrate -o FILE.json`")
+    unknown = set(data) - known
+    if unknown:
+        raise ParcError(f"preset file {path}: unknown field(s) {', '.join(sorted(unknown))}",
+                        hint="valid: " + ", ".join(sorted(known)))
+    data.setdefault("achievable", 0.5)
+    for key in ("matmul", "attention"):
+        data[key] = tuple(tuple(r) for r in data.get(key, ()))
+    return data

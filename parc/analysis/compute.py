@@ -1,0 +1,209 @@
+"""Compute time per operation: the part of the cost model that says how long a stage's F and B take.
+
+Start at `stage_seconds(ops, hw, dtype, tp)`. `ops` is one pipeline stage's
+operations of ONE micro-batch, collected from the traced graph by `op_table`
+(stored in graph_stats as `stages[s]["ops"]`, JSON-ready):
+
+- `mm`: matmuls as [batch, m, n, k, split, recomputed, count]. `split` says which
+  dimension tensor parallelism divides: 0 none, 1 n (column, vocab), 2 k (row),
+  3 batch (the attention core's heads). Time: 2·b·m·n·k / (peak · e), e from the
+  preset's efficiency table at that shape and dtype (`matmul_efficiency`). The
+  backward is the two matmuls dX = dY·Wᵀ (m, k, n) and dW = Xᵀ·dY (n, k, m),
+  each looked up at its own shape.
+- `attn`: scaled_dot_product_attention as [b·heads, T, hs, causal, split,
+  recomputed, count]. FLOPs 4·b·h·T²·hs (halved when causal: a flash kernel skips
+  the masked half), the backward 2.5× the forward (flash recomputes QKᵀ: five
+  matmuls to the forward's two); efficiency from the preset's attention table.
+- `mem`: every other op that makes a value, as [bytes, sharded, recomputed,
+  count]: bytes read and written by the op in the forward (dtypes as autocast
+  runs them). Time bytes / the preset's measured memory bandwidth; the backward
+  of such an op moves twice its forward bytes (reads the output gradient and
+  what it saved, writes the input gradient).
+
+Every kernel also costs the preset's `op_overhead` (launch and dispatch): on a
+GPU the host runs ahead (`async_launch`), so a kernel costs max(work, overhead);
+on a CPU the two add. The backward is taken as 2 kernels per forward kernel.
+Recomputed ops run their forward again inside the backward.
+
+A preset without tables (or statistics without `ops`, e.g. an artifact compiled
+before they existed) falls back to FLOPs / (peak · achievable): `fallback`.
+"""
+
+from __future__ import annotations
+
+import math
+
+# ---------------------------------------------------------------- efficiency tables
+
+
+def _nearest(table, point: tuple[float, ...], k: int = 4) -> float:
+    """Inverse-distance weighted mean of the k nearest entries, in log2 space: table rows (*coords, value)."""
+    lp = [math.log2(max(x, 1)) for x in point]
+    dist = []
+    for row in table:
+        d = math.sqrt(sum((math.log2(max(c, 1)) - x) ** 2 for c, x in zip(row[:-1], lp)))
+        dist.append((d, row[-1]))
+    dist.sort()
+    near = dist[:k]
+    if near[0][0] < 1e-9:
+        return near[0][1]
+    w = [1 / d ** 2 for d, _ in near]
+    return sum(wi * v for wi, (_, v) in zip(w, near)) / sum(w)
+
+
+def matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
+    """Fraction of `hw.flops[dtype]` one (m×k)·(k×n) matmul reaches, from the preset's table."""
+    rows = [r[1:] for r in hw.matmul if r[0] == dtype] or [r[1:] for r in hw.matmul]
+    return _nearest(rows, (m, n, k)) if rows else hw.achievable
+
+
+def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool) -> float:
+    rows = [r for r in hw.attention if r[0] == dtype] or list(hw.attention)
+    if not rows:
+        return hw.achievable
+    return _nearest([(r[1], r[2], r[4 if backward else 3]) for r in rows], (t, hs))
+
+
+# ---------------------------------------------------------------- per stage
+
+
+def _peak(hw, dtype: str) -> float:
+    return hw.flops.get(dtype, hw.flops["fp32"])
+
+
+def _kernel(hw, work: float) -> float:
+    return max(work, hw.op_overhead) if hw.async_launch else work + hw.op_overhead
+
+
+def _mm_time(hw, dtype, b, m, n, k) -> float:
+    flops = 2 * b * m * n * k
+    return _kernel(hw, flops / (_peak(hw, dtype) * matmul_efficiency(hw, dtype, m, n, k))) if flops else 0.0
+
+
+def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on one tp rank of a stage; recompute inside backward."""
+    fwd = bwd = 0.0
+    for b, m, n, k, split, rec, count in ops.get("mm", ()):
+        if tp > 1 and split:
+            b, n, k = (b / tp if split == 3 else b), (n / tp if split == 1 else n), (k / tp if split == 2 else k)
+        f = _mm_time(hw, dtype, b, m, n, k)
+        fwd += count * f
+        bwd += count * (_mm_time(hw, dtype, b, m, k, n) + _mm_time(hw, dtype, b, n, k, m) + (f if rec else 0.0))
+    for bh, t, hs, causal, split, rec, count in ops.get("attn", ()):
+        if tp > 1 and split:
+            bh = bh / tp
+        flops = 4 * bh * t * t * hs * (0.5 if causal else 1.0)
+        f = _kernel(hw, flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)))
+        fwd += count * f
+        bwd += count * (_kernel(hw, 2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True)))
+                        + (f if rec else 0.0))
+    bw = hw.mem_bw
+    for nbytes, sharded, rec, count in ops.get("mem", ()):
+        if tp > 1 and sharded:
+            nbytes = nbytes / tp
+        f = _kernel(hw, nbytes / bw) if bw else 0.0
+        fwd += count * f
+        bwd += count * (2 * (_kernel(hw, nbytes / bw) if bw else 0.0) + (f if rec else 0.0))
+    return fwd, bwd
+
+
+def has_model(hw, stage: dict) -> bool:
+    """True when the per-op model applies: the preset has tables and the statistics have ops."""
+    return bool(hw.matmul) and "ops" in stage
+
+
+def fallback(hw, dtype: str, flops: float, recomputed: float) -> tuple[float, float]:
+    """FLOPs at one efficiency for everything (presets without tables, statistics without ops)."""
+    peak = _peak(hw, dtype) * hw.achievable
+    return flops / peak, (2 * flops + recomputed) / peak
+
+
+def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batches: int) -> float:
+    """Per-step memory-bound work outside the micro-batches, per rank: the optimizer update over the
+    parameters this rank updates (`params_local`), grad clipping, gradient accumulation, bf16 casts.
+
+    Bytes per parameter: AdamW reads param, grad and two moments and writes param and moments
+    (16 + 12); SGD 8 + 4; clipping reads the grads for their norm and scales them (4 + 8);
+    accumulating a micro-batch's grads into .grad reads and writes them (8 per extra micro);
+    bf16 casts each weight once per step (4 read + 2 written).
+    """
+    if not hw.mem_bw:
+        return 0.0
+    per = {"sgd": 12}.get(optimizer, 28) + 12 + 8 * max(micro_batches - 1, 0) + (6 if dtype != "fp32" else 0)
+    return params_local * per / hw.mem_bw + 4 * hw.op_overhead
+
+
+# ---------------------------------------------------------------- from the traced graph
+
+
+def _shape(n):
+    val = n.meta.get("val") if hasattr(n, "meta") else None
+    return tuple(val.shape) if hasattr(val, "shape") else None
+
+
+def matmul_dims(node) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a matmul-like aten node from its traced shapes, else None."""
+    name = str(node.target)
+    ins = [_shape(a) for a in node.args if hasattr(a, "meta")]
+    out = _shape(node)
+    if out is None or not ins or ins[0] is None or not len(ins[0]):
+        return None
+    if "aten.linear." in name or "aten.addmm." in name or "aten.mm." in name:
+        k = ins[0][-1] if "aten.addmm." not in name else ins[1][-1]
+        n = out[-1]
+        return 1, math.prod(out) // max(n, 1), n, k
+    if "aten.bmm." in name or "aten.matmul." in name or "aten.baddbmm." in name:
+        a = ins[1] if "aten.baddbmm." in name else ins[0]
+        k, n = a[-1], out[-1]
+        m = out[-2] if len(out) > 1 else 1
+        return math.prod(out[:-2]) or 1, m, n, k
+    return None
+
+
+def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool = False) -> dict:
+    """One stage's ops, aggregated by identical shape (layers repeat): see the module docstring.
+
+    `size_of(node)`: bytes per element as the runtime computes it; `split_of(node)`: which
+    dimension tp divides (0–3) for a matmul or attention; `sharded_of(node)`: whether a
+    memory-bound op's tensors are 1/tp per rank; `recomputed_of(node)`: inside a recompute region.
+    Under `bf16`, autocast's cast of each fp32 activation a matmul reads is a memory-bound op of its
+    own (4 bytes read, 2 written per element); weights are cast once per step (`step_seconds`).
+    """
+    from parc.analysis.activations import LOWERED, _is, is_alias
+
+    mm, attn, mem = {}, {}, {}
+    for n in nodes:
+        if n.op != "call_function" or is_alias(n) or _shape(n) is None:
+            continue
+        name, rec = str(n.target), int(bool(recomputed_of(n)))
+        if name.startswith("parc."):   # collectives: timed by the communication model
+            continue
+        if bf16 and _is(n, LOWERED):
+            for a in n.all_input_nodes:
+                if a.op != "placeholder" and _shape(a) is not None and size_of(a) == 4:
+                    key = (6 * math.prod(_shape(a)), int(bool(sharded_of(a))), rec)
+                    mem[key] = mem.get(key, 0) + 1
+        if "scaled_dot_product" in name:
+            q = _shape(n.args[0])
+            causal = bool(n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False))
+            key = (math.prod(q[:-2]), q[-2], q[-1], int(causal), split_of(n), rec)
+            attn[key] = attn.get(key, 0) + 1
+            continue
+        dims = matmul_dims(n) if _is(n, LOWERED) else None
+        if dims is not None:
+            key = (*dims, split_of(n), rec)
+            mm[key] = mm.get(key, 0) + 1
+            continue
+        out_b = math.prod(_shape(n)) * size_of(n)
+        if "embedding" in name:
+            nbytes = 2 * out_b                    # gathers rows: reads and writes the output's size
+        elif "cross_entropy" in name or "nll_loss" in name:
+            logits = n.args[0]
+            nbytes = 3 * math.prod(_shape(logits)) * 4   # reads logits, writes and reads the fp32 log-softmax
+        else:
+            nbytes = out_b + sum(math.prod(_shape(a)) * size_of(a) for a in n.all_input_nodes
+                                 if _shape(a) is not None and a.op != "get_attr")
+        key = (int(nbytes), int(bool(sharded_of(n))), rec)
+        mem[key] = mem.get(key, 0) + 1
+    return {"mm": [[*k, c] for k, c in mm.items()], "attn": [[*k, c] for k, c in attn.items()],
+            "mem": [[*k, c] for k, c in mem.items()]}

@@ -1,0 +1,61 @@
+"""The shipped hardware figures: matmul and attention efficiency tables, memory bandwidth (docs/cost-model.md).
+
+Start at `TABLES`. Each GPU preset in parc.analysis.cost.PRESETS takes its tables
+from here; `parc calibrate` writes the same fields, measured, to a preset file.
+
+- Matmul (H100, H200: the same GH100 die and clocks, so one table): achieved
+  bf16 FLOP/s of cuBLAS on sm_90 from XLA's measured default table
+  (openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h, "sm_90",
+  b = 1 entries), plus the largest-shape anchor from Stas Bekman's Maximum
+  Achievable Matmul FLOPS table (H100 SXM 792.1 TFLOPS at 6144×17920×2816).
+  Efficiency = achieved / 989 TFLOPS.
+- A100: a small matmul is bound by latency and tile count, not by the tensor
+  cores, so it takes about as long on an A100 as on an H100; a large one runs
+  at the A100's own maximum (MAMF table: A100 SXM 267.9 TFLOPS at
+  6912×16384×2048, 86% of 312). So efficiency = min(H100 achieved / 312, 0.86).
+- Attention (scaled_dot_product_attention, flash, causal, FLOPs counted with the
+  masked half skipped): forward+backward throughput read off FlashAttention-2's
+  benchmark figures (Dao 2023, arXiv:2307.08691, figs. 4–7: A100 and H100,
+  head dim 64 and 128), the same figure used for forward and backward.
+- Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
+  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches.
+- Kernel launch overhead 5 µs, hidden behind longer kernels (the host runs ahead).
+"""
+
+from __future__ import annotations
+
+# (m, n, k, achieved bf16 TFLOP/s) on sm_90
+_SM90 = (
+    (256, 512, 256, 11.5), (512, 256, 512, 21.8), (256, 1024, 256, 22.7), (256, 2048, 256, 41.8),
+    (1024, 256, 1024, 68.3), (256, 512, 4096, 91.7), (512, 256, 4096, 91.1), (1024, 2048, 256, 139.5),
+    (2048, 256, 1024, 135.8), (256, 1024, 4096, 172.3), (1024, 512, 2048, 220.0), (512, 2048, 1024, 232.6),
+    (4096, 512, 512, 238.8), (256, 2048, 4096, 285.9), (4096, 256, 2048, 304.7), (256, 4096, 2048, 324.6),
+    (4096, 1024, 512, 343.7), (2048, 512, 2048, 347.7), (1024, 1024, 2048, 350.0), (4096, 512, 1024, 370.8),
+    (512, 4096, 1024, 373.3), (4096, 4096, 256, 392.2), (4096, 2048, 512, 447.0), (2048, 1024, 2048, 523.3),
+    (1024, 2048, 2048, 524.3), (2048, 2048, 2048, 632.0), (4096, 4096, 4096, 783.3), (6144, 17920, 2816, 792.1),
+)
+_A100_MAX = 0.86  # 267.9 / 312
+
+# (T, head size, fwd+bwd TFLOP/s) of FlashAttention-2, causal
+_FA2_A100 = ((512, 64, 90), (1024, 64, 130), (2048, 64, 155), (4096, 64, 170), (8192, 64, 175),
+             (512, 128, 110), (1024, 128, 150), (2048, 128, 180), (4096, 128, 195), (8192, 128, 200))
+_FA2_H100 = ((512, 64, 150), (1024, 64, 215), (2048, 64, 265), (4096, 64, 295), (8192, 64, 305),
+             (512, 128, 180), (1024, 128, 255), (2048, 128, 305), (4096, 128, 325), (8192, 128, 335))
+
+
+def _matmul(peak: float, cap: float) -> tuple:
+    return tuple(("bf16", m, n, k, min(t * 1e12 / peak, cap)) for m, n, k, t in _SM90)
+
+
+def _attention(rows, peak: float) -> tuple:
+    return tuple(("bf16", t, hs, f * 1e12 / peak, f * 1e12 / peak) for t, hs, f in rows)
+
+
+TABLES = {
+    "a100": {"matmul": _matmul(312e12, _A100_MAX), "attention": _attention(_FA2_A100, 312e12),
+             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6},
+    "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6},
+    "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6},
+}
