@@ -1,0 +1,72 @@
+"""The plan language's expert parallelism: `mesh ... ep=`, `expert_parallel { ... }`, the ep and
+edp groups carved out of dp (parc/mesh.py), and every ep diagnostic, located and all at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from parc import mesh as meshlib
+from parc.errors import ParcError
+from parc.grammar.parser import parse
+from parc.grammar.plan import Mesh
+from parc.grammar.printer import format_plan
+from parc.grammar.validate import validate
+
+EP = 'mesh dp=4 ep=2\nexpert_parallel {\n    "blocks.*.moe.experts"\n}\n'
+# examples/moe.py's module paths, abridged: 4 experts in blocks 1 and 3
+PATHS = ["blocks", "blocks.0", "blocks.1", "blocks.1.moe", "blocks.1.moe.router", "blocks.1.moe.experts",
+         *[f"blocks.1.moe.experts.{e}" for e in range(4)], "blocks.3.moe.experts",
+         *[f"blocks.3.moe.experts.{e}" for e in range(4)]]
+
+
+def _errors(text: str, **facts) -> list[tuple[str, int, int]]:
+    with pytest.raises(ParcError) as info:
+        validate(parse(text, "t.par"), **facts)
+    return [(d.message, d.span.line, d.span.col) for d in info.value.diagnostics if d.severity == "error"]
+
+
+def test_round_trip_and_canonical_form():
+    plan = parse(EP)
+    assert plan.mesh.ep == 2 and plan.expert_parallel.patterns == ("blocks.*.moe.experts",)
+    assert format_plan(plan) == 'mesh dp=4 pp=1 tp=1 ep=2\nexpert_parallel {\n    "blocks.*.moe.experts"\n}\n'
+    assert parse(format_plan(plan)) == plan
+    assert "ep=" not in format_plan(parse("mesh dp=4\n"))  # ep 1 is the default, not printed
+
+
+def test_groups_are_carved_out_of_dp():
+    # dp 4 ep 2: ep groups are runs of 2 consecutive dp ranks; edp groups take every 2nd
+    assert meshlib.expert_groups(Mesh(dp=4, ep=2)) == {"ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}
+    # with tp 2 inner, dp ranks are 2 apart: each tp rank has its own ep and edp groups
+    groups = meshlib.expert_groups(Mesh(dp=4, tp=2, ep=2))
+    assert groups == {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    assert [meshlib.ep_rank(Mesh(dp=4, tp=2, ep=2), r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert meshlib.expert_groups(Mesh(dp=2, ep=2)) == {"ep": [[0, 1]], "edp": [[0], [1]]}
+
+
+def test_plan_only_mistakes_reported_together():
+    errors = _errors('mesh dp=6 ep=4\nexpert_parallel { "" }\n')
+    assert errors == [
+        ("mesh ep 4 does not divide dp 6: ep groups are carved out of the dp group, and dp 6 / ep 4 = 1.5 is "
+         "not a whole number of groups", 1, 14),
+        ("empty expert_parallel pattern", 2, 19)]
+    assert _errors("mesh dp=4 ep=2\n") == [
+        ("mesh ep 2 but no `expert_parallel` rule names the experts to spread", 1, 14)]
+
+
+def test_ep_one_with_rules_warns():
+    (warning,) = validate(parse('mesh dp=2\nexpert_parallel { "blocks.*.moe.experts" }\n'))
+    assert warning.severity == "warning" and "has no effect" in warning.message
+
+
+def test_model_mistakes_located_at_their_glob():
+    text = ('mesh dp=6 ep=3\nexpert_parallel {\n    "blocks.*.moe.experts"\n    "blocks.*.mo.experts"\n'
+            '    "blocks.1.moe"\n}\n')
+    errors = _errors(text, module_paths=PATHS)
+    assert errors == [
+        ("`blocks.1.moe.experts` holds 4 experts, not a multiple of mesh ep 3: each ep rank holds experts / ep "
+         "= 4 / 3", 3, 5),
+        ("`blocks.3.moe.experts` holds 4 experts, not a multiple of mesh ep 3: each ep rank holds experts / ep "
+         "= 4 / 3", 3, 5),
+        ('expert_parallel pattern "blocks.*.mo.experts" matches no module', 4, 5),
+        ("expert_parallel pattern \"blocks.1.moe\" matches `blocks.1.moe`, which has no numbered children: parc "
+         "expects the ModuleList of experts", 5, 5)]
