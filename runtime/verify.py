@@ -83,7 +83,7 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     compute = plan_json["plan"].get("precision", "fp32")
     # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
     # PER_MICRO_BATCH: its serial run is one forward per micro-batch, as each dp rank runs it.
-    micro = plan_json["plan"]["batch"]["micro"] if getattr(user, "PER_MICRO_BATCH", False) else global_batch
+    micro = plan_json["plan"]["batch"]["micro"] if getattr(user.module, "PER_MICRO_BATCH", False) else global_batch
     keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
                        plan_json["plan"]["batch"]["micro"])
     for step in range(steps):
