@@ -70,3 +70,19 @@ def test_model_mistakes_located_at_their_glob():
         ('expert_parallel pattern "blocks.*.mo.experts" matches no module', 4, 5),
         ("expert_parallel pattern \"blocks.1.moe\" matches `blocks.1.moe`, which has no numbered children: parc "
          "expects the ModuleList of experts", 5, 5)]
+
+
+def test_untested_compositions_refused_at_their_token():
+    from parc.analysis import support
+
+    text = ('mesh dp=4 pp=2 tp=2 ep=2\nexpert_parallel { "blocks.*.moe.experts" }\nzero stage=2\n'
+            'precision bf16\noptimizer adamw clip=1.0\n')
+    with pytest.raises(ParcError) as info:
+        support.check(parse(text, "t.par"))
+    got = [(d.message.split(":")[0], d.span.line, d.span.col) for d in info.value.diagnostics]
+    assert got == [("expert parallelism (mesh ep 2) with tp 2", 1, 19),
+                   ("expert parallelism (mesh ep 2) with pp 2", 1, 14),
+                   ("expert parallelism (mesh ep 2) with zero stage=2", 3, 12),
+                   ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
+                   ("expert parallelism (mesh ep 2) with clip", 5, 22)]
+    support.check(parse(EP))  # dp × ep in fp32: proven by tests/test_moe.py
