@@ -356,7 +356,10 @@ def _check_experts(plan: Plan, out: _Report, paths: list[str]) -> None:
             experts = [p for p in paths if p.startswith(path + ".") and p[len(path) + 1:].isdigit()]
             if not experts:
                 out.error(f"expert_parallel pattern \"{pattern}\" matches `{path}`, which has no numbered children: "
-                          "parc expects the ModuleList of experts", span, f"name the list, e.g. \"{path}.experts\"")
+                          "parc expects the ModuleList of experts", span,
+                          "parc spreads a ModuleList of alike experts, each run on its capacity slots (E, cap, C) "
+                          "(examples/moe.py, docs/moe.md); experts fused into one module's 3-D weights, as HF "
+                          "Mixtral and Qwen2-MoE write them, are not a form it recognises")
             elif _positive_int(ep) and len(experts) % ep:
                 out.error(f"`{path}` holds {len(experts)} experts, not a multiple of mesh ep {ep}: each ep rank "
                           f"holds experts / ep = {len(experts)} / {ep}", span,

@@ -86,3 +86,24 @@ def test_untested_compositions_refused_at_their_token():
                    ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
                    ("expert parallelism (mesh ep 2) with clip", 5, 22)]
     support.check(parse(EP))  # dp × ep in fp32: proven by tests/test_moe.py
+
+
+def test_hf_mixtral_refused_at_the_rule():
+    """HF Mixtral (transformers ≥ 5) fuses a layer's experts into one module's 3-D weights: no list
+    of experts for the pass to spread; the refusal names the form it expected, at the glob."""
+    import torch
+
+    from parc.trace import load_user_module
+    from helpers import ROOT
+
+    user = load_user_module(ROOT / "tests" / "models" / "mixtral_tiny.py")
+    with torch.device("meta"):
+        paths = [n for n, _ in user.build_model().named_modules() if n]
+    text = 'mesh dp=2 ep=2\nexpert_parallel {\n    "model.layers.*.mlp.experts"\n}\n'
+    with pytest.raises(ParcError) as info:
+        validate(parse(text, "t.par"), module_paths=paths)
+    (first, second) = info.value.diagnostics
+    assert (first.span.line, first.span.col) == (3, 5)
+    assert first.message.endswith("matches `model.layers.0.mlp.experts`, which has no numbered children: parc "
+                                  "expects the ModuleList of experts")
+    assert "Mixtral" in first.hint and "layers.1" in second.message
