@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from helpers import ROOT
-from parc import artifact
+from parc import artifact, viz
+from parc.analysis import report
 from parc.compiler import compile_model
 from parc.grammar.parser import parse
 from parc.runtime.launch import spawn
@@ -130,3 +131,7 @@ def test_ep2_matches_serial(dp, tmp_path):
     volume = micro_batches * 4 * sum(cfg.num_experts * cap * cfg.gpt.n_embd * 4 for cap in caps) * (ep - 1) // ep
     calls = micro_batches * 4 * len(caps)
     assert all(r["a2a"] == calls and r["sent"] == volume for r in results), (calls, volume, results[0]["sent"])
+    (row,) = [r for r in report.build(out)["communication"]["rows"] if r["axis"] == "ep"]
+    assert (row["collective"], row["bytes_per_rank"], row["inter_bytes"]) == ("all-to-all", volume // STEPS, 0)  # per step, one node
+    dot = viz.mesh_graph(art.plan).source  # parc viz: each ep group's ranks joined by an "ep" edge
+    assert dot.count("label=ep") == dp // ep and "tp 0 ep 1" in dot
