@@ -183,7 +183,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             state = [s for s in traced.state if s.name in placeholders]
             src = codegen.program_source(
                 gm, stage=stage, tp_rank=tp_rank, tp=m.tp, model=model_file.name, plan=Path(plan.file).name,
-                state_lines=[_state_line(s, ctx.shards.get(s.name)) for s in state],
+                state_lines=[_state_line(s, ctx.shards.get(s.name)) + expert_parallel.slot_note(s.name, ctx) for s in state],
                 inputs=[i.name for i in traced.inputs], boundary_lines=_boundary_lines(split, stage, m.pp))
             files[f"programs/{name}.py"] = src
             programs[name] = {

@@ -67,6 +67,11 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     return gm
 
 
+def _state(node: fx.Node) -> bool:
+    """A parameter or buffer placeholder (parc.trace marks them with their FQN), not a batch input."""
+    return node.op == "placeholder" and node.meta.get("parc_fqn") is not None
+
+
 def _shape(node) -> tuple:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
@@ -98,8 +103,7 @@ class _Layer:
         region = set(self.regions[e])
         if not region:
             raise self.refuse(f"expert {e} (`{self.path}.{e}`) computes nothing in the traced graph")
-        ins = {a for node in self.regions[e] for a in node.all_input_nodes
-               if a not in region and a.op != "placeholder"}
+        ins = {a for node in self.regions[e] for a in node.all_input_nodes if a not in region and not _state(a)}
         outs = [node for node in self.regions[e] if any(u not in region for u in node.users)]
         if len(ins) != 1 or len(outs) != 1:
             raise self.refuse(f"expert {e} takes {len(ins)} tensor input(s) and gives {len(outs)} output(s); "
@@ -127,7 +131,7 @@ class _Layer:
         if any(len(y.users) != 1 for y in self.outputs):
             raise self.refuse("an expert's output is read besides the stack")
         ops = [[node.target for node in r] for r in self.regions]
-        shapes = [[_shape(a) for node in r for a in node.all_input_nodes if a.op == "placeholder"]
+        shapes = [[_shape(a) for node in r for a in node.all_input_nodes if _state(a)]
                   for r in self.regions]
         if any(o != ops[0] for o in ops) or any(s != shapes[0] for s in shapes):
             raise self.refuse("the experts differ in their ops or parameter shapes; each ep rank runs slot j "
@@ -159,7 +163,7 @@ class _Layer:
         g.erase_node(self.stack)
         params: dict[int, list[fx.Node]] = {}
         for e in range(n):
-            params[e] = [p for node in self.regions[e] for p in node.all_input_nodes if p.op == "placeholder"]
+            params[e] = [p for node in self.regions[e] for p in node.all_input_nodes if _state(p)]
         for e in range(local, n):  # other ranks' experts: gone, with their parameters
             for node in reversed(self.regions[e]):
                 g.erase_node(node)
@@ -179,6 +183,12 @@ class _Layer:
         for node in self.regions[j]:
             env[node] = self.gm.graph.node_copy(node, lambda a: env.get(a, a))
         return env[self.outputs[j]]
+
+
+def slot_note(name: str, ctx) -> str:
+    """For a program's header: which expert a slot placeholder holds on each ep rank ("" for the rest)."""
+    fqns = (ctx.notes.get("expert_parallel") or {}).get(name)
+    return "  ep slot: " + ", ".join(f"ep {r}: {f}" for r, f in enumerate(fqns)) if fqns else ""
 
 
 def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:

@@ -250,4 +250,3 @@ allgather_split.register_autograd(
 
 
 import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*
-import parc.runtime.expert_parallel  # noqa: E402,F401 — registers torch.ops.parc.alltoall_alltoall

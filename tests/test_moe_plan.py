@@ -107,3 +107,70 @@ def test_hf_mixtral_refused_at_the_rule():
     assert first.message.endswith("matches `model.layers.0.mlp.experts`, which has no numbered children: parc "
                                   "expects the ModuleList of experts")
     assert "Mixtral" in first.hint and "layers.1" in second.message
+
+
+BAD_MOE = '''"""Experts that each read all the tokens and are summed: not the dispatch form passes/expert_parallel.py spreads."""
+import torch
+import torch.nn as nn
+
+
+class Dense(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        return sum(expert(x) for expert in self.experts)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Dense() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_model():
+    return Net()
+
+
+def get_batch(step, batch_size):
+    return (torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(step)),)
+
+
+def loss_fn(model, x):
+    return model(x).square().mean()
+'''
+
+
+def test_pass_refuses_another_form_at_the_rule(tmp_path):
+    from parc.compiler import compile_model
+
+    model = tmp_path / "bad_moe.py"
+    model.write_text(BAD_MOE)
+    text = 'mesh dp=2 ep=2\nbatch global=4 micro=2\nexpert_parallel {\n    "blocks.*.experts"\n}\n'
+    with pytest.raises(ParcError) as info:
+        compile_model(model, parse(text, "t.par"), tmp_path / "out")
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == (4, 5)
+    assert d.message.startswith("expert_parallel: `blocks.0.experts` is not in the form parc spreads over ep: "
+                                "expert 0's input is")
+    assert "not X[0] (select dim 0 index 0) of the dispatched tokens" in d.message
+    assert "torch.stack" in d.hint
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_of_ep_plans_refused():
+    from types import SimpleNamespace
+
+    from parc.errors import LaunchError
+    from parc.runtime import checkpoint
+
+    trainer = SimpleNamespace(entry={"experts": ["p_model_blocks_1_moe_experts_0_fc_weight"]})
+    for call in (lambda: checkpoint.save(trainer, "unused", 1), lambda: checkpoint.resume(trainer, "unused")):
+        with pytest.raises(LaunchError, match="checkpoints of expert-parallel plans"):
+            call()
