@@ -114,6 +114,12 @@ def test_ep2_matches_serial(dp, tmp_path):
     out = tmp_path / "compiled"
     compile_model(model, parse(text, str(tmp_path / "moe.par")), out)
     art = artifact.load(out)
+    # the rewrite, visible in the one program all ranks run: two all-to-alls per MoE layer, and only the
+    # slots of experts 0 and 1 (each rank's two experts) hold weights
+    program = art.programs["stage0_tp0"]
+    assert program.count("torch.ops.parc.alltoall_alltoall.default(") == 4
+    assert "experts_1_fc_weight" in program and "experts_2_" not in program and "experts_3_" not in program
+    assert "ep slot: ep 0: blocks.1.moe.experts.1.fc.weight, ep 1: blocks.1.moe.experts.3.fc.weight" in program
     results = spawn(art.world_size, _body, str(out))
     user = load_user_module(art.root / "model" / "model.py")
     drops = _dropped(user, art.plan["plan"]["batch"]["global"])

@@ -174,3 +174,16 @@ def test_checkpoints_of_ep_plans_refused():
     for call in (lambda: checkpoint.save(trainer, "unused", 1), lambda: checkpoint.resume(trainer, "unused")):
         with pytest.raises(LaunchError, match="checkpoints of expert-parallel plans"):
             call()
+
+
+def test_pass_is_a_no_op_without_ep():
+    import torch
+    import torch.fx as fx
+
+    from parc.passes import PassCtx, expert_parallel
+
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    before = gm.code
+    for text in ("mesh dp=2\n", 'mesh dp=2\nexpert_parallel { "blocks.*.moe.experts" }\n'):  # ep 1
+        ctx = PassCtx(traced=None)
+        assert expert_parallel.run(gm, parse(text), ctx) is gm and gm.code == before and not ctx.rewrites
