@@ -57,12 +57,11 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         for path in [p for p in paths if fnmatchcase(p, pattern)]:
             n = len([p for p in paths if p.startswith(path + ".") and p[len(path) + 1:].isdigit()])
             layer = _Layer(gm, path, n, span)
-            val = layer.x.meta.get("val")
+            dtype = str(layer.x.meta["val"].dtype).removeprefix("torch.")
             ctx.notes.setdefault("expert_layers", []).append(  # for `parc report` (parc/analysis/experts.py)
-                {"path": path, "experts": n, "slots": list(_shape(layer.x)), "dtype": str(val.dtype).removeprefix("torch.")})
+                {"path": path, "experts": n, "slots": list(_shape(layer.x)), "dtype": dtype})
             notes.update(layer.rewrite(ep, fqn_of))
             ctx.count("expert_parallel")
-    gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
 
