@@ -41,13 +41,13 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span, source_lines
 from parc.grammar.plan import (
-    DEFAULT_ORDER, Batch, Cut, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
+    DEFAULT_ORDER, Batch, Cut, ExpertParallel, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
     Topology, TPRule, Zero,
 )
 from parc.grammar.validate import validate
 
 STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero",
-              "recompute", "precision", "optimizer")
+              "recompute", "precision", "optimizer", "expert_parallel")
 TP_FLAGS = ("sequence_parallel",)
 
 
@@ -401,7 +401,7 @@ def _betas(arg: _Arg) -> tuple[float, float]:
 
 _POSITIVE = _int("a positive integer")
 KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
-    "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names},
+    "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names, "ep": _POSITIVE},
     "topology": {"nodes": _POSITIVE, "gpus_per_node": _POSITIVE, "intra": _bandwidth,
                  "inter": _bandwidth, "preset": _name},
     "batch": {"global": _POSITIVE, "micro": _POSITIVE, "accumulation": _POSITIVE},
@@ -412,6 +412,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "precision": {},
     "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
                   "clip": _float},
+    "expert_parallel": {},
 }
 
 
@@ -480,7 +481,7 @@ class _Builder:
 
     def _mesh(self, stmt: _Stmt, kw: dict) -> Mesh:
         return Mesh(dp=kw.get("dp", 1), pp=kw.get("pp", 1), tp=kw.get("tp", 1),
-                    order=kw.get("order", DEFAULT_ORDER), span=stmt.span)
+                    order=kw.get("order", DEFAULT_ORDER), ep=kw.get("ep", 1), span=stmt.span)
 
     def _topology(self, stmt: _Stmt, kw: dict) -> Topology:
         return Topology(nodes=kw.get("nodes", 1), gpus_per_node=kw.get("gpus_per_node", 8),
@@ -534,6 +535,11 @@ class _Builder:
             self.spans[f"recompute.patterns[{i}]"] = span
         return Recompute(tuple(p for p, _ in stmt.strings), span=stmt.span,
                          optional=tuple(p for i, (p, _) in enumerate(stmt.strings) if i in stmt.optional))
+
+    def _expert_parallel(self, stmt: _Stmt, kw: dict) -> ExpertParallel:
+        for i, (_, span) in enumerate(stmt.strings):
+            self.spans[f"expert_parallel.patterns[{i}]"] = span
+        return ExpertParallel(tuple(p for p, _ in stmt.strings), span=stmt.span)
 
     def _precision(self, stmt: _Stmt, kw: dict) -> str:
         name, span = stmt.words[0]

@@ -34,6 +34,7 @@ class Mesh:
     pp: int = 1
     tp: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER  # inner → outer
+    ep: int = 1  # expert-parallel degree: groups of ep consecutive dp ranks (not an axis of its own)
     span: Span | None = field(default=None, compare=False)
 
     @property
@@ -78,6 +79,14 @@ class TPRule:
 class TensorParallel:
     rules: tuple[TPRule, ...] = ()
     sequence_parallel: bool = False
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Globs naming ModuleLists of experts; with mesh ep > 1 each ep rank holds E/ep of each list's experts."""
+
+    patterns: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False)
 
 
@@ -144,6 +153,7 @@ class Plan:
     recompute: Recompute = Recompute()
     precision: str = "fp32"
     optimizer: Optimizer = Optimizer()
+    expert_parallel: ExpertParallel = ExpertParallel()
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
     # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",

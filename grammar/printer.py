@@ -12,7 +12,8 @@ an equal `Plan`, and equal plans print byte-identically (compiled/ hashes it).
   every other statement and key only when it differs from its default;
 - numbers as Python's shortest round-tripping repr, bandwidths in the largest
   decimal unit that keeps the value exact (900e9 → 900GB/s);
-- tensor_parallel rules one per line, colons aligned. Comments are not kept.
+- tensor_parallel rules one per line, colons aligned; expert_parallel globs one per line
+  after them; `ep=` on the mesh line only when not 1. Comments are not kept.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def format_plan(plan: Plan) -> str:
         body = [f'    {_quote(r.pattern) + "?" * r.optional:<{width}} : {r.style}' for r in tp.rules]
         body += ["    sequence_parallel"] if tp.sequence_parallel else []
         lines += ["tensor_parallel {", *body, "}"]
+    if plan.expert_parallel.patterns:
+        lines += ["expert_parallel {", *(f"    {_quote(p)}" for p in plan.expert_parallel.patterns), "}"]
     if plan.pipeline is not None:
         lines.append(_pipeline(plan.pipeline))
     if plan.zero.stage != 0:
@@ -57,6 +60,8 @@ def _quote(pattern: str) -> str:
 def _mesh(plan: Plan) -> str:
     mesh = plan.mesh
     text = "mesh " + " ".join(f"{a}={mesh.degree(a)}" for a in AXES)
+    if mesh.ep != 1:
+        text += f" ep={mesh.ep}"
     if tuple(mesh.order) != DEFAULT_ORDER:
         text += " order=" + ",".join(mesh.order)
     return text

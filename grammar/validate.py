@@ -54,8 +54,10 @@ def validate(plan: Plan, *, world_size: int | None = None, module_paths=None,
     _check_pipeline(plan, out, num_layers)
     _check_schedule_size(plan, out)
     _check_rest(plan, out)
+    _check_expert_parallel(plan, out)
     if module_paths is not None:
         _check_patterns(plan, out, list(module_paths))
+        _check_experts(plan, out, list(module_paths))
     errors = [d for d in out.diagnostics if d.severity == "error"]
     if errors:
         raise PlanError(diagnostics=out.diagnostics)
@@ -324,3 +326,52 @@ def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
                 close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0) if suggested <= 20 else []
                 out.error(f"cut {cut.where} \"{cut.path}\": no module has this path", out.at("", cut),
                           "closest module paths: " + ", ".join(close) if close else None)
+
+
+def _check_expert_parallel(plan: Plan, out: _Report) -> None:
+    """ep groups are carved out of dp (docs/moe.md): ep divides dp, and ep > 1 needs rules naming the experts."""
+    mesh, rules = plan.mesh, plan.expert_parallel
+    if not _positive_int(mesh.ep):
+        out.error(f"mesh ep must be a positive integer, got {mesh.ep}", out.at("mesh.ep", mesh))
+        return
+    if _positive_int(mesh.dp) and mesh.dp % mesh.ep:
+        out.error(f"mesh ep {mesh.ep} does not divide dp {mesh.dp}: ep groups are carved out of the dp group, "
+                  f"and dp {mesh.dp} / ep {mesh.ep} = {mesh.dp / mesh.ep:g} is not a whole number of groups",
+                  out.at("mesh.ep", mesh), f"use an ep that divides dp {mesh.dp}, or raise dp")
+    if mesh.ep > 1 and not rules.patterns:
+        out.error(f"mesh ep {mesh.ep} but no `expert_parallel` rule names the experts to spread",
+                  out.at("mesh.ep", mesh), 'add expert_parallel { "blocks.*.moe.experts" } (the ModuleList of experts)')
+    if mesh.ep == 1 and rules.patterns:
+        out.warn("expert_parallel with mesh ep 1 has no effect: every rank holds every expert",
+                 out.at("expert_parallel", rules), "state the expert-parallel degree, e.g. `mesh dp=4 ep=2`")
+    for i, pattern in enumerate(rules.patterns):
+        if not pattern:
+            out.error("empty expert_parallel pattern", out.at(f"expert_parallel.patterns[{i}]", rules),
+                      'write a glob such as "blocks.*.moe.experts"')
+
+
+def _check_experts(plan: Plan, out: _Report, paths: list[str]) -> None:
+    """Each expert_parallel glob matches at least one list of experts, and ep divides each list's length."""
+    ep = plan.mesh.ep
+    for i, pattern in enumerate(plan.expert_parallel.patterns):
+        if not pattern:
+            continue
+        span = out.at(f"expert_parallel.patterns[{i}]", plan.expert_parallel)
+        matched = [p for p in paths if fnmatchcase(p, pattern)]
+        if not matched:
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            out.error(f"expert_parallel pattern \"{pattern}\" matches no module", span,
+                      "closest module paths: " + ", ".join(close) if close else "the model has no modules")
+            continue
+        for path in matched:
+            experts = [p for p in paths if p.startswith(path + ".") and p[len(path) + 1:].isdigit()]
+            if not experts:
+                out.error(f"expert_parallel pattern \"{pattern}\" matches `{path}`, which has no numbered children: "
+                          "parc expects the ModuleList of experts", span,
+                          "parc spreads a ModuleList of alike experts, each run on its capacity slots (E, cap, C) "
+                          "(examples/moe.py, docs/moe.md); experts fused into one module's 3-D weights, as HF "
+                          "Mixtral and Qwen2-MoE write them, are not a form it recognises")
+            elif _positive_int(ep) and len(experts) % ep:
+                out.error(f"`{path}` holds {len(experts)} experts, not a multiple of mesh ep {ep}: each ep rank "
+                          f"holds experts / ep = {len(experts)} / {ep}", span,
+                          f"use an ep that divides {len(experts)}")

@@ -39,6 +39,8 @@ def program_source(gm: fx.GraphModule, *, stage: int, tp_rank: int, tp: int, mod
     python = gm.graph.python_code(root_module="self")
     body = "\n\n\n".join([*_regions(python.globals), _flat(python.src)])
     imports = "import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*\n" if "torch.ops.parc." in body else ""
+    if "torch.ops.parc.alltoall_alltoall" in body:
+        imports += "import parc.runtime.expert_parallel  # noqa: F401 — registers the ep all-to-all (passes/expert_parallel.py)\n"
     if "torch.utils.checkpoint." in body:
         imports += "import torch.utils.checkpoint  # recomputed regions (passes/recompute.py)\n"
     header = HEADER.format(imports=imports, stage=stage, tp_rank=tp_rank, tp=tp, model=model, plan=plan,

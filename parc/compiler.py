@@ -20,7 +20,7 @@ import parc
 from parc import artifact, codegen, mesh as meshlib
 from parc.analysis import activations, cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
-from parc.passes import PassCtx, dropout, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
+from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
@@ -32,6 +32,7 @@ log = logging.getLogger("parc.compile")
 # The pass pipeline, in order. Each entry is (name, run(graph, plan, ctx) -> graph).
 # dropout runs after tensor_parallel (it reads the shards) and before the split (it counts sites over the model)
 PASSES: list = [("tensor_parallel", tensor_parallel.run), ("dropout", dropout.run)]
+PASSES.insert(1, ("expert_parallel", expert_parallel.run))  # before dropout, which counts sites over the model
 
 
 @dataclass
@@ -182,7 +183,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             state = [s for s in traced.state if s.name in placeholders]
             src = codegen.program_source(
                 gm, stage=stage, tp_rank=tp_rank, tp=m.tp, model=model_file.name, plan=Path(plan.file).name,
-                state_lines=[_state_line(s, ctx.shards.get(s.name)) for s in state],
+                state_lines=[_state_line(s, ctx.shards.get(s.name)) + expert_parallel.slot_note(s.name, ctx) for s in state],
                 inputs=[i.name for i in traced.inputs], boundary_lines=_boundary_lines(split, stage, m.pp))
             files[f"programs/{name}.py"] = src
             programs[name] = {
@@ -197,6 +198,10 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             }
             if n_stages > 1:
                 programs[name].update(recv=split["recv"], send=split["send"], last=split["last"])
+            programs[name].update(expert_parallel.program_fields(gm, state, ctx, grad_buckets.assign))
+            for e in programs[name]["state"]:  # which expert each slot is on each ep rank (runtime/expert_parallel.py)
+                if e["name"] in ctx.notes.get("expert_parallel", {}):
+                    e["ep_fqns"] = ctx.notes["expert_parallel"][e["name"]]
 
     model_src = model_file.read_text()
     dp = m.dp
@@ -221,6 +226,14 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                   # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/analysis/cost.py)
                   "graph": cost.graph_stats(traced, plan)},
     }
+    if m.ep > 1:  # expert parallelism: ep and edp groups, each rank's ep coordinate
+        ep_groups = meshlib.expert_groups(m)
+        plan_json["groups"].update(ep_groups)
+        plan_json["mesh"]["ep"] = m.ep
+        plan_json["plan"]["expert_parallel"] = list(plan.expert_parallel.patterns)
+        plan_json["expert_parallel"] = {"ep": m.ep, "layers": ctx.notes.get("expert_layers", [])}
+        for entry in plan_json["ranks"]:
+            entry["ep"] = meshlib.ep_rank(m, entry["rank"])
     if n_stages > 1:
         plan_json["schedule"] = schedule
         plan_json["tied"] = _tied(programs, m.pp)

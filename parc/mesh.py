@@ -60,3 +60,25 @@ def groups(mesh: Mesh, axis: str) -> list[list[int]]:
 
 def group_of(mesh: Mesh, axis: str, rank: int) -> list[int]:
     return next(g for g in groups(mesh, axis) if rank in g)
+
+
+def expert_groups(mesh: Mesh) -> dict[str, list[list[int]]]:
+    """The expert-parallel groups carved out of dp, as DeepSpeed and Megatron carve them.
+
+    Each dp group (ranks that differ only in their dp coordinate, in dp order) is cut into
+    runs of `mesh.ep` consecutive dp coordinates: an "ep" group, whose ranks hold different
+    experts and exchange tokens. The ranks of a dp group with equal `dp % ep` hold the same
+    experts: an "edp" (expert-data-parallel) group of dp / ep ranks, over which expert
+    gradients are reduced. Assumes ep divides dp (grammar/validate.py checks it).
+    """
+    ep = mesh.ep
+    out: dict[str, list[list[int]]] = {"ep": [], "edp": []}
+    for dp_group in groups(mesh, "dp"):  # in dp-coordinate order: coords() decodes it so
+        out["ep"] += [dp_group[i:i + ep] for i in range(0, len(dp_group), ep)]
+        out["edp"] += [dp_group[j::ep] for j in range(ep)]
+    return {k: sorted(v, key=lambda g: g[0]) for k, v in out.items()}
+
+
+def ep_rank(mesh: Mesh, rank: int) -> int:
+    """`rank`'s index in its ep group: which E/ep experts it holds."""
+    return coords(mesh, rank).dp % mesh.ep

@@ -75,7 +75,7 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
     g = graphviz.Digraph("mesh", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "nodesep": "0.15",
                          "label": f"mesh dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']} = {mesh['world_size']} "
                          f"ranks, order {','.join(mesh['order'])} (inner → outer), {gpn} GPUs per node; "
-                         f"colour = pp rank" + (f"; first {MAX_RANKS} ranks" if mesh["world_size"] > MAX_RANKS
+                         f"colour = pp rank" + _ep_label(mesh) + (f"; first {MAX_RANKS} ranks" if mesh["world_size"] > MAX_RANKS
                                                else ""), "labelloc": "t"},
                          node_attr={"shape": "box", "style": "filled", "fontname": "Helvetica", "fontsize": "10"})
     by_node: dict[int, list[dict]] = {}
@@ -98,7 +98,8 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
                     with t.subgraph() as same:
                         same.attr(rank="same")
                         for r in rs:
-                            same.node(f"r{r['rank']}", f"r{r['rank']}\ndp {r['dp']} pp {r['pp']} tp {r['tp']}",
+                            ep = f" ep {r['ep']}" if "ep" in r else ""  # mesh ep > 1: which experts it holds
+                            same.node(f"r{r['rank']}", f"r{r['rank']}\ndp {r['dp']} pp {r['pp']} tp {r['tp']}{ep}",
                                       fillcolor=_colour(r["pp"], mesh["pp"]))
                         for x, y in zip(rs, rs[1:]):  # an edge within a rank orders it left to right
                             same.edge(f"r{x['rank']}", f"r{y['rank']}", style="invis")
@@ -106,11 +107,26 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
             for a, b in zip(heads, heads[1:]):  # the node's lines top to bottom
                 c.edge(a, b, style="invis")
         first_last[node] = (heads[0], heads[-1])
+    _ep_edges(g, pj, {r["rank"] for r in ranks})
     for node, (_, last) in first_last.items():  # wrap: node k + NODES_PER_ROW below node k
         below = first_last.get(node + NODES_PER_ROW)
         if below:
             g.edge(last, below[0], style="invis")
     return g
+
+
+def _ep_label(mesh: dict) -> str:
+    return f"; red dashed: ep groups of {mesh['ep']} (all-to-all)" if mesh.get("ep", 1) > 1 else ""
+
+
+def _ep_edges(g: graphviz.Digraph, pj: dict, shown: set[int]) -> None:
+    """mesh ep > 1: a red dashed edge joins the ranks of each ep group (they exchange tokens by all-to-all,
+    docs/moe.md); the edges do not move the layout."""
+    for grp in pj["groups"].get("ep", []):
+        members = [r for r in grp if r in shown]
+        for a, b in zip(members, members[1:]):
+            g.edge(f"r{a}", f"r{b}", label="ep", color="#cc3333", fontcolor="#cc3333", style="dashed",
+                   constraint="false", dir="none")
 
 
 def _gpus_per_node(pj: dict) -> int:

@@ -140,6 +140,7 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     `replace` (the first save of a run started with --overwrite-checkpoints): first delete the step_<N>
     beyond the step the run started from, and let `latest` move back to this one.
     """
+    _refuse_experts(trainer)
     root = Path(root)
     ctx = trainer.ctx
     final = root / f"step_{step}"
@@ -224,6 +225,14 @@ def _one(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _refuse_experts(trainer) -> None:
+    """Expert parallelism (docs/moe.md): an ep rank's expert slots name other FQNs than its dp peers', which
+    the layout above (one tensor sharded over all of dp) cannot store. parc.run refuses it at launch too."""
+    if trainer.entry.get("experts"):
+        raise LaunchError("checkpoints of expert-parallel plans (mesh ep > 1) are not supported",
+                          hint="train with ep=1 to checkpoint, or without --save-every / --resume")
+
+
 def load(trainer, path: str | Path) -> int:
     """`resume`, for callers that want only the number of steps the checkpoint holds."""
     return resume(trainer, path)[0]
@@ -237,6 +246,7 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     alike. Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
     whichever ranks wrote the rows) and keeps its tp slice and ZeRO range.
     """
+    _refuse_experts(trainer)
     saved = open_checkpoint(path, what, shards=False)  # a shard damaged after all: DCP's read fails on every rank
     plan_json, ctx = trainer.art.plan, trainer.ctx
     meta, info = saved.meta.state_dict_metadata, saved.info

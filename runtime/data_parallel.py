@@ -16,8 +16,11 @@ import torch.distributed as dist
 
 
 class GradBuckets:
-    def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int):
-        self.group, self.dp = group, dp
+    def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int,
+                 divisor: int | None = None):
+        # `divisor` (default dp): the sum over `group` is divided by it; expert gradients are summed
+        # over the edp group but averaged over all of dp (runtime/expert_parallel.py)
+        self.group, self.dp, self.divisor = group, dp, divisor or dp
         self.flat: list[torch.Tensor] = []
         self.members: list[list[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
@@ -51,8 +54,9 @@ class GradBuckets:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
+        if self.divisor > 1:
+            self.flat[b].div_(self.divisor)  # average: pre-divide, as DDP does, to keep sums in range
         if self.dp > 1:
-            self.flat[b].div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
             self._works[b] = dist.all_reduce(self.flat[b], group=self.group, async_op=True)
         else:
             self._works[b] = True

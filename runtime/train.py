@@ -29,6 +29,7 @@ from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
 from parc.runtime import dropout, grad_norm, ops, precision, tensor_parallel
+from parc.runtime import expert_parallel
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -107,6 +108,8 @@ class Trainer:
         else:
             self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"])
             self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
+        if self.entry.get("experts"):  # expert gradients: summed over edp, averaged over dp
+            self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
         self.resumed_step = 0  # steps the checkpoint this run resumed from holds (runtime/checkpoint.py)
@@ -135,7 +138,8 @@ class Trainer:
         plan = self.art.plan
         if self.pp > 1:
             return pipeline.merged_entry(plan, rank)
-        return plan["programs"][plan["ranks"][rank]["program"]]
+        # an ep rank's expert entries name its own experts (runtime/expert_parallel.py)
+        return expert_parallel.localize(plan["programs"][plan["ranks"][rank]["program"]], plan["ranks"][rank].get("ep", 0))
 
     def before_grad(self, stage: int, last: bool) -> None:
         """Pipeline callback: a backward of `stage` is about to accumulate grads; `last` arms the dp sync."""
@@ -255,6 +259,8 @@ class Trainer:
                 dist.all_gather(parts, full.contiguous(), group=self.ctx.groups["tp"])
                 full = unshard(parts, e["shard"])
             out[e["fqn"]] = full.cpu()
+        if self.entry.get("experts"):  # each ep rank holds E/ep experts: gather every one
+            out.update(expert_parallel.gather_experts(self.entry, self.state, self.ctx))
         if self.pp > 1:  # every stage's parameters, merged on rank 0 (tied copies are equal)
             parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
             dist.gather_object(out, parts, dst=0)

@@ -81,20 +81,27 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     global_batch = plan_json["plan"]["batch"]["global"]
     losses = []
     compute = plan_json["plan"].get("precision", "fp32")
-    keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), global_batch,
+    # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
+    # PER_MICRO_BATCH: its serial run is one forward per micro-batch, as each dp rank runs it.
+    micro = plan_json["plan"]["batch"]["micro"] if getattr(user.module, "PER_MICRO_BATCH", False) else global_batch
+    keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
                        plan_json["plan"]["batch"]["micro"])
     for step in range(steps):
-        keys.new_forward()
-        # the whole global batch: its first sample is sample 0 (runtime/dropout.py keys by global sample)
-        with key_scope(seed, step, 0), keys:
-            with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
-                loss = user.loss_fn(model, *user.get_batch(step, global_batch)).float()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+        batch = user.get_batch(step, global_batch)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for first in range(0, global_batch, micro):
+            keys.new_forward()
+            # the forward's first global sample keys its dropouts (runtime/dropout.py keys by global sample)
+            with key_scope(seed, step, first), keys:
+                with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
+                    loss = user.loss_fn(model, *(t[first:first + micro] for t in batch)).float()
+                (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
+            total += loss.item() * micro / global_batch
         if cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(total)
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
     # have kept either name
     return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from parc.analysis import cost
+from parc.analysis import cost, experts
 from parc.errors import ParcError
 
 GiB = cost.GiB
@@ -122,7 +122,14 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
              "intra_bytes": round(c.intra), "inter_bytes": round(c.inter), "seconds": c.seconds}
             for c in est.comms]
     tokens = plan_obj.global_batch * stats.get("tokens_per_sample", 0)
-    return {
+    ep = experts.section(compiled, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
+    if ep is not None:
+        comm.append(ep["row"])
+        notes.append("ep all-to-all: its row is not in the estimated step time; dp's all-reduce counts every "
+                     "parameter of a rank, experts included, though experts reduce over dp / ep ranks")
+    elif plan_obj.mesh.ep > 1:
+        notes.append("ep: the all-to-all volume and expert state are reported from a compiled/ directory only")
+    rep = {
         "source": "compiled" if compiled is not None else "analytic",
         "notes": notes,
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
@@ -144,6 +151,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                         "step_seconds": est.step_seconds, "mfu": est.mfu,
                         "tokens_per_step": tokens},
     }
+    if ep is not None:
+        rep["experts"] = ep["experts"]
+    return rep
 
 
 def to_json(rep: dict) -> str:
@@ -187,6 +197,8 @@ def render(rep: dict, console=None) -> None:
         t.add_row(c["axis"], c["collective"], str(c["group"]), _size(c["bytes_per_rank"]), _size(c["intra_bytes"]),
                   _size(c["inter_bytes"]), f"{c['seconds']:.3g}")
     console.print(t)
+    if rep.get("experts"):
+        console.print(experts.line(rep["experts"]))
     console.print(f"communication {comm['seconds']:.3g} s if nothing overlapped; exposed "
                   f"{comm['exposed_seconds']:.3g} s = {comm['share_of_step']:.1%} of the step (tp on the critical "
                   f"path, P2P beyond the schedule's own bubble, dp not hidden behind backward)")

@@ -10,6 +10,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-1/2 with pp (one stage per rank) and tp                   test_3d, test_zero_combos
   ZeRO-3 with tp                                                 test_zero_combos
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
+  expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -51,5 +52,33 @@ def check(plan: Plan) -> None:
         refuse(f"zero stage={z} with virtual stages ({virtual} per pp rank) is not supported: ZeRO partitions one "
                f"program per rank, and with virtual > 1 a rank runs {virtual}",
                "pipeline.virtual", pipe, "use schedule=1f1b with ZeRO, or drop zero")
+    _expert_parallel(plan, refuse)
     if out:
         raise PlanError(diagnostics=out)
+
+
+def _expert_parallel(plan: Plan, refuse) -> None:
+    """mesh ep > 1 is proven with dp only (tests/test_moe.py): each other feature is refused, with why."""
+    m = plan.mesh
+    if m.ep == 1:
+        return
+    why = {
+        "mesh.tp": (m.tp > 1, f"tp {m.tp}: the experts' tensor-parallel shards and the all-to-all over ep are not "
+                    "composed by the pass (it runs on whole experts) nor proven by a test", "use tp=1 with ep"),
+        "mesh.pp": (m.pp > 1, f"pp {m.pp}: the pipeline executor's stage buckets do not reduce expert gradients over "
+                    "the expert-data-parallel group", "use pp=1 with ep"),
+        "zero.stage": (plan.zero.stage > 0, f"zero stage={plan.zero.stage}: ZeRO partitions gradients over all of dp, "
+                       "but expert gradients belong to the expert-data-parallel group (dp / ep ranks)",
+                       "drop `zero` with ep"),
+        "precision": (plan.precision != "fp32", f"precision {plan.precision}: no test proves expert parallelism "
+                      "under autocast", "use fp32 with ep"),
+        "optimizer.clip": (plan.optimizer.grad_clip is not None, "clip: the global gradient norm would count each "
+                           "ep rank's experts once per rank, not sum them over the ep group", "drop clip= with ep"),
+        "recompute.patterns[0]": (bool(plan.recompute.patterns), "recompute: a recomputed region would issue the "
+                                  "experts' all-to-all again in backward, which no test proves", "drop `recompute`"),
+    }
+    nodes = {"mesh.tp": m, "mesh.pp": m, "zero.stage": plan.zero, "precision": None,
+             "optimizer.clip": plan.optimizer, "recompute.patterns[0]": plan.recompute}
+    for key, (bad, reason, hint) in why.items():
+        if bad:
+            refuse(f"expert parallelism (mesh ep {m.ep}) with {reason}", key, nodes[key], hint)

@@ -1,0 +1,112 @@
+"""Expert parallelism at run time: the token all-to-all, expert gradients, expert state.
+
+Start at `alltoall_alltoall`, the op passes/expert_parallel.py writes into a program around
+each MoE layer's experts. The rest serves the Trainer (runtime/train.py):
+
+- `localize(entry, ep_rank)`: a program's state entries name the experts of ep rank 0
+  (slot j ↔ expert j); ep rank r holds experts r·E/ep + j, listed per entry in `ep_fqns`.
+- `ExpertBuckets`: the dense gradients are averaged over dp as always; an expert's gradient
+  already sums the losses of its whole ep group (the all-to-all's backward brought them), so
+  it is summed over the edp group (the ranks holding the same experts) and divided by dp.
+- `gather_experts`: the full model's experts for `gathered_state`, from every ep rank.
+
+Recording. `with traffic() as log:` appends `(phase, bytes)` for every all-to-all issued,
+`bytes` being what this rank sends to the other ranks of its ep group (its own chunk stays);
+`tests/test_moe.py` holds it to the analytic volume of docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parc.runtime import ops
+from parc.runtime.data_parallel import GradBuckets
+
+_TRAFFIC: list | None = None
+
+
+@contextmanager
+def traffic():
+    """Collect `(phase, bytes sent to other ranks)` of every expert all-to-all issued inside the block."""
+    global _TRAFFIC
+    outer, _TRAFFIC = _TRAFFIC, []
+    try:
+        yield _TRAFFIC
+    finally:
+        _TRAFFIC = outer
+
+
+def all_to_all(x: Tensor, axis: str, phase: str) -> Tensor:
+    """Chunk k of dim 0 goes to rank k of the axis group; chunk k of the result came from rank k."""
+    g = ops.group(axis)
+    n = dist.get_world_size(g)
+    ops._note("all_to_all", axis, phase)
+    if _TRAFFIC is not None:
+        _TRAFFIC.append((phase, x.numel() * x.element_size() * (n - 1) // n))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=g)
+    return out
+
+
+def _axis_ctx(ctx, inputs, output):
+    ctx.axis = inputs[1]
+
+
+@torch.library.custom_op("parc::alltoall_alltoall", mutates_args=())
+def alltoall_alltoall(x: Tensor, axis: str) -> Tensor:
+    """Token exchange of expert parallelism. x (E, cap, C): this rank's capacity slots of every
+    expert. Forward: all-to-all over `axis` in ep equal chunks of dim 0 (the E/ep experts of each
+    ep rank), so the result (ep·E/ep, cap, C) holds, chunk s, source rank s's slots of this rank's
+    experts; applied to the experts' outputs it sends them home. Backward: the same all-to-all
+    of the gradient (an equal-split all-to-all is its own transpose)."""
+    return all_to_all(x, axis, "fwd")
+
+
+alltoall_alltoall.register_fake(lambda x, axis: torch.empty_like(x))
+alltoall_alltoall.register_autograd(lambda ctx, g: (all_to_all(g, ctx.axis, "bwd"), None),
+                                    setup_context=_axis_ctx)
+
+
+def localize(entry: dict, ep_rank: int) -> dict:
+    """`entry` (a program of plan.json) with each expert state entry naming ep rank `ep_rank`'s expert."""
+    if not entry.get("experts"):
+        return entry
+    state = [dict(e, fqn=e["ep_fqns"][ep_rank]) if "ep_fqns" in e else e for e in entry["state"]]
+    return dict(entry, state=state)
+
+
+class ExpertBuckets:
+    """The dense buckets (over dp) and the expert buckets (over edp, divided by dp), driven as one."""
+
+    def __init__(self, dense: GradBuckets, params: dict[str, Tensor], buckets: list[list[str]], ctx):
+        self.dense = dense
+        self.experts = GradBuckets(params, buckets, ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0])),
+                                   divisor=ctx.degree["dp"])
+
+    def start_micro_batch(self, sync: bool) -> None:
+        self.dense.start_micro_batch(sync)
+        self.experts.start_micro_batch(sync)
+
+    def finish(self) -> None:
+        self.dense.finish()
+        self.experts.finish()
+
+    def zero(self) -> None:
+        self.dense.zero()
+        self.experts.zero()
+
+
+def gather_experts(entry: dict, state: list[Tensor], ctx) -> dict[str, Tensor]:
+    """Every ep rank's experts by model FQN, on CPU (collective over the ep group)."""
+    out = {}
+    for e, t in zip(entry["state"], state):
+        if "ep_fqns" not in e or e["kind"] != "param":
+            continue
+        parts = [torch.empty_like(t) for _ in e["ep_fqns"]]
+        dist.all_gather(parts, t.detach().contiguous(), group=ctx.groups["ep"])
+        out.update({fqn: p.cpu() for fqn, p in zip(e["ep_fqns"], parts)})
+    return out
