@@ -64,7 +64,7 @@ def plan_text(tp, pp, gpus, batch, micro, zero) -> str:
     dp = gpus // (tp * pp)
     return (f"mesh dp={dp} pp={pp} tp={tp}\ntopology nodes={gpus // 8} gpus_per_node=8\n"
             f"batch global={batch} micro={micro}\n" + TP_RULES +
-            (f"pipeline schedule=1f1b stages=auto\n" if pp > 1 else "") +
+            ("pipeline schedule=1f1b stages=auto\n" if pp > 1 else "") +
             (f"zero stage={zero}\n" if zero else "") + 'recompute "blocks.*"\nprecision bf16\n')
 
 
