@@ -113,7 +113,8 @@ def test_written_plan_checks_compiles_and_trains_like_serial(tiny, tmp_path, cap
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--gpus", "12", "--nodes", "5", "--global-batch", "8"], "--gpus 12 is not divisible by --nodes 5: 12 = 2 × 5 + 2"),
+    (["--gpus", "12", "--nodes", "5", "--global-batch", "8"],
+     "--gpus 12 is not divisible by --nodes 5: 12 = 2 × 5 + 2"),
     (["--gpus", "12", "--global-batch", "8"], "--gpus 12 do not fill whole H100-80GB nodes of 8: 12 = 1 × 8 + 4"),
     (["--gpus", "4", "--global-batch", "0"], "--global-batch 0: need at least 1 sample per step"),
     (["--gpus", "64", "--global-batch", "2"], "no plan for 64 GPUs and global batch 2"),

@@ -33,6 +33,7 @@ compile's passes; `write` never replaces an existing file unless told to.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -44,9 +45,12 @@ from parc.errors import ParcError
 from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
                                Zero)
 
+log = logging.getLogger(__name__)
 MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
 VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interleaved 1F1B
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
+KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
+FULL_ESTIMATES = 40              # pipelined plans estimated in full (each simulates its whole schedule)
 
 
 # ---------------------------------------------------------------- tensor-parallel rules from the graph
@@ -184,6 +188,7 @@ class _Stats:
     def __init__(self, traced, base: Plan, layout: TPLayout, prefix: str | None):
         self.traced, self.base, self.layout, self.prefix = traced, base, layout, prefix
         self.cache: dict = {}
+        self.assembled: dict = {}
         self.split: dict = {}
         self.assigned = None
 
@@ -205,6 +210,12 @@ class _Stats:
         return self.cache[key]
 
     def get(self, stages: int, variant, micro: int) -> dict:
+        key = (stages, variant, micro)
+        if key not in self.assembled:  # the candidates of one shape differ in ZeRO stage and schedule only
+            self.assembled[key] = self._get(stages, variant, micro)
+        return self.assembled[key]
+
+    def _get(self, stages: int, variant, micro: int) -> dict:
         L = self.traced.num_layers
         if stages == 1 or stages == L:
             out = self._raw(stages, variant)
@@ -248,13 +259,18 @@ class _Stats:
 
         def load(a, b):
             return 0.5 * (cf[b] - cf[a]) / tf + 0.5 * (cp[b] - cp[a]) / tp
-        best = {(0, 0): (0.0, [])}
+        # best[k][j]: (the smallest largest load of k groups over units [0, j), where group k starts)
+        best = [{0: (0.0, 0)}]
         for k in range(1, stages + 1):
+            prev, row = best[-1], {}
             for j in range(k, n - (stages - k) + 1):
-                cands = [(max(best[(k - 1, i)][0], load(i, j)), best[(k - 1, i)][1] + [j])
-                         for i in range(k - 1, j) if (k - 1, i) in best]
-                best[(k, j)] = min(cands, key=lambda c: c[0])
-        ends = best[(stages, n)][1]
+                row[j] = min((max(prev[i][0], load(i, j)), i) for i in range(k - 1, j) if i in prev)
+            best.append(row)
+        ends, j = [], n
+        for k in range(stages, 0, -1):
+            ends.append(j)
+            j = best[k][j][1]
+        ends.reverse()
         self.split[stages] = [list(range(a, b)) for a, b in zip([0] + ends[:-1], ends)]
         return self.split[stages]
 
@@ -266,6 +282,7 @@ class Candidate:
     plan: Plan
     reason: str | None = None          # why it was dropped; None while it competes
     bound: float = 0.0                 # lower bound on step seconds (pipelines)
+    guess: float = 0.0                 # step seconds extrapolated from the probe (pipelines; for ordering)
     est: object = None                 # cost.Estimate
     peak: float = 0.0                  # bytes on the fullest rank
 
@@ -293,7 +310,8 @@ class Result:
     ranked: list[Candidate]            # feasible, fully estimated, best first
     dropped: list[Candidate]           # with reasons
     considered: int
-    seconds: float
+    seconds: float                     # wall time of the search, tracing included
+    cpu_seconds: float                 # its CPU time (on a shared machine, wall time measures the neighbours)
     hw: cost.Hardware
     layout: TPLayout
     notes: list[str] = field(default_factory=list)
@@ -424,16 +442,24 @@ def _shared_schedules():
 
 
 class _Search:
-    def __init__(self, traced, stats: _Stats, hw, top: int):
-        self.traced, self.stats, self.hw, self.top = traced, stats, hw, top
+    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int):
+        self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
         self.groups: dict = {}
 
     def _groups(self, mesh: Mesh) -> dict:
         from parc import mesh as meshlib
         key = (mesh.dp, mesh.pp, mesh.tp, mesh.order)
         if key not in self.groups:  # the same for every candidate of one mesh shape
-            self.groups[key] = {a: meshlib.groups(mesh, a) for a in ("dp", "pp", "tp")}
+            self.groups[key] = {a: self._distinct(meshlib.groups(mesh, a)) for a in ("dp", "pp", "tp")}
         return self.groups[key]
+
+    def _distinct(self, groups: list[list[int]]) -> list[list[int]]:
+        """One group of each placement: groups whose ranks sit alike on their nodes (the same slots, the same
+        node offsets from the first) cost the same, so the cost model need not walk all world / n of them."""
+        per, seen = self.hw.gpus_per_node, {}
+        for g in groups:
+            seen.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
+        return list(seen.values())
 
     def estimate(self, plan: Plan):
         m = plan.mesh
@@ -455,15 +481,21 @@ class _Search:
         return True
 
     def _probe(self, c: Candidate):
-        """The estimate at the fewest micro-batches per step its schedule takes (one; pp for interleaved)."""
+        """A lower bound on `c`'s compute and memory, cheap to simulate: one micro-batch per step, one stage
+        per pp rank. Interleaved candidates are probed as 1F1B over pp × virtual ranks holding one of their
+        stages each (interleaving needs a multiple of pp micro-batches, pp² × virtual slots to simulate):
+        the same per-stage costs, of one stage, not of the `virtual` a rank holds, so no more than theirs."""
         p = c.plan
-        a = p.mesh.pp if p.pipeline.schedule == "interleaved_1f1b" else 1
-        return a, self.estimate(replace(p, batch=Batch(p.micro_batch * p.mesh.dp * a, p.micro_batch)))
+        v = p.pipeline.virtual
+        probe = replace(p, batch=Batch(p.micro_batch * p.mesh.dp, p.micro_batch), pipeline=Pipeline("1f1b"),
+                        mesh=replace(p.mesh, pp=p.mesh.pp * v))
+        return self.estimate(probe)
 
     def run(self, cands: list[Candidate]) -> list[Candidate]:
-        """Estimate pp = 1 candidates outright; bound pipelined ones below by a probe, then estimate them
-        in the order of their bound until it passes the `top`-th best step found."""
-        done, pending, bounds = [], [], {}
+        """Estimate pp = 1 candidates outright. Probe each pipeline shape once; estimate pipelined candidates
+        in the order of the probe's extrapolated step, skipping those whose lower bound already loses to the
+        `top`-th best step found, and at most `budget` of them in full."""
+        done, pending, probes = [], [], {}
         for c in cands:
             p = c.plan
             if p.mesh.pp == 1:
@@ -471,23 +503,35 @@ class _Search:
                 if self._fits(c, c.est):
                     done.append(c)
                 continue
-            # step ≥ the bottleneck rank's compute = accumulation × one micro-batch's: the same for every
-            # schedule and ZeRO stage of one pipeline shape, so probed once per shape
+            # compute is the same for every schedule and ZeRO stage of one pipeline shape: probed once
             key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual)
-            if key not in bounds:
-                a, est = self._probe(c)
-                bounds[key] = est.compute_seconds * p.accumulation / a
-            c.bound = bounds[key]
+            if key not in probes:
+                probes[key] = self._probe(c)
+            probe = probes[key]
+            # step ≥ the bottleneck rank's compute, accumulation × one micro-batch's (a true lower bound);
+            # 1F1B's step is the probe's (fill, drain, dp) plus a compute per further micro-batch (a ranking)
+            c.bound = probe.compute_seconds * p.accumulation
+            c.guess = probe.step_seconds + probe.compute_seconds * (p.accumulation - 1)
             pending.append(c)
         done.sort(key=lambda c: c.step)
-        for c in sorted(pending, key=lambda c: c.bound):
-            if len(done) >= self.top and c.bound >= done[self.top - 1].step:
+        log.info("%d pp=1 estimated, %d pipeline shapes probed, %.1f s CPU", len(cands) - len(pending), len(probes),
+                 time.process_time())
+        full = 0
+        for c in sorted(pending, key=lambda c: c.guess):
+            kth = done[self.top - 1].step if len(done) >= self.top else math.inf
+            if c.bound >= kth:
                 c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute alone) ≥ the "
-                            f"{self.top}th best, {done[self.top - 1].step:.3g} s")
+                            f"{self.top}th best, {kth:.3g} s")
                 continue
-            if not self._fits(c, self._probe(c)[1]):  # fewer micro-batches in flight than at full size
+            if full >= self.budget and kth < math.inf:
+                c.reason = (f"not estimated in full: extrapolated from its probe to {c.guess:.3g} s, behind the "
+                            f"{self.budget} pipelined plans estimated (the {self.top}th best is {kth:.3g} s)")
+                continue
+            if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
                 continue
             c.est = self.estimate(c.plan)
+            full += 1
+            log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
             if self._fits(c, c.est):
                 done.append(c)
                 done.sort(key=lambda c: c.step)
@@ -500,7 +544,7 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     from parc.passes.pipeline_split import _layer_prefix
     from parc.trace import load_user_module, trace
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     hw = cost.hardware(preset)
     nodes = _check_inputs(gpus, nodes, global_batch, hw)
     topo = Topology(nodes=nodes, gpus_per_node=gpus // nodes, preset=preset)
@@ -508,11 +552,13 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     if not Path(model).is_file():
         raise ParcError(f"model {model}: no such file")
     traced = trace(load_user_module(model), 1)
+    log.info("traced in %.1f s CPU", time.process_time() - c0)
     layout = tp_rules(traced)
     prefix = _layer_prefix(traced.module_paths, traced.num_layers)
     dropped: list[Candidate] = []
     plans = _plans(traced, layout, gpus, topo, global_batch, precision, dropped)
     early = len(dropped)  # mesh shapes refused before their plans were built
+    log.info("%d plans built, %.1f s CPU", len(plans), time.process_time() - c0)
     cands = []
     for plan in plans:
         c = Candidate(plan, _refusal(plan, traced))
@@ -522,9 +568,10 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
         raise ParcError(f"no plan for {gpus} GPUs and global batch {global_batch}: every candidate was refused "
                         f"({len(dropped)}), e.g. {why[0]}" if why else f"no plan for {gpus} GPUs",
                         hint="a global batch that is a multiple of the GPUs always has a data-parallel plan")
+    log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
     stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
     with _shared_schedules():
-        ranked = _Search(traced, stats, hw, top).run(cands)
+        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top)).run(cands)
     dropped += [c for c in cands if c.reason]
     notes = []
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
@@ -535,7 +582,8 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
         dropped.append(ranked.pop(0))
     if layout.why_not:
         notes.append(f"no tensor parallelism: {layout.why_not}")
-    return Result(ranked, dropped, len(plans) + early, time.perf_counter() - t0, hw, layout, notes)
+    return Result(ranked, dropped, len(plans) + early, time.perf_counter() - t0, time.process_time() - c0, hw,
+                  layout, notes)
 
 
 def _pass_refusal(traced, plan: Plan) -> str | None:
@@ -591,10 +639,12 @@ def write(result: Result, out: Path, command: str, force: bool = False) -> None:
 
 
 def _kinds(dropped: list[Candidate]) -> list[tuple[str, int, Candidate]]:
-    """Reasons grouped by their kind (the text before the first colon or figure), most common first."""
+    """Reasons grouped by kind (their first clause, numbers aside), most common first, one example each."""
+    import re
+
     kinds: dict[str, list[Candidate]] = {}
     for c in dropped:
-        kinds.setdefault(c.reason.split(":")[0].split(" (")[0], []).append(c)
+        kinds.setdefault(re.sub(r"[0-9.]+", "N", c.reason.split(":")[0]), []).append(c)
     return sorted(((k, len(v), v[0]) for k, v in kinds.items()), key=lambda t: -t[1])
 
 
@@ -608,10 +658,15 @@ def _row(i: int, c: Candidate, w: Candidate) -> dict:
 def summary(result: Result, top: int) -> list[str]:
     hw, w = result.hw, result.ranked[0] if result.ranked else None
     n_drop = len(result.dropped)
-    lines = [f"searched {result.considered} candidate plans in {result.seconds:.1f} s on {hw.name} × "
+    lines = [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
+             f"CPU, tracing included) for {hw.name} × "
              f"{hw.gpus_per_node} per node: {len(result.ranked)} fit and were ranked, {n_drop} dropped"]
-    for k, n, c in _kinds(result.dropped):
+    kinds = _kinds(result.dropped)
+    for k, n, c in kinds[:KINDS_SHOWN]:
         lines.append(f"  dropped {n:6d}: {c.reason}  (e.g. {c.describe() if c.plan.batch else 'mesh ' + _mesh(c)})")
+    if len(kinds) > KINDS_SHOWN:
+        lines.append(f"  dropped {sum(n for _, n, _ in kinds[KINDS_SHOWN:]):6d}: {len(kinds) - KINDS_SHOWN} other "
+                     "reasons (--json lists every dropped plan with its reason)")
     if result.layout.rules:
         lines.append("tensor_parallel rules derived from the model: " +
                      ", ".join(f"{r.pattern} {r.style}" for r in result.layout.rules))
@@ -619,7 +674,8 @@ def summary(result: Result, top: int) -> list[str]:
     if w is None:
         lines.append("no candidate fits: see the reasons above")
         return lines
-    lines.append(f"{'#':>2}  {'plan':60s} {'step s':>9} {'MFU':>6} {'bubble':>7} {'comm':>6} {'memory':>9}  why it loses")
+    lines.append(f"{'#':>2}  {'plan':60s} {'step s':>9} {'MFU':>6} {'bubble':>7} {'comm':>6} {'memory':>9}  "
+                 "why it loses")
     for i, c in enumerate(result.ranked[:top], 1):
         r = _row(i, c, w)
         lines.append(f"{i:>2}  {r['plan']:60s} {r['step_seconds']:9.4g} {r['mfu']:6.1%} {r['bubble']:7.1%} "
@@ -637,7 +693,8 @@ def to_json(result: Result, top: int) -> str:
 
     w = result.ranked[0] if result.ranked else None
     return json.dumps({
-        "seconds": result.seconds, "considered": result.considered, "hardware": result.hw.name,
+        "seconds": result.seconds, "cpu_seconds": result.cpu_seconds, "considered": result.considered,
+        "hardware": result.hw.name,
         "tp_rules": [{"pattern": r.pattern, "style": r.style} for r in result.layout.rules],
         "notes": result.notes,
         "ranked": [_row(i, c, w) for i, c in enumerate(result.ranked[:top], 1)],
