@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parc.analysis import cost
+from parc.analysis.report import _size
 from parc.errors import ParcError
 from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
                                Zero)
@@ -611,7 +612,7 @@ def why_loses(c: Candidate, w: Candidate) -> str:
         if abs(x - y) >= 0.005:
             out.append(f"{name} {x:.1%} vs {y:.1%}")
     if abs(c.peak - w.peak) >= 0.05 * w.peak:
-        out.append(f"memory {c.peak / cost.GiB:.1f} vs {w.peak / cost.GiB:.1f} GiB")
+        out.append(f"memory {_size(c.peak)} vs {_size(w.peak)}")
     return "; ".join(out)
 
 
@@ -622,7 +623,7 @@ def plan_text(result: Result, command: str) -> str:
     e = w.est
     head = (f"# written by: {command}\n"
             f"# predicted on {result.hw.name}: {e.step_seconds:.4g} s per step, MFU {e.mfu:.1%}, "
-            f"bubble {e.bubble:.1%}, {w.peak / cost.GiB:.1f} GiB on the fullest rank\n")
+            f"bubble {e.bubble:.1%}, {_size(w.peak)} on the fullest rank\n")
     return head + format_plan(w.plan)
 
 
@@ -674,12 +675,12 @@ def summary(result: Result, top: int) -> list[str]:
     if w is None:
         lines.append("no candidate fits: see the reasons above")
         return lines
-    lines.append(f"{'#':>2}  {'plan':60s} {'step s':>9} {'MFU':>6} {'bubble':>7} {'comm':>6} {'memory':>9}  "
+    lines.append(f"{'#':>2}  {'plan':60s} {'step s':>9} {'MFU':>6} {'bubble':>7} {'comm':>6} {'memory':>10}  "
                  "why it loses")
     for i, c in enumerate(result.ranked[:top], 1):
         r = _row(i, c, w)
         lines.append(f"{i:>2}  {r['plan']:60s} {r['step_seconds']:9.4g} {r['mfu']:6.1%} {r['bubble']:7.1%} "
-                     f"{r['communication_share']:6.1%} {c.peak / cost.GiB:7.2f} G  {r['why_it_loses'] or 'the winner'}")
+                     f"{r['communication_share']:6.1%} {_size(c.peak):>10}  {r['why_it_loses'] or 'the winner'}")
     return lines
 
 
