@@ -546,6 +546,8 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     from parc.trace import load_user_module, trace
 
     t0, c0 = time.perf_counter(), time.process_time()
+    if top < 1:
+        raise ParcError(f"--top {top}: need at least 1 plan to print")
     hw = cost.hardware(preset)
     nodes = _check_inputs(gpus, nodes, global_batch, hw)
     topo = Topology(nodes=nodes, gpus_per_node=gpus // nodes, preset=preset)
