@@ -27,6 +27,7 @@ into one readable program per rank, then runs them under torchrun.
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
+  parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
 """
 
@@ -188,6 +189,27 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Search the plan space with the cost model (parc/analysis/planner.py); print the best, write the winner."""
+    from parc.analysis import planner
+
+    if args.output is not None and args.output.exists() and not args.force:  # refuse before the search
+        raise ParcError(f"{args.output} exists: parc plan does not overwrite a file unless told to",
+                        hint=f"pass --force to replace it, or choose another -o than {args.output}")
+    result = planner.search(_existing(args.model, "model"), gpus=args.gpus, nodes=args.nodes, preset=args.preset,
+                            global_batch=args.global_batch, top=args.top, precision=args.precision)
+    if args.output is not None and result.ranked:
+        planner.write(result, args.output, "parc " + " ".join(sys.argv[1:]), force=args.force)
+    if args.json:
+        print(planner.to_json(result, args.top))
+    else:
+        print("\n".join(planner.summary(result, args.top)))
+    if args.output is not None and result.ranked:
+        print(f"wrote {args.output}: check it with `parc check {args.output} --model {args.model}`",
+              file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def cmd_viz(args) -> int:
     from parc import viz
 
@@ -281,6 +303,24 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--ranks", type=int, default=2, help="CPU: processes in the gloo probe, as many as the plans "
                                                            "will run (default 2)")
     cal.set_defaults(fn=cmd_calibrate)
+
+    q = sub.add_parser("plan", help="search dp × tp × pp × schedule × ZeRO × micro-batch × recompute × SP for a "
+                                    "model on N GPUs; write the fastest plan that fits",
+                       description="Trace MODEL once, enumerate the plans parc can run on the GPUs, drop those "
+                                   "that do not fit or that parc refuses, rank the rest by the cost model's step "
+                                   "time (docs/planner.md), print the best with why each loses to the winner, "
+                                   "and write the winner as a .par.")
+    q.add_argument("model", type=Path, help="model file defining build_model(), get_batch(), loss_fn()")
+    q.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
+    q.add_argument("--nodes", type=int, help="nodes (default: GPUs / the preset's GPUs per node)")
+    q.add_argument("--preset", default="h100", help="hardware: a100, h100, h200 (default h100)")
+    q.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="compute precision (default bf16)")
+    q.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    q.add_argument("-o", "--output", type=Path, help="write the winner here (an existing file only with --force)")
+    q.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    q.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    q.set_defaults(fn=cmd_plan)
 
     v = sub.add_parser("viz", help="draw the device mesh, the pipeline schedule and the stages (SVG and PNG)",
                        description="Graphviz drawings of a compiled/ directory: mesh.*, schedule.*, stages.*.")

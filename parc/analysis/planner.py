@@ -1,0 +1,707 @@
+"""`parc plan`: choose a parallel plan for a model on a cluster by searching the plan space with the cost model.
+
+Start at `search(model, gpus=, nodes=, preset=, global_batch=)`. It traces the model ONCE (micro-batch 1,
+on meta), then:
+
+1. derives tensor-parallel rules from the traced graph (`tp_rules`): inside each repeated layer, a
+   linear whose input comes from outside its parent module is `column`, one whose input is computed
+   from another linear of the same parent is `row` (Megatron's pairs: qkv → proj, fc → proj,
+   gate/up → down); the token embedding and a head as wide as the vocabulary are `vocab`; norms
+   `replicate`. A model whose structure does not fit gets no tp > 1 candidate, with the reason;
+2. enumerates dp × tp × pp × schedule (× virtual stages) × micro-batch × ZeRO stage × recompute ×
+   sequence parallelism (`_candidates`); each is a `Plan` built in code, dropped with its reason when
+   the mesh, batch or widths do not divide, or when `validate`, `support.check` or
+   `precision.check_supported` refuse it (what `parc check` and `parc compile` would say);
+3. gives each survivor the per-stage statistics `cost.graph_stats` would (`_Stats`): those are
+   computed for one stage and for one stage per layer, and any pp × virtual split is assembled from
+   the per-layer ones by `pipeline_split`'s balancing rule, scaled linearly to the micro-batch;
+4. asks `cost.estimate` — the same function `parc report` uses, so what the cost model learns, the
+   ranking learns — for memory and step time, drops what does not fit, and ranks by step time.
+   Deep pipelines are the expensive part (the estimate simulates every slot of the schedule), so
+   pipelined candidates are first bounded below by a probe at one micro-batch per step (compute
+   is linear in micro-batches and the bottleneck rank computes every one of them, so step ≥
+   accumulation × the probe's compute), and fully estimated in the order of that bound, stopping
+   once the bound passes the `top`-th best step found (branch and bound; `_Search.run`);
+5. runs compile's passes on the winner (`compiler.pass_errors`, as `parc check --model` does) and
+   moves on to the next if they refuse it.
+
+Assumes: the model file follows the convention (docs/model-convention.md) and has repeated layers
+for pipelining; the cost model's compute time is linear in micro-batches per step (cost.py).
+Guarantees: every ranked plan passed validate, support and precision checks; the winner also
+compile's passes; `write` never replaces an existing file unless told to.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from parc.analysis import cost
+from parc.analysis.report import _size
+from parc.errors import ParcError
+from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
+                               Zero)
+
+log = logging.getLogger(__name__)
+MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
+VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interleaved 1F1B
+SCHEDULES = ("1f1b", "gpipe", "zb_h1")
+KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
+FULL_ESTIMATES = 40              # pipelined plans estimated in full (each simulates its whole schedule)
+
+
+# ---------------------------------------------------------------- tensor-parallel rules from the graph
+
+LINEAR_OPS = ("aten.linear.", "aten.addmm.", "aten.mm.", "aten.matmul.")
+NORM_OPS = ("aten.layer_norm.", "aten.rms_norm.", "aten.native_layer_norm.", "aten.group_norm.")
+
+
+@dataclass
+class TPLayout:
+    rules: tuple[TPRule, ...]
+    widths: tuple[int, ...]      # every dim tp must divide: heads, kv heads, sharded widths, vocab
+    why_not: str | None          # set when the model's structure is not recognised: no tp > 1
+
+
+def tp_rules(traced) -> TPLayout:
+    """Megatron rules for the traced model, from module paths and what each module's weight feeds."""
+    from parc.passes.pipeline_split import _layer_prefix
+    from parc.traced import module_path
+
+    gm = traced.gm
+    fqn = {s.name: s.fqn for s in traced.state}
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    path = {n: module_path(n) for n in nodes}
+    kind, op_of, shape = {}, {}, {}
+    for n in nodes:
+        p, t = path[n], str(n.target)
+        weights = [a for a in _through_views(n) if fqn.get(a.name) == f"{p}.weight"]
+        if not weights or p in kind:
+            continue
+        w = weights[0].meta["val"].shape
+        if "aten.embedding." in t:
+            kind[p], shape[p] = "embedding", tuple(w)
+        elif any(o in t for o in LINEAR_OPS) and len(w) == 2:
+            kind[p], op_of[p], shape[p] = "linear", n, tuple(w)
+        elif any(o in t for o in NORM_OPS):
+            kind[p] = "norm"
+    prefix = _layer_prefix(traced.module_paths, traced.num_layers)
+    if prefix is None:
+        return TPLayout((), (), "no repeated layers (an nn.ModuleList of one block class) to shard")
+
+    def pattern(p: str) -> str | None:  # blocks.3.attn.qkv → blocks.*.attn.qkv
+        head, _, rest = p[len(prefix) + 1:].partition(".")
+        return f"{prefix}.*.{rest}" if p.startswith(prefix + ".") and head.isdigit() and rest else None
+
+    styles: dict[str, str] = {}
+    widths: set[int] = set()
+    for p, k in kind.items():
+        pat = pattern(p)
+        if pat is None:
+            continue
+        if k == "norm":
+            style = "replicate"
+        elif k == "linear":
+            style = _pair_style(op_of[p], p, path, op_of)
+            # (out, in) for nn.Linear; a Conv1D's (in, out) has the same widths to divide
+            widths.update(shape[p])
+        else:
+            return TPLayout((), (), f"an embedding inside the repeated layers ({p}): no Megatron rule for it")
+        if styles.setdefault(pat, style) != style:
+            return TPLayout((), (), f"{pat} is {styles[pat]} in one layer and {style} in another")
+    if "column" not in styles.values() or "row" not in styles.values():
+        return TPLayout((), (), f"no column → row linear pair found inside `{prefix}.*` "
+                                "(Megatron's qkv → proj, fc → proj)")
+    vocab = next((shape[p][0] for p, k in kind.items() if k == "embedding" and pattern(p) is None
+                  and any(a.op == "placeholder" and a.name not in fqn for n in nodes if path[n] == p
+                          for a in n.all_input_nodes)), None)  # the embedding of a user input: token ids
+    outside = {}
+    for p, k in kind.items():
+        if pattern(p) is None and vocab is not None and (
+                (k == "embedding" and shape[p][0] == vocab) or (k == "linear" and vocab in shape[p])):
+            outside[p] = "vocab"
+    widths.update([vocab] if outside else [])
+    for n in nodes:  # attention heads: tp splits whole heads of q and of k/v (B, nh, T, hs)
+        if "scaled_dot_product_attention" in str(n.target):
+            widths.update(a.meta["val"].shape[1] for a in n.args[:3] if hasattr(a, "meta"))
+    rules = [TPRule(pat, style) for pat, style in styles.items()] + [TPRule(p, s) for p, s in outside.items()]
+    return TPLayout(tuple(rules), tuple(sorted(widths)), None)
+
+
+def _through_views(n):
+    """The inputs of `n`, looking through transposes and views of a parameter (x @ w.t())."""
+    out = []
+    for a in n.all_input_nodes:
+        while a.op == "call_function" and any(v in str(a.target) for v in ("aten.t.", "transpose", "permute",
+                                                                             "view", "aten.alias")):
+            a = a.all_input_nodes[0]
+        out.append(a)
+    return out
+
+
+def _pair_style(node, p: str, path: dict, op_of: dict) -> str:
+    """`row` when the linear's input is computed, inside its parent module, from another linear of the
+    parent (the second of a Megatron pair); `column` when it arrives from outside the parent."""
+    parent = p.rsplit(".", 1)[0]
+    linears = {v: k for k, v in op_of.items()}
+    todo, seen = [node.args[0]], set()
+    while todo:
+        a = todo.pop()
+        if a in seen or getattr(a, "op", None) != "call_function":
+            continue
+        seen.add(a)
+        q = path.get(a, "")
+        if not (q == parent or q.startswith(parent + ".")):
+            continue
+        if a in linears and linears[a] != p:
+            return "row"
+        if not any(o in str(a.target) for o in NORM_OPS):  # a norm starts a new sharded region's input
+            todo.extend(a.all_input_nodes)
+    return "column"
+
+
+# ---------------------------------------------------------------- per-stage statistics, assembled
+
+ADDITIVE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+            "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "kept_bytes_sharded",
+            "kept_bytes_replicated", "weight_casts_bytes_sharded", "weight_casts_bytes_replicated")
+PER_SAMPLE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+              "tp_bytes", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
+              "recompute_peak_bytes_replicated")
+
+
+class _Stats:
+    """`cost.graph_stats` for any candidate from few real calls: one stage, and one stage per layer.
+
+    A variant is (recompute, tp rules, sequence parallel, bf16 step casts). A split into S stages
+    groups the per-layer stages (units) as `pipeline_split`'s auto split does (contiguous layers,
+    minimising the largest mean of FLOP share and parameter share); additive counts add, peaks take
+    the max, the values crossing a group boundary are those crossing that layer boundary. A layer
+    boundary inside a group is no cut: what per-layer stats keep for the send and receive buffers there
+    is taken off (the same at every boundary of identical layers: (one stage's total − the units'
+    sum) / (L − 1)). Counts are of one sample; `get` scales them to the micro-batch.
+    """
+
+    def __init__(self, traced, base: Plan, layout: TPLayout, prefix: str | None):
+        self.traced, self.base, self.layout, self.prefix = traced, base, layout, prefix
+        self.cache: dict = {}
+        self.assembled: dict = {}
+        self.split: dict = {}
+        self.assigned = None
+
+    def _plan(self, variant) -> Plan:
+        rec, tp, sp, casts = variant
+        return replace(self.base, mesh=Mesh(tp=2 if tp else 1),
+                       tensor_parallel=TensorParallel(self.layout.rules if tp else (), sp),
+                       recompute=Recompute((f"{self.prefix}.*",) if rec else ()),
+                       zero=Zero(0 if casts else 3))
+
+    def _raw(self, stages: int, variant) -> dict:
+        key = (stages, variant)
+        if key not in self.cache:
+            from parc.passes.pipeline_split import assign_stages
+            if self.assigned != stages:
+                assign_stages(self.traced, replace(self.base, pipeline=None), stages)
+                self.assigned = stages
+            self.cache[key] = cost.graph_stats(self.traced, self._plan(variant))
+        return self.cache[key]
+
+    def get(self, stages: int, variant, micro: int) -> dict:
+        key = (stages, variant, micro)
+        if key not in self.assembled:  # the candidates of one shape differ in ZeRO stage and schedule only
+            self.assembled[key] = self._get(stages, variant, micro)
+        return self.assembled[key]
+
+    def _get(self, stages: int, variant, micro: int) -> dict:
+        L = self.traced.num_layers
+        if stages == 1 or stages == L:
+            out = self._raw(stages, variant)
+            groups = [[s] for s in range(stages)]
+            sends = out["send_elements"]
+            units = out["stages"]
+        else:
+            whole, per = self._raw(1, variant), self._raw(L, variant)
+            units, groups = per["stages"], self._groups(stages, variant)
+            inner = {k: (sum(u[k] for u in units) - whole["stages"][0][k]) / (L - 1)
+                     for k in ("kept_bytes_sharded", "kept_bytes_replicated")}
+            sends = [per["send_elements"][g[-1]] for g in groups[:-1]]
+            out = per
+        stages_out = []
+        for g in groups:
+            d = {k: sum(units[u][k] for u in g) for k in ADDITIVE}
+            for k in ("kept_bytes_sharded", "kept_bytes_replicated"):
+                if len(g) > 1:
+                    d[k] -= (len(g) - 1) * inner[k]
+            for k in ("recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"):
+                d[k] = max(units[u][k] for u in g)
+            stages_out.append(d)
+        for d in stages_out:
+            for k in PER_SAMPLE:
+                d[k] *= micro
+        return {"stages": stages_out, "send_elements": [s * micro for s in sends],
+                "param_count": out["param_count"], "tokens_per_sample": out["tokens_per_sample"]}
+
+    def _groups(self, stages: int, variant) -> list[list[int]]:
+        """pipeline_split's auto split over layers: contiguous groups minimising the largest load."""
+        if stages in self.split:
+            return self.split[stages]
+        units = self._raw(self.traced.num_layers, variant)["stages"]
+        f = [u["flops_sharded"] + u["flops_replicated"] for u in units]
+        p = [u["params_sharded"] + u["params_replicated"] for u in units]
+        cf, cp = [0], [0]
+        for a, b in zip(f, p):
+            cf.append(cf[-1] + a)
+            cp.append(cp[-1] + b)
+        n, tf, tp = len(units), max(cf[-1], 1), max(cp[-1], 1)
+
+        def load(a, b):
+            return 0.5 * (cf[b] - cf[a]) / tf + 0.5 * (cp[b] - cp[a]) / tp
+        # best[k][j]: (the smallest largest load of k groups over units [0, j), where group k starts)
+        best = [{0: (0.0, 0)}]
+        for k in range(1, stages + 1):
+            prev, row = best[-1], {}
+            for j in range(k, n - (stages - k) + 1):
+                row[j] = min((max(prev[i][0], load(i, j)), i) for i in range(k - 1, j) if i in prev)
+            best.append(row)
+        ends, j = [], n
+        for k in range(stages, 0, -1):
+            ends.append(j)
+            j = best[k][j][1]
+        ends.reverse()
+        self.split[stages] = [list(range(a, b)) for a, b in zip([0] + ends[:-1], ends)]
+        return self.split[stages]
+
+
+# ---------------------------------------------------------------- candidates
+
+@dataclass
+class Candidate:
+    plan: Plan
+    reason: str | None = None          # why it was dropped; None while it competes
+    bound: float = 0.0                 # lower bound on step seconds (pipelines)
+    guess: float = 0.0                 # step seconds extrapolated from the probe (pipelines; for ordering)
+    est: object = None                 # cost.Estimate
+    peak: float = 0.0                  # bytes on the fullest rank
+
+    @property
+    def step(self) -> float:
+        return self.est.step_seconds if self.est is not None else math.inf
+
+    def describe(self) -> str:
+        p, m = self.plan, self.plan.mesh
+        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}"]
+        if m.pp > 1:
+            v = p.pipeline.virtual
+            parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
+        parts.append(f"micro {p.micro_batch} × acc {p.accumulation}")
+        parts.append(f"ZeRO {p.zero.stage}")
+        if p.recompute.patterns:
+            parts.append("recompute")
+        if p.tensor_parallel.sequence_parallel:
+            parts.append("SP")
+        return ", ".join(parts)
+
+
+@dataclass
+class Result:
+    ranked: list[Candidate]            # feasible, fully estimated, best first
+    dropped: list[Candidate]           # with reasons
+    considered: int
+    seconds: float                     # wall time of the search, tracing included
+    cpu_seconds: float                 # its CPU time (on a shared machine, wall time measures the neighbours)
+    hw: cost.Hardware
+    layout: TPLayout
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def winner(self) -> Candidate:
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_inputs(gpus: int, nodes: int | None, global_batch: int, hw) -> int:
+    """Nodes, or a one-line ParcError showing the arithmetic."""
+    if gpus < 1:
+        raise ParcError(f"--gpus {gpus}: need at least 1")
+    if global_batch < 1:
+        raise ParcError(f"--global-batch {global_batch}: need at least 1 sample per step")
+    if nodes is None:
+        per = hw.gpus_per_node
+        if gpus > per and gpus % per:
+            raise ParcError(f"--gpus {gpus} do not fill whole {hw.name} nodes of {per}: {gpus} = "
+                            f"{gpus // per} × {per} + {gpus % per}", hint="give --nodes K with K dividing the GPUs")
+        return max(1, gpus // per)
+    if nodes < 1:
+        raise ParcError(f"--nodes {nodes}: need at least 1")
+    if gpus % nodes:
+        raise ParcError(f"--gpus {gpus} is not divisible by --nodes {nodes}: {gpus} = {gpus // nodes} × {nodes} + "
+                        f"{gpus % nodes}", hint="every node holds the same number of GPUs")
+    return nodes
+
+
+def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: int, precision: str,
+           dropped: list) -> list[Plan]:
+    """Every combination, as a Plan; those whose numbers cannot divide go to `dropped` with the reason."""
+    from parc.passes.pipeline_split import _layer_prefix
+
+    L = traced.num_layers
+    prefix = _layer_prefix(traced.module_paths, L)
+    out = []
+    for tp in _divisors(gpus):
+        if tp > 1 and layout.why_not:
+            dropped.append(Candidate(Plan(mesh=Mesh(tp=tp)), f"tp {tp}: {layout.why_not}"))
+            continue
+        bad = next((w for w in layout.widths if w % tp), None) if tp > 1 else None
+        if bad is not None:
+            dropped.append(Candidate(Plan(mesh=Mesh(tp=tp)), f"tp {tp} does not divide width {bad} "
+                                                              f"({bad} = {bad // tp} × {tp} + {bad % tp})"))
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > 1 and (prefix is None or pp > L):
+                dropped.append(Candidate(Plan(mesh=Mesh(dp, pp, tp)), f"pp {pp} > {L} layers" if prefix else
+                                         "pp > 1 needs repeated layers to cut between"))
+                continue
+            if global_batch % dp:
+                dropped.append(Candidate(Plan(mesh=Mesh(dp, pp, tp)), f"global batch {global_batch} is not a "
+                                         f"multiple of dp {dp}"))
+                continue
+            pipes = [None] if pp == 1 else [Pipeline(s) for s in SCHEDULES] + \
+                [Pipeline("interleaved_1f1b", virtual=v) for v in VIRTUALS if pp * v <= L]
+            for micro in (m for m in MICROS if (global_batch // dp) % m == 0):
+                for pipe in pipes:
+                    for zero in (0, 1, 2, 3):
+                        for rec in (False, True):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                out.append(Plan(
+                                    mesh=Mesh(dp, pp, tp), topology=topo, batch=Batch(global_batch, micro),
+                                    tensor_parallel=TensorParallel(layout.rules if tp > 1 else (), sp),
+                                    pipeline=pipe, zero=Zero(zero),
+                                    recompute=Recompute((f"{prefix}.*",) if rec and prefix else ()),
+                                    precision=precision))
+    return out
+
+
+def _refusal(plan: Plan, traced) -> str | None:
+    """What parc check / compile would refuse in `plan`, as one line; None if nothing."""
+    from parc.analysis import support
+    from parc.analysis.review import review
+    from parc.errors import PlanError
+    from parc.grammar.validate import validate
+    from parc.runtime import precision
+
+    try:
+        validate(plan, world_size=plan.mesh.world_size, num_layers=traced.num_layers)
+        support.check(plan)
+        precision.check_supported(plan)
+        errors = [d for d in review(plan, world_size=plan.mesh.world_size) if d.severity == "error"]
+    except PlanError as e:
+        return next(d.message for d in e.diagnostics if d.severity == "error")
+    except ParcError as e:
+        return e.diagnostics[0].message
+    return errors[0].message if errors else None
+
+
+# ---------------------------------------------------------------- the search
+
+@contextmanager
+def _shared_schedules():
+    """Within the search, build each schedule (name, pp, micro-batches, virtual) once and simulate it once
+    per set of costs: candidates that differ only in what the pipeline does not see (ZeRO stage, the
+    probe of the same shape) share them. `cost.estimate` imports both functions when it runs, so it
+    finds these; the originals are back on exit, whatever happens."""
+    from parc.passes import schedule, simulate
+
+    build, run = schedule.build_schedule, simulate.simulate
+    built: dict = {}
+    ran: dict = {}
+
+    def build_once(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = build(*args, **kwargs)
+        return built[key]
+
+    def simulate_once(sched, *args, **kwargs):
+        key = (id(sched), args, tuple(sorted(kwargs.items())))
+        if key not in ran:
+            ran[key] = (sched, run(sched, *args, **kwargs))  # holding `sched` keeps its id unique
+        return ran[key][1]
+
+    schedule.build_schedule, simulate.simulate = build_once, simulate_once
+    try:
+        yield
+    finally:
+        schedule.build_schedule, simulate.simulate = build, run
+
+
+class _Search:
+    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int):
+        self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
+        self.groups: dict = {}
+
+    def _groups(self, mesh: Mesh) -> dict:
+        from parc import mesh as meshlib
+        key = (mesh.dp, mesh.pp, mesh.tp, mesh.order)
+        if key not in self.groups:  # the same for every candidate of one mesh shape
+            self.groups[key] = {a: self._distinct(meshlib.groups(mesh, a)) for a in ("dp", "pp", "tp")}
+        return self.groups[key]
+
+    def _distinct(self, groups: list[list[int]]) -> list[list[int]]:
+        """One group of each placement: groups whose ranks sit alike on their nodes (the same slots, the same
+        node offsets from the first) cost the same, so the cost model need not walk all world / n of them."""
+        per, seen = self.hw.gpus_per_node, {}
+        for g in groups:
+            seen.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
+        return list(seen.values())
+
+    def estimate(self, plan: Plan):
+        m = plan.mesh
+        virtual = plan.pipeline.virtual if plan.pipeline is not None and m.pp > 1 else 1
+        variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
+                   plan.zero.stage < 3)
+        stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
+        return cost.estimate(plan, stats, self.hw, groups=self._groups(m))
+
+    def _fits(self, c: Candidate, est) -> bool:
+        c.peak = max(r["total"] for r in est.memory)
+        if c.peak > self.hw.memory:
+            worst = max(est.memory, key=lambda r: r["total"])
+            c.reason = (f"does not fit: pp rank {worst['pp_rank']} needs {c.peak / cost.GiB:.1f} GiB > "
+                        f"{self.hw.memory / cost.GiB:.1f} GiB (params {worst['params'] / cost.GiB:.1f}, grads "
+                        f"{worst['grads'] / cost.GiB:.1f}, optimizer {worst['optimizer'] / cost.GiB:.1f}, "
+                        f"activations {worst['activations'] / cost.GiB:.1f})")
+            return False
+        return True
+
+    def _probe(self, c: Candidate):
+        """A lower bound on `c`'s compute and memory, cheap to simulate: one micro-batch per step, one stage
+        per pp rank. Interleaved candidates are probed as 1F1B over pp × virtual ranks holding one of their
+        stages each (interleaving needs a multiple of pp micro-batches, pp² × virtual slots to simulate):
+        the same per-stage costs, of one stage, not of the `virtual` a rank holds, so no more than theirs."""
+        p = c.plan
+        v = p.pipeline.virtual
+        probe = replace(p, batch=Batch(p.micro_batch * p.mesh.dp, p.micro_batch), pipeline=Pipeline("1f1b"),
+                        mesh=replace(p.mesh, pp=p.mesh.pp * v))
+        return self.estimate(probe)
+
+    def run(self, cands: list[Candidate]) -> list[Candidate]:
+        """Estimate pp = 1 candidates outright. Probe each pipeline shape once; estimate pipelined candidates
+        in the order of the probe's extrapolated step, skipping those whose lower bound already loses to the
+        `top`-th best step found, and at most `budget` of them in full."""
+        done, pending, probes = [], [], {}
+        for c in cands:
+            p = c.plan
+            if p.mesh.pp == 1:
+                c.est = self.estimate(p)
+                if self._fits(c, c.est):
+                    done.append(c)
+                continue
+            # compute is the same for every schedule and ZeRO stage of one pipeline shape: probed once
+            key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual)
+            if key not in probes:
+                probes[key] = self._probe(c)
+            probe = probes[key]
+            # step ≥ the bottleneck rank's compute, accumulation × one micro-batch's (a true lower bound);
+            # 1F1B's step is the probe's (fill, drain, dp) plus a compute per further micro-batch (a ranking)
+            c.bound = probe.compute_seconds * p.accumulation
+            c.guess = probe.step_seconds + probe.compute_seconds * (p.accumulation - 1)
+            pending.append(c)
+        done.sort(key=lambda c: c.step)
+        log.info("%d pp=1 estimated, %d pipeline shapes probed, %.1f s CPU", len(cands) - len(pending), len(probes),
+                 time.process_time())
+        full = 0
+        for c in sorted(pending, key=lambda c: c.guess):
+            kth = done[self.top - 1].step if len(done) >= self.top else math.inf
+            if c.bound >= kth:
+                c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute alone) ≥ the "
+                            f"{self.top}th best, {kth:.3g} s")
+                continue
+            if full >= self.budget and kth < math.inf:
+                c.reason = (f"not estimated in full: extrapolated from its probe to {c.guess:.3g} s, behind the "
+                            f"{self.budget} pipelined plans estimated (the {self.top}th best is {kth:.3g} s)")
+                continue
+            if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
+                continue
+            c.est = self.estimate(c.plan)
+            full += 1
+            log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
+            if self._fits(c, c.est):
+                done.append(c)
+                done.sort(key=lambda c: c.step)
+        return done
+
+
+def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h100", global_batch: int,
+           top: int = 5, precision: str = "bf16") -> Result:
+    """Every candidate plan for `model` on `gpus`, ranked by the cost model's step time."""
+    from parc.passes.pipeline_split import _layer_prefix
+    from parc.trace import load_user_module, trace
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    if top < 1:
+        raise ParcError(f"--top {top}: need at least 1 plan to print")
+    hw = cost.hardware(preset)
+    nodes = _check_inputs(gpus, nodes, global_batch, hw)
+    topo = Topology(nodes=nodes, gpus_per_node=gpus // nodes, preset=preset)
+    hw = cost.hardware(preset, topo)
+    if not Path(model).is_file():
+        raise ParcError(f"model {model}: no such file")
+    traced = trace(load_user_module(model), 1)
+    log.info("traced in %.1f s CPU", time.process_time() - c0)
+    layout = tp_rules(traced)
+    prefix = _layer_prefix(traced.module_paths, traced.num_layers)
+    dropped: list[Candidate] = []
+    plans = _plans(traced, layout, gpus, topo, global_batch, precision, dropped)
+    early = len(dropped)  # mesh shapes refused before their plans were built
+    log.info("%d plans built, %.1f s CPU", len(plans), time.process_time() - c0)
+    cands = []
+    for plan in plans:
+        c = Candidate(plan, _refusal(plan, traced))
+        (dropped if c.reason else cands).append(c)
+    if not cands:
+        why = sorted({c.reason for c in dropped})
+        raise ParcError(f"no plan for {gpus} GPUs and global batch {global_batch}: every candidate was refused "
+                        f"({len(dropped)}), e.g. {why[0]}" if why else f"no plan for {gpus} GPUs",
+                        hint="a global batch that is a multiple of the GPUs always has a data-parallel plan")
+    log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
+    stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
+    with _shared_schedules():
+        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top)).run(cands)
+    dropped += [c for c in cands if c.reason]
+    notes = []
+    while ranked:  # compile's passes on the winner, as `parc check --model` runs them
+        reason = _pass_refusal(traced, ranked[0].plan)
+        if reason is None:
+            break
+        ranked[0].reason = f"compile's passes refuse it: {reason}"
+        dropped.append(ranked.pop(0))
+    if layout.why_not:
+        notes.append(f"no tensor parallelism: {layout.why_not}")
+    return Result(ranked, dropped, len(plans) + early, time.perf_counter() - t0, time.process_time() - c0, hw,
+                  layout, notes)
+
+
+def _pass_refusal(traced, plan: Plan) -> str | None:
+    from parc import compiler
+    from parc.passes.pipeline_split import assign_stages
+
+    virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
+    try:
+        assign_stages(traced, plan, plan.mesh.pp * virtual)
+        errors = [d for d in compiler.pass_errors(traced, plan) if d.severity == "error"]
+    except ParcError as e:
+        errors = e.diagnostics
+    return errors[0].message if errors else None
+
+
+# ---------------------------------------------------------------- why each loses, and the written plan
+
+def why_loses(c: Candidate, w: Candidate) -> str:
+    """The biggest differences of `c` from the winner `w`, each with its figures."""
+    a, b = c.est, w.est
+    out = [f"{c.step / w.step - 1:+.1%} step time"]
+    for name, x, y in (("bubble", a.bubble, b.bubble),
+                       ("communication share", a.comm_seconds / a.step_seconds, b.comm_seconds / b.step_seconds),
+                       ("MFU", a.mfu, b.mfu)):
+        if abs(x - y) >= 0.005:
+            out.append(f"{name} {x:.1%} vs {y:.1%}")
+    if abs(c.peak - w.peak) >= 0.05 * w.peak:
+        out.append(f"memory {_size(c.peak)} vs {_size(w.peak)}")
+    return "; ".join(out)
+
+
+def plan_text(result: Result, command: str) -> str:
+    from parc.grammar.printer import format_plan
+
+    w = result.winner
+    e = w.est
+    head = (f"# written by: {command}\n"
+            f"# predicted on {result.hw.name}: {e.step_seconds:.4g} s per step, MFU {e.mfu:.1%}, "
+            f"bubble {e.bubble:.1%}, {_size(w.peak)} on the fullest rank\n")
+    return head + format_plan(w.plan)
+
+
+def write(result: Result, out: Path, command: str, force: bool = False) -> None:
+    """Write the winner to `out`; refuse to replace an existing file unless `force`."""
+    from parc.grammar.parser import load_plan
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise ParcError(f"{out} exists: parc plan does not overwrite a file unless told to",
+                        hint=f"pass --force to replace it, or choose another -o than {out}")
+    out.write_text(plan_text(result, command), encoding="utf-8")
+    load_plan(out)  # the written file parses back (a located error if it did not)
+
+
+def _kinds(dropped: list[Candidate]) -> list[tuple[str, int, Candidate]]:
+    """Reasons grouped by kind (their first clause, numbers aside), most common first, one example each."""
+    import re
+
+    kinds: dict[str, list[Candidate]] = {}
+    for c in dropped:
+        kinds.setdefault(re.sub(r"[0-9.]+", "N", c.reason.split(":")[0]), []).append(c)
+    return sorted(((k, len(v), v[0]) for k, v in kinds.items()), key=lambda t: -t[1])
+
+
+def _row(i: int, c: Candidate, w: Candidate) -> dict:
+    e = c.est
+    return {"rank": i, "plan": c.describe(), "step_seconds": e.step_seconds, "mfu": e.mfu, "bubble": e.bubble,
+            "communication_share": e.comm_seconds / e.step_seconds if e.step_seconds else 0.0,
+            "peak_memory_bytes": round(c.peak), "why_it_loses": why_loses(c, w) if i > 1 else None}
+
+
+def summary(result: Result, top: int) -> list[str]:
+    hw, w = result.hw, result.ranked[0] if result.ranked else None
+    n_drop = len(result.dropped)
+    lines = [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
+             f"CPU, tracing included) for {hw.name} × "
+             f"{hw.gpus_per_node} per node: {len(result.ranked)} fit and were ranked, {n_drop} dropped"]
+    kinds = _kinds(result.dropped)
+    for k, n, c in kinds[:KINDS_SHOWN]:
+        lines.append(f"  dropped {n:6d}: {c.reason}  (e.g. {c.describe() if c.plan.batch else 'mesh ' + _mesh(c)})")
+    if len(kinds) > KINDS_SHOWN:
+        lines.append(f"  dropped {sum(n for _, n, _ in kinds[KINDS_SHOWN:]):6d}: {len(kinds) - KINDS_SHOWN} other "
+                     "reasons (--json lists every dropped plan with its reason)")
+    if result.layout.rules:
+        lines.append("tensor_parallel rules derived from the model: " +
+                     ", ".join(f"{r.pattern} {r.style}" for r in result.layout.rules))
+    lines += [f"note: {n}" for n in result.notes]
+    if w is None:
+        lines.append("no candidate fits: see the reasons above")
+        return lines
+    lines.append(f"{'#':>2}  {'plan':60s} {'step s':>9} {'MFU':>6} {'bubble':>7} {'comm':>6} {'memory':>10}  "
+                 "why it loses")
+    for i, c in enumerate(result.ranked[:top], 1):
+        r = _row(i, c, w)
+        lines.append(f"{i:>2}  {r['plan']:60s} {r['step_seconds']:9.4g} {r['mfu']:6.1%} {r['bubble']:7.1%} "
+                     f"{r['communication_share']:6.1%} {_size(c.peak):>10}  {r['why_it_loses'] or 'the winner'}")
+    return lines
+
+
+def _mesh(c: Candidate) -> str:
+    m = c.plan.mesh
+    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}"
+
+
+def to_json(result: Result, top: int) -> str:
+    import json
+
+    w = result.ranked[0] if result.ranked else None
+    return json.dumps({
+        "seconds": result.seconds, "cpu_seconds": result.cpu_seconds, "considered": result.considered,
+        "hardware": result.hw.name,
+        "tp_rules": [{"pattern": r.pattern, "style": r.style} for r in result.layout.rules],
+        "notes": result.notes,
+        "ranked": [_row(i, c, w) for i, c in enumerate(result.ranked[:top], 1)],
+        "winner_plan": plan_text(result, "parc plan").split("\n", 2)[2] if w else None,
+        "dropped": [{"plan": c.describe() if c.plan.batch else _mesh(c), "reason": c.reason}
+                    for c in result.dropped],
+    }, indent=2, ensure_ascii=False)
