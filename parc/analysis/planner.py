@@ -423,14 +423,21 @@ def _shared_schedules():
     built: dict = {}
     ran: dict = {}
 
+    def frozen(v):  # per-stage costs arrive as lists: the cache key needs them hashable
+        if isinstance(v, (list, tuple)):
+            return tuple(frozen(x) for x in v)
+        if isinstance(v, dict):
+            return tuple(sorted((k, frozen(x)) for k, x in v.items()))
+        return v
+
     def build_once(*args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
+        key = (frozen(args), frozen(kwargs))
         if key not in built:
             built[key] = build(*args, **kwargs)
         return built[key]
 
     def simulate_once(sched, *args, **kwargs):
-        key = (id(sched), args, tuple(sorted(kwargs.items())))
+        key = (id(sched), frozen(args), frozen(kwargs))
         if key not in ran:
             ran[key] = (sched, run(sched, *args, **kwargs))  # holding `sched` keeps its id unique
         return ran[key][1]
