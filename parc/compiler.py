@@ -49,6 +49,7 @@ def _plan_summary(plan: Plan) -> dict:
         "batch": {"global": plan.global_batch, "micro": plan.micro_batch, "accumulation": plan.accumulation},
         "zero": plan.zero.stage,
         "precision": plan.precision,
+        "compile": plan.compile,
         "optimizer": {"name": opt.name, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
                       "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip},
         "sequence_parallel": plan.tensor_parallel.sequence_parallel,
