@@ -23,7 +23,7 @@ rank's chunk (same result, twice the traffic). It is still recorded as
 Under `compile inductor` (runtime/compiled.py) torch.compile traces each op's fake
 (shapes only) and, through AOTAutograd, its backward formula. So every backward that
 communicates calls an opaque op (`parc::bwd_*` below) rather than torch.distributed,
-and every op that communicates is registered ORDERED (`_ordered`): the compiled graph
+and every op that communicates is registered ORDERED (`mark_ordered`): the compiled graph
 keeps the program's order of collectives, which every rank of a group must share.
 """
 
@@ -113,11 +113,25 @@ def split(x: Tensor, dim: int, axis: str) -> Tensor:
 # The autograd ops below call these from their backward formulas, which AOTAutograd traces under
 # `compile`: a direct torch.distributed call there would run once, on fake tensors, at compile time.
 
-def _ordered(op) -> None:
-    """Mark a communicating op as side-effecting: torch.compile neither reorders nor drops it."""
-    from torch._library.effects import EffectType
+ORDERED_EFFECTS: list[str] = []  # ops registered ORDERED; runtime/compiled.py refuses to compile without them
 
-    op.register_effect(EffectType.ORDERED)
+
+def mark_ordered(op) -> None:
+    """Mark a communicating op as side-effecting: torch.compile neither reorders nor drops it.
+
+    `CustomOpDef.register_effect` is torch 2.13's spelling; older torch (parc supports ≥ 2.11) has the
+    private `_register_effectful_op`. Neither: the op stays unmarked, which eager mode does not need,
+    and `compile` refuses to run (runtime/compiled.py) rather than risk reordered collectives."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType
+        if hasattr(op, "register_effect"):
+            op.register_effect(_EffectType.ORDERED)
+        else:
+            from torch._higher_order_ops.effects import _register_effectful_op
+            _register_effectful_op(op._opoverload, _EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        return
+    ORDERED_EFFECTS.append(op._qualname)
 
 
 @torch.library.custom_op("parc::bwd_all_reduce", mutates_args=())
@@ -155,7 +169,7 @@ def bwd_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 
 bwd_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 for _op in (bwd_all_reduce, bwd_all_gather, bwd_reduce_scatter):
-    _ordered(_op)
+    mark_ordered(_op)
 
 
 # --- autograd-aware ops --------------------------------------------------------------
@@ -305,7 +319,7 @@ allgather_split.register_autograd(
     lambda ctx, g: (torch.ops.parc.bwd_split(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather, vocab_parallel_cross_entropy,
             allgather_split):
-    _ordered(_op)
+    mark_ordered(_op)
 
 
 import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*

@@ -37,7 +37,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._library.effects import EffectType
+
+from parc.runtime.ops import mark_ordered
 
 # torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
 # which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
@@ -460,5 +461,4 @@ def _unshard_backward(ctx, grad):
 
 zero_unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 for _op in (zero_unshard, zero_reduce_grad):
-    # collectives with side effects on the runtime: torch.compile keeps them, in program order
-    _op.register_effect(EffectType.ORDERED)
+    mark_ordered(_op)  # collectives with side effects on the runtime: torch.compile keeps them, in program order
