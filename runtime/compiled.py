@@ -35,7 +35,21 @@ import time
 
 import torch
 
+from parc.errors import ParcError
+
 MODES = ("none", "inductor", "aot_eager")
+
+
+def check_supported(plan) -> None:
+    """Compile-time refusal of what `compile` cannot run (`plan` is a parc.grammar.plan.Plan)."""
+    if plan.compile == "inductor" and plan.recompute.patterns and plan.mesh.tp > 1:
+        # torch 2.13: inductor's partitioner fails ("forward num_erased_outs:3 != expected 1") when a
+        # checkpointed region holds ORDERED ops; with tp > 1 every block's region holds tp collectives
+        raise ParcError(f"compile inductor with recompute and tp {plan.mesh.tp}: torch's inductor cannot yet "
+                        "compile a recomputed region that holds collectives (the tp all-reduces and gathers "
+                        "of each recomputed block)", plan.spans.get("compile"),
+                        hint="drop `recompute`, or use `compile none` (or `compile aot_eager`, which captures "
+                             "it but runs eager kernels)")
 
 
 def program(forward, mode: str):
@@ -44,6 +58,11 @@ def program(forward, mode: str):
         return forward
     if mode not in MODES:
         raise ValueError(f"compile {mode!r}: not one of {', '.join(MODES)}")  # validate.py refuses it first
+    from parc.runtime import ops
+
+    if not ops.ORDERED_EFFECTS:
+        raise ParcError(f"compile {mode}: torch {torch.__version__} cannot mark parc's collectives as ordered "
+                        "effects, so the compiler could reorder them across ranks", hint="use `compile none`")
     # dynamic=False: a step's shapes never change (the micro-batch is fixed at `parc compile`)
     return torch.compile(forward, backend=mode, fullgraph=True, dynamic=False)
 
