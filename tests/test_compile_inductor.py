@@ -6,11 +6,12 @@ and attention ops are compiled too) on 2 gloo ranks for 2 steps and compares wit
 Inside the ranks it also checks that the start-up warm-up changed no training state (bitwise: every
 state tensor, gradient buffer, optimizer and ZeRO tensor, the CPU RNG) and that no step compiled again.
 
-Budget: inductor generates and builds C++ for every kernel, minutes for a 4-block GPT on a loaded
-2-core CPU; so ONE case runs inductor end to end (tp 2 with sequence parallelism: the most parc ops
-in one program), and the others run `aot_eager`, the same dynamo capture (fullgraph) and AOTAutograd backward with eager kernels, which
-proves every op of the plan is captured. The whole suite can be rerun compiled with
-PARC_TEST_COMPILE=inductor|aot_eager (tests/helpers.py `compile_text`).
+Budget: the cases run `aot_eager`: the same dynamo capture (fullgraph) and AOTAutograd backward as
+inductor, with eager kernels, which proves every op of each plan is captured and its backward traced.
+Inductor itself generates and builds C++ for every kernel: two ranks compiling tests/models/gpt_compile.py
+took over 300 s on this shared 2-core machine, past the suite's budget, so its end-to-end runs are made
+by hand (docs/compile.md "Proof" gives the command and the figures), as is a rerun of the other
+equivalence tests compiled: PARC_TEST_COMPILE=inductor|aot_eager (tests/helpers.py `compile_text`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _body(ctx, compiled: str, steps: int):
 
 
 CASES = {
-    "tp2_sp_inductor": "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + "compile inductor\n",
+    "tp2_sp_aot_eager": "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + "compile aot_eager\n",
     "dp2_zero3_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=3\ncompile aot_eager\n",
     "pp2_1f1b_recompute_aot_eager": ("mesh pp=2\nbatch global=4 micro=1\npipeline schedule=1f1b\n"
                                      "recompute \"blocks.*\"\ncompile aot_eager\n"),
