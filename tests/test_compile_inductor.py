@@ -16,6 +16,8 @@ equivalence tests compiled: PARC_TEST_COMPILE=inductor|aot_eager (tests/helpers.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,12 +119,24 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_plan_equals_serial(tmp_path, case):
     out = tmp_path / "compiled"
-    compile_text(CASES[case], out, MODEL)
+    mode = os.environ.get("PARC_TEST_COMPILE", "aot_eager")  # =inductor: the by-hand run of docs/compile.md
+    compile_text(CASES[case].replace("compile aot_eager", f"compile {mode}"), out, MODEL)
     art = artifact.load(out)
-    results = spawn(art.world_size, _body, str(out), 2)
+    results = spawn(art.world_size, _body, str(out), 2, timeout=1800 if mode == "inductor" else 300)
     for r in results:
         assert r["seconds"] is not None and r["unchanged"], "the warm-up changed training state"
         assert not r["recompiled"], "a step compiled again after the warm-up"
     serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
     v = compare(results[0]["losses"], serial_losses, results[0]["state"], serial_state)
     assert v.loss_rel < LOSS_TOL and v.param_rel < PARAM_TOL, v.render()
+
+
+def test_single_device_bench_runs():
+    """bench/single_device.py end to end at its smallest (a benchmark, not a timed test: no figure is checked)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "single_device.py"), "--micro", "2", "--rounds", "1",
+                          "--steps", "1", "--no-torch-compile"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ms/step" in out.stdout and "parc/eager" in out.stdout, out.stdout
