@@ -9,7 +9,7 @@ runtime/pipeline.py), then `warm_up`, which the Trainer calls once at start-up.
   not a silent fallback); AOTAutograd derives its backward; inductor fuses both.
 - `aot_eager`: the same capture and AOTAutograd, run by eager kernels (torch's debugging
   backend): it proves capture of every op in seconds, where inductor's codegen takes minutes
-  on a CPU. The tests use it for most plans.
+  on a CPU. The tests use it for their distributed cases.
 
 What lets a program with parc's ops compile whole: every `torch.ops.parc.*` op is a
 `torch.library.custom_op` with a fake (shape) implementation, and every backward formula
