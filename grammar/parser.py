@@ -47,7 +47,7 @@ from parc.grammar.plan import (
 from parc.grammar.validate import validate
 
 STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero",
-              "recompute", "precision", "optimizer", "expert_parallel")
+              "recompute", "precision", "optimizer", "expert_parallel", "compile")
 TP_FLAGS = ("sequence_parallel",)
 
 
@@ -410,6 +410,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "zero": {"stage": _int("an integer 0..3")},
     "recompute": {},
     "precision": {},
+    "compile": {},
     "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
                   "clip": _float},
     "expert_parallel": {},
@@ -544,6 +545,11 @@ class _Builder:
     def _precision(self, stmt: _Stmt, kw: dict) -> str:
         name, span = stmt.words[0]
         self.spans["precision"] = span
+        return name
+
+    def _compile(self, stmt: _Stmt, kw: dict) -> str:
+        name, span = stmt.words[0]
+        self.spans["compile"] = span
         return name
 
     def _optimizer(self, stmt: _Stmt, kw: dict) -> Optimizer:

@@ -26,6 +26,7 @@ DEFAULT_ORDER = ("tp", "pp", "dp")  # inner → outer on global ranks: tp adjace
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("none", "inductor", "aot_eager")  # runtime/compiled.py; docs/compile.md
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class Plan:
     precision: str = "fp32"
     optimizer: Optimizer = Optimizer()
     expert_parallel: ExpertParallel = ExpertParallel()
+    compile: str = "none"
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
     # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",

@@ -7,7 +7,7 @@ Assumes a `Plan` (parsed or built in code). Guarantees: the output parses back t
 an equal `Plan`, and equal plans print byte-identically (compiled/ hashes it).
 
 - statements in the order of the language reference: mesh, topology, batch,
-  tensor_parallel, pipeline, zero, recompute, precision, optimizer;
+  tensor_parallel, pipeline, zero, recompute, precision, optimizer, compile;
 - `mesh` always, with all three degrees (and `order=` only when not the default);
   every other statement and key only when it differs from its default;
 - numbers as Python's shortest round-tripping repr, bandwidths in the largest
@@ -50,6 +50,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"precision {plan.precision}")
     if plan.optimizer != Optimizer():
         lines.append(_optimizer(plan.optimizer))
+    if plan.compile != "none":
+        lines.append(f"compile {plan.compile}")
     return "\n".join(lines) + "\n"
 
 

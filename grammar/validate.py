@@ -26,7 +26,7 @@ import difflib
 from fnmatch import fnmatchcase
 
 from parc.errors import Diagnostic, PlanError, Span
-from parc.grammar.plan import AXES, PRECISIONS, SCHEDULES, Plan, TPRule
+from parc.grammar.plan import AXES, COMPILE_MODES, PRECISIONS, SCHEDULES, Plan, TPRule
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 TP_STYLES = ("column", "row", "vocab", "replicate")
@@ -285,6 +285,8 @@ def _check_rest(plan: Plan, out: _Report) -> None:
             out.error("empty recompute pattern", out.at(f"recompute.patterns[{i}]", plan.recompute))
     if plan.precision not in PRECISIONS:
         out.error(f"unknown precision `{plan.precision}`", out.at("precision"), _one_of(plan.precision, PRECISIONS))
+    if plan.compile not in COMPILE_MODES:
+        out.error(f"unknown compile mode `{plan.compile}`", out.at("compile"), _one_of(plan.compile, COMPILE_MODES))
     opt = plan.optimizer
     if opt.name not in OPTIMIZERS:
         out.error(f"unknown optimizer `{opt.name}`", out.at("optimizer.name", opt), _one_of(opt.name, OPTIMIZERS))

@@ -142,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)
     init_distributed(args.timeout)
     trainer = Trainer.load(art, args.seed)
+    if lead and trainer.compile_seconds is not None:  # `compile inductor`: paid here, once, not in step 0
+        print(f"parc.run: compiled this rank's programs with {art.plan['plan']['compile']} in "
+              f"{trainer.compile_seconds:.1f} s", flush=True)
     ctx, user = trainer.ctx, trainer.user
     first = 0
     if args.resume is not None:

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 _KEY: tuple[int, int, int] | None = None  # (seed, step, sample0): see the module docstring for why this is global
@@ -188,7 +189,21 @@ def _attention(q, k, v, mask, p, causal, scale, gqa, site, full, per_sample, sha
     if mask is not None:
         att = att.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else att + mask
     att = att.softmax(-1)
-    return _apply(att, keep_mask(att.shape, p, key, site, full, per_sample, shard, att.device), p) @ v
+    if key is None:  # traced by `compile`: the key is read when the compiled backward runs, not baked in
+        keep = torch.ops.parc.keyed_keep(att, p, site, full, per_sample, shard)
+    else:
+        keep = keep_mask(att.shape, p, key, site, full, per_sample, shard, att.device)
+    return _apply(att, keep, p) @ v
+
+
+@torch.library.custom_op("parc::keyed_keep", mutates_args=())
+def keyed_keep(like: Tensor, p: float, site: int, full: list[int], per_sample: int, shard: list[int]) -> Tensor:
+    """`keep_mask` of `like`'s shape under the key set now: what a compiled backward of keyed attention
+    calls, since its key (the step's) must be read at run time (runtime/compiled.py)."""
+    return keep_mask(like.shape, p, current_key(), site, full, per_sample, shard, like.device)
+
+
+keyed_keep.register_fake(lambda like, p, site, full, per_sample, shard: torch.empty_like(like, dtype=torch.bool))
 
 
 @torch.library.custom_op("parc::keyed_attention", mutates_args=())
@@ -204,7 +219,9 @@ keyed_attention.register_fake(lambda q, k, v, *rest: q.new_empty((*q.shape[:-1],
 
 def _attention_setup(ctx, inputs, output):
     q, k, v, mask = inputs[:4]
-    ctx.rest = (*inputs[4:], current_key())
+    # eager: the key of this forward; traced by `compile` (fake tensors): None, and the backward reads the
+    # key then, which the runtime sets to the same micro-batch's around its backward (see key_scope)
+    ctx.rest = (*inputs[4:], None if is_fake(q) else current_key())
     ctx.save_for_backward(q, k, v, mask)
     dev = q.device.type
     ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))  # bf16: re-run as forward ran

@@ -19,6 +19,12 @@ count collectives at run time instead of trusting the graph.
 gloo has no reduce-scatter; there it is an all-reduce followed by taking this
 rank's chunk (same result, twice the traffic). It is still recorded as
 "reduce_scatter": the record states what the program asks for.
+
+Under `compile inductor` (runtime/compiled.py) torch.compile traces each op's fake
+(shapes only) and, through AOTAutograd, its backward formula. So every backward that
+communicates calls an opaque op (`parc::bwd_*` below) rather than torch.distributed,
+and every op that communicates is registered ORDERED (`mark_ordered`): the compiled graph
+keeps the program's order of collectives, which every rank of a group must share.
 """
 
 from __future__ import annotations
@@ -102,6 +108,70 @@ def split(x: Tensor, dim: int, axis: str) -> Tensor:
     return x.chunk(dist.get_world_size(g), dim)[dist.get_rank(g)].clone(memory_format=torch.contiguous_format)
 
 
+# --- the backward collectives, as opaque ops ---------------------------------------------
+#
+# The autograd ops below call these from their backward formulas, which AOTAutograd traces under
+# `compile`: a direct torch.distributed call there would run once, on fake tensors, at compile time.
+
+ORDERED_EFFECTS: list[str] = []  # ops registered ORDERED; runtime/compiled.py refuses to compile without them
+
+
+def mark_ordered(op) -> None:
+    """Mark a communicating op as side-effecting: torch.compile neither reorders nor drops it.
+
+    `CustomOpDef.register_effect` is torch 2.13's spelling; older torch (parc supports ≥ 2.11) has the
+    private `_register_effectful_op`. Neither: the op stays unmarked, which eager mode does not need,
+    and `compile` refuses to run (runtime/compiled.py) rather than risk reordered collectives."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType
+        if hasattr(op, "register_effect"):
+            op.register_effect(_EffectType.ORDERED)
+        else:
+            from torch._higher_order_ops.effects import _register_effectful_op
+            _register_effectful_op(op._opoverload, _EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        return
+    ORDERED_EFFECTS.append(op._qualname)
+
+
+@torch.library.custom_op("parc::bwd_all_reduce", mutates_args=())
+def bwd_all_reduce(x: Tensor, axis: str) -> Tensor:
+    """Backward's all-reduce (sum) of a gradient over `axis`."""
+    return all_reduce(x, axis, "bwd")
+
+
+bwd_all_reduce.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("parc::bwd_all_gather", mutates_args=())
+def bwd_all_gather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """Backward's all-gather of a gradient along `dim` over `axis` (`parts` ranks)."""
+    return all_gather(x, dim, axis, "bwd")
+
+
+bwd_all_gather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
+
+
+@torch.library.custom_op("parc::bwd_reduce_scatter", mutates_args=())
+def bwd_reduce_scatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """Backward's reduce-scatter (sum) of a gradient along `dim` over `axis` (`parts` ranks)."""
+    return reduce_scatter(x, dim, axis, "bwd")
+
+
+bwd_reduce_scatter.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
+
+
+@torch.library.custom_op("parc::bwd_split", mutates_args=())
+def bwd_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """This rank's chunk of a gradient along `dim` (no communication; opaque only for its rank)."""
+    return split(x, dim, axis)
+
+
+bwd_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
+for _op in (bwd_all_reduce, bwd_all_gather, bwd_reduce_scatter):
+    mark_ordered(_op)
+
+
 # --- autograd-aware ops --------------------------------------------------------------
 
 def _axis_ctx(ctx, inputs, output):
@@ -115,7 +185,7 @@ def identity_allreduce(x: Tensor, axis: str) -> Tensor:
 
 
 identity_allreduce.register_fake(lambda x, axis: torch.empty_like(x))
-identity_allreduce.register_autograd(lambda ctx, g: (all_reduce(g, ctx.args[0], "bwd"), None),
+identity_allreduce.register_autograd(lambda ctx, g: (torch.ops.parc.bwd_all_reduce(g, ctx.args[0]), None),
                                      setup_context=_axis_ctx)
 
 
@@ -145,7 +215,7 @@ def allgather_reducescatter(x: Tensor, axis: str, dim: int, parts: int) -> Tenso
 allgather_reducescatter.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 allgather_reducescatter.register_autograd(
-    lambda ctx, g: (reduce_scatter(g, ctx.args[1], ctx.args[0], "bwd"), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (torch.ops.parc.bwd_reduce_scatter(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @torch.library.custom_op("parc::reducescatter_allgather", mutates_args=())
@@ -158,7 +228,7 @@ def reducescatter_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tenso
 reducescatter_allgather.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 reducescatter_allgather.register_autograd(
-    lambda ctx, g: (all_gather(g, ctx.args[1], ctx.args[0], "bwd"), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @torch.library.custom_op("parc::split_allgather", mutates_args=())
@@ -171,7 +241,7 @@ def split_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 
 split_allgather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 split_allgather.register_autograd(
-    lambda ctx, g: (all_gather(g, ctx.args[1], ctx.args[0], "bwd"), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @torch.library.custom_op("parc::vocab_parallel_cross_entropy", mutates_args=())
@@ -246,7 +316,10 @@ def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 
 allgather_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 allgather_split.register_autograd(
-    lambda ctx, g: (split(g, ctx.args[1], ctx.args[0]), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (torch.ops.parc.bwd_split(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather, vocab_parallel_cross_entropy,
+            allgather_split):
+    mark_ordered(_op)
 
 
 import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*

@@ -350,7 +350,7 @@ class StageBuckets:
 def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
     """Stages of this rank from the trainer's loaded state (`trainer.state` follows `merged_entry` order)."""
     from parc.codegen import load_program
-    from parc.runtime import precision
+    from parc.runtime import compiled, precision
 
     art, ctx, plan = trainer.art, trainer.ctx, trainer.art.plan
     stages, offset = {}, 0
@@ -360,6 +360,7 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
         state = trainer.state[offset:offset + n]
         offset += n
         fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
+        fwd = compiled.program(fwd, plan["plan"].get("compile", "none"))  # runtime/compiled.py
         fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device, trainer.casts)  # bf16: autocast
         stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
                                       prog["recv"], prog["send"], prog["last"])

@@ -28,7 +28,7 @@ from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
-from parc.runtime import dropout, grad_norm, ops, precision, tensor_parallel
+from parc.runtime import compiled, dropout, grad_norm, ops, precision, tensor_parallel
 from parc.runtime import expert_parallel
 
 
@@ -88,6 +88,7 @@ class Trainer:
         self.pp = plan["mesh"]["pp"]
         self.entry = self._entry_of(ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
+        self.forward = compiled.program(self.forward, plan["plan"].get("compile", "none"))  # runtime/compiled.py
         self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
                                 ctx.device)  # one model built per host, shards sent to its ranks
         self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
@@ -123,6 +124,7 @@ class Trainer:
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
             self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
+        self.compile_seconds = compiled.warm_up(self)  # `compile inductor`: compiled now, not in step 0
 
     @classmethod
     def load(cls, art: Artifact | str | Path, seed: int = 0) -> Trainer:

@@ -38,6 +38,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from parc.runtime.ops import mark_ordered
+
 # torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
 # which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
@@ -430,7 +432,22 @@ def zero_unshard(params: list[torch.Tensor], bucket: int) -> torch.Tensor:
 
 @zero_unshard.register_fake
 def _(params, bucket):
-    raise RuntimeError("zero_unshard runs eagerly in the runtime only")
+    # traced by `compile` (runtime/compiled.py) inside the step's `active()`: the bucket's padded flat size
+    # is in the runtime's table, which is where the real op reads it too
+    if not _ACTIVE:
+        raise RuntimeError("zero_unshard is traced only inside ZeroOptimizer.active(), as the trainer runs it")
+    zero = _ACTIVE[-1]
+    return params[0].new_empty((zero.buckets[bucket]["padded"],), dtype=zero.master[bucket].dtype)
+
+
+@torch.library.custom_op("parc::zero_reduce_grad", mutates_args=())
+def zero_reduce_grad(grad: torch.Tensor, bucket: int) -> None:
+    """Backward of `zero_unshard`, opaque to `compile`: reduce-scatter the bucket's flat gradient into this
+    rank's range and free the re-gathered weights (`ZeroOptimizer.reduce_bucket_grad`)."""
+    _ACTIVE[-1].reduce_bucket_grad(bucket, grad)
+
+
+zero_reduce_grad.register_fake(lambda grad, bucket: None)
 
 
 def _unshard_setup(ctx, inputs, output):
@@ -438,8 +455,10 @@ def _unshard_setup(ctx, inputs, output):
 
 
 def _unshard_backward(ctx, grad):
-    _ACTIVE[-1].reduce_bucket_grad(ctx.bucket, grad)
+    torch.ops.parc.zero_reduce_grad(grad, ctx.bucket)
     return [None] * ctx.n, None
 
 
 zero_unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
+for _op in (zero_unshard, zero_reduce_grad):
+    mark_ordered(_op)  # collectives with side effects on the runtime: torch.compile keeps them, in program order

@@ -3,6 +3,7 @@ spawned gloo ranks, and train the serial reference on the same batches."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -47,6 +48,9 @@ def llama_tp_rules(sequence_parallel: bool = False) -> str:
 
 
 def compile_text(plan_text: str, out: Path, model: Path = GPT):
+    mode = os.environ.get("PARC_TEST_COMPILE")  # rerun the equivalence tests compiled (docs/compile.md)
+    if mode and "\ncompile " not in "\n" + plan_text:
+        plan_text = plan_text.rstrip("\n") + f"\ncompile {mode}\n"
     plan = parse(plan_text, file=str(out.parent / "test.par"))
     compile_model(model, plan, out)
     return artifact.load(out)

@@ -23,7 +23,7 @@ from parc.grammar.validate import validate
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = [(ROOT / "examples" / f"{n}.par").read_text() for n in ("dp", "3d", "tp", "pp", "zero")]
 TOKENS = ["mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero", "recompute",
-          "precision", "optimizer", "cut", "before", "after", "sequence_parallel", "dp=", "pp=",
+          "precision", "optimizer", "compile", "inductor", "cut", "before", "after", "sequence_parallel", "dp=", "pp=",
           "tp=", "order=", "stage=", "global=", "micro=", "accumulation=", "virtual=", "stages=",
           "schedule=", "auto", "interleaved_1f1b", "gpipe", "column", "row", "1e999", "-0",
           "900GB/s", "3Gbit/s", '"blocks.*"', "{", "}", "=", ",", ":", "#", "\n", "\r\n", " ", "\t"]
