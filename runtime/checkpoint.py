@@ -173,7 +173,8 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     dist.barrier()  # every rank's files are on disk before the directory gets its final name
     if ctx.rank == 0:
         state_keys = sorted({k for per in optim.values() for k in per})
-        info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars))
+        data = {**trainer.data.describe(), "consumed_samples": trainer.data.consumed_at(step)}
+        info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars), data)
         (tmp / "parc.json").write_text(json.dumps(info, indent=1, sort_keys=True))
         if replace:
             for n, old in steps(root).items():
@@ -245,7 +246,8 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     want_state, want_scalars = rec.optimizer_keys(plan_json["plan"]["optimizer"])
     with_optim = bool(want_state or want_scalars) and (ckpt_state, ckpt_scalars) == (want_state, want_scalars)
     line = rec.summary(saved.path, info, rec.differences(info, plan_json, ctx.world_size, with_optim, ckpt_state,
-                                                        ckpt_scalars), plan_json["plan"]["batch"]["global"])
+                                                        ckpt_scalars, trainer.data.describe()),
+                       plan_json["plan"]["batch"]["global"])
     names = {e["fqn"]: e["name"] for e in trainer.entry["state"] if e["name"] in trainer.params}
     sd = {}
     for key, m in meta.items():
@@ -283,4 +285,7 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     if f"rng.rank{ctx.rank}" in sd:
         torch.set_rng_state(sd[f"rng.rank{ctx.rank}"])
     trainer.resumed_step = int(sd["meta.step"])
+    data = info.get("data", {})  # the sample stream continues where the checkpoint's run stopped (runtime/data.py)
+    trainer.data.seek(trainer.resumed_step,
+                      data.get("consumed_samples", trainer.resumed_step * data.get("global_batch", 0)))
     return trainer.resumed_step, line

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parc.runtime import param_groups, schedule_lr
 from parc.runtime.dropout import key_scope, serial_keys
 from parc.runtime.precision import autocast
 from parc.runtime.state import build_reference
@@ -72,13 +73,19 @@ class Verdict:
                 f"parameters {self.param_rel:.2e} ({self.worst_param}); tolerance {self.tolerance:.0e}")
 
 
-def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_serial(user, plan_json: dict, seed: int, steps: int,
+                 batch_of=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
+    default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
+    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py)."""
     from parc.runtime.train import make_optimizer
 
     model = build_reference(user, seed)
     cfg = plan_json["plan"]["optimizer"]
-    optimizer = make_optimizer(list(model.parameters()), cfg)
+    decay = param_groups.decays(param_groups.classify(model), cfg)
+    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
     global_batch = plan_json["plan"]["batch"]["global"]
+    batch_of = batch_of or (lambda step: user.get_batch(step, global_batch))
     losses = []
     compute = plan_json["plan"].get("precision", "fp32")
     keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), global_batch,
@@ -88,11 +95,12 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
         # the whole global batch: its first sample is sample 0 (runtime/dropout.py keys by global sample)
         with key_scope(seed, step, 0), keys:
             with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
-                loss = user.loss_fn(model, *user.get_batch(step, global_batch)).float()
+                loss = user.loss_fn(model, *batch_of(step)).float()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
+        schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
         optimizer.step()
         losses.append(loss.item())
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may

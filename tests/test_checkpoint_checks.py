@@ -74,8 +74,8 @@ def test_resume_says_what_it_loaded_and_every_difference(world):
     tmp, _, out = world
     step, line = out["resumed"]
     assert step == 2
-    assert line.startswith(f"resumed 2 steps from {tmp / 'ckpt' / 'step_2'} (next batch get_batch(2, 8)), saved "
-                           f"under plan test.par (sha256 "), line
+    assert line.startswith(f"resumed from step 2 of {tmp / 'ckpt' / 'step_2'}, saved under plan test.par (sha256 "), line
+    assert "(next batch get_batch(2, 8)): " in line, line
     for diff in ("batch accumulation 1 → 2", "batch global 4 → 8", "optimizer lr 0.01 → 0.001",
                  "optimizer name adamw → sgd", "zero 1 → 2",
                  "optimizer state (exp_avg, exp_avg_sq, step) not loaded: sgd keeps none"):
