@@ -197,18 +197,16 @@ def test_per_rank_samples_zero3_decay_groups_and_schedule_match_serial(run):
         want = [data.sampler.indices(torch.arange(8 * s + 4 * rank, 8 * s + 4 * rank + 4)).tolist() for s in range(STEPS)]
         assert got == want, (rank, got)
     val = source_for(user, [], 8, 0, None, val=True)
-    serial_eval = serial_eval_loss(user, _serial_model(user, art, data), val.whole, EVAL_BATCHES)
+    serial_eval = serial_eval_loss(user, _model_with(user, state), val.whole, EVAL_BATCHES)
     # the eval runs on the parallel weights, the serial eval on the serial ones (1e-4 apart, above)
     assert abs(out[0]["eval"] - serial_eval) / serial_eval < 1e-4, (out[0]["eval"], serial_eval)
     assert out[0]["norm"] > 0
 
 
-def _serial_model(user, art, data):
-    """The serial model after STEPS steps (train_serial returns its parameters; load them into a model)."""
+def _model_with(user, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The user's model holding `state` (train_serial's trained parameters, by every FQN)."""
     from parc.runtime.state import build_reference
-    from parc.runtime.verify import train_serial
 
-    _, state = train_serial(user, art.plan, 0, STEPS, data.whole)
     model = build_reference(user, 0)
     model.load_state_dict(state, strict=False)
     return model
@@ -241,3 +239,35 @@ def test_parc_run_trains_on_a_token_file_with_eval_and_verify(run, tmp_path):
     steps = [r for r in records if "loss" in r]
     assert [r["lr"] for r in steps] == [lr_at(art.plan["plan"]["optimizer"], s) for s in range(3)]
     assert all(r["grad_norm"] > 0 for r in steps) and sum("val_loss" in r for r in records) == 2
+
+
+# --- pipeline: eval forward-only, decay groups on stages ------------------------------------------------
+
+def _pp_body(ctx, compiled: str):
+    from parc.runtime.data import source_for
+    from parc.runtime.evaluate import eval_loss
+    from parc.runtime.train import Trainer
+
+    t = Trainer.load(compiled, 0)
+    val = source_for(t.user, t.entry["inputs"], t.global_batch, 0, None, val=True)
+    local = [t.step(s, want_norm=True).loss for s in range(2)]
+    out = {"losses": t.global_losses(local), "eval": eval_loss(t, val, EVAL_BATCHES), "state": t.gathered_state()}
+    return out if ctx.rank == 0 else None
+
+
+def test_pipeline_eval_and_decay_groups_match_serial(tmp_path):
+    from parc.runtime.data import source_for
+    from parc.runtime.evaluate import serial_eval_loss
+    from parc.runtime.verify import compare, train_serial
+    from parc.trace import load_user_module
+
+    art = compile_text(f"mesh pp=2\nbatch global=4 micro=2\n{OPT}\n", tmp_path / "pp", model=MODEL)
+    out = spawn(2, _pp_body, str(art.root))[0]
+    user = load_user_module(art.root / "model" / "model.py")
+    data = source_for(user, [], 4, 0, None)
+    losses, state = train_serial(user, art.plan, 0, 2, data.whole)
+    verdict = compare(out["losses"], losses, out["state"], state)
+    assert verdict.ok, verdict.render()  # DEFAULT_TOLERANCE 1e-4: summation order only (runtime/verify.py)
+    serial_eval = serial_eval_loss(user, _model_with(user, state), source_for(user, [], 4, 0, None, val=True).whole, EVAL_BATCHES)
+    # forward only through both stages; 1e-4 as above (the weights are the two runs' own)
+    assert abs(out["eval"] - serial_eval) / serial_eval < 1e-4, (out["eval"], serial_eval)
