@@ -21,7 +21,7 @@ from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 
 BASE = "mesh dp=2\nzero stage=1\nbatch global=4 micro=2\noptimizer adamw lr=1e-2\n"
-OTHER = "mesh dp=2\nzero stage=2\nbatch global=8 micro=2\noptimizer sgd lr=1e-3\n"
+OTHER = "mesh dp=2\nzero stage=2\nbatch global=8 micro=2\noptimizer sgd lr=1e-3 warmup=5 no_decay=bias\n"
 
 
 def _model(tmp, name: str, config: str):
@@ -77,7 +77,8 @@ def test_resume_says_what_it_loaded_and_every_difference(world):
     assert line.startswith(f"resumed from step 2 of {tmp / 'ckpt' / 'step_2'}, saved under plan test.par (sha256 "), line
     assert "(next batch get_batch(2, 8)): " in line, line
     for diff in ("batch accumulation 1 → 2", "batch global 4 → 8", "optimizer lr 0.01 → 0.001",
-                 "optimizer name adamw → sgd", "zero 1 → 2",
+                 "optimizer name adamw → sgd", "zero 1 → 2", "optimizer warmup 0 → 5",
+                 "optimizer no_decay bias,norm,embedding → bias",
                  "optimizer state (exp_avg, exp_avg_sq, step) not loaded: sgd keeps none"):
         assert diff in line, (diff, line)
     assert "\n" not in line

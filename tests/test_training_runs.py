@@ -141,6 +141,23 @@ def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
         tensorboard_writer(tmp_path / "tb")
 
 
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from parc.runtime.metrics import Metrics
+
+    m = Metrics(3, tmp_path / "m.jsonl", enabled=True, tensorboard=tmp_path / "tb")
+    m.log(0, 2.5, 100.0, 0.1, advance=1, lr=1e-3, grad_norm=0.5)
+    m.log_eval(0, 2.25, 4)
+    m.close()
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert records[0]["lr"] == 1e-3 and records[0]["grad_norm"] == 0.5 and records[1] == {"step": 0, "val_loss": 2.25}
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"loss", "lr", "grad_norm", "val_loss"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("val_loss")[0].value == 2.25
+
+
 # --- one distributed run, checked several ways ----------------------------------------------------------
 
 def _run_body(ctx, compiled: str, ckpt: str):
