@@ -97,7 +97,8 @@ def test_checkpoint_records_what_it_holds(world):
 
     tmp, _, _ = world
     info = json.loads((tmp / "ckpt" / "step_2" / "parc.json").read_text())
-    assert info["step"] == 2 and info["data"] == {"next_step": 2, "global_batch": 4}
+    assert info["step"] == 2 and info["data"] == {"next_step": 2, "global_batch": 4, "source": "get_batch",
+                                                  "consumed_samples": 8}
     assert info["plan"]["source"] == BASE and info["plan"]["sha256"]
     assert info["model"]["params"]["blocks.0.attn.qkv.weight"] == [192, 64]
     assert info["optimizer"] == {"name": "adamw", "state": ["exp_avg", "exp_avg_sq"], "scalars": ["step"]}
