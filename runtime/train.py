@@ -5,8 +5,10 @@ artifact, gets its state from the model built once per host under the seed (runt
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
-micro-batch's backward, then AdamW steps. Data are sharded deterministically:
-dp rank i takes samples [i·G/dp, (i+1)·G/dp) of the global batch `get_batch(step, G)`.
+micro-batch's backward, then AdamW steps (at the schedule's lr, runtime/schedule_lr.py, with
+weight-decay groups, runtime/param_groups.py). Data are sharded deterministically:
+dp rank i takes rows [i·G/dp, (i+1)·G/dp) of global batch `step` (runtime/data.py: from
+`get_batch(step, G)`, or only those rows from `get_samples` or a token file).
 """
 
 from __future__ import annotations

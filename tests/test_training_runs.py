@@ -288,3 +288,18 @@ def test_pipeline_eval_and_decay_groups_match_serial(tmp_path):
     serial_eval = serial_eval_loss(user, _model_with(user, state), source_for(user, [], 4, 0, None, val=True).whole, EVAL_BATCHES)
     # forward only through both stages; 1e-4 as above (the weights are the two runs' own)
     assert abs(out["eval"] - serial_eval) / serial_eval < 1e-4, (out["eval"], serial_eval)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--val-data", "v.bin"], "error: --val-data v.bin is read only by evals: add --eval-every N"),
+    (["--eval-every", "0"], "error: --eval-every 0 --eval-batches 4: both must be ≥ 1"),
+])
+def test_eval_flags_refused_in_one_line(run, monkeypatch, capsys, args, message):
+    from parc.run import main as run_main
+
+    art, _ = run
+    monkeypatch.setenv("RANK", "0")  # as torchrun would: refused before any process group
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_main([str(art.root), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
