@@ -51,7 +51,10 @@ def classify_user(user) -> dict[str, str | None]:
 
 
 def decays(classes: dict[str, str | None], cfg: dict) -> dict[str, bool]:
-    """Model FQN → whether weight decay applies, under the plan's optimizer settings `cfg`."""
+    """Model FQN → whether weight decay applies, under the plan's optimizer settings `cfg`. Without weight
+    decay every parameter is one kind: no groups, and ZeRO's ranges stay one tensor each."""
+    if not cfg.get("weight_decay"):
+        return {fqn: True for fqn in classes}
     skip = set(cfg.get("no_decay", DEFAULT_NO_DECAY)) - {"none"}
     return {fqn: c not in skip for fqn, c in classes.items()}
 

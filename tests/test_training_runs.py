@@ -52,8 +52,9 @@ def test_weight_decay_classes_of_gpt():
     assert classes["wte.weight"] == classes["wpe.weight"] == "embedding"
     assert classes["blocks.0.attn.qkv.bias"] == "bias" and classes["blocks.0.ln_1.weight"] == "norm"
     assert classes["blocks.0.attn.qkv.weight"] is None and classes["lm_head.weight"] is None
-    assert param_groups.decays(classes, {"no_decay": ["none"]}) == {f: True for f in classes}
-    only_bias = param_groups.decays(classes, {"no_decay": ["bias"]})
+    assert param_groups.decays(classes, {"weight_decay": 0.1, "no_decay": ["none"]}) == {f: True for f in classes}
+    assert param_groups.decays(classes, {"weight_decay": 0.0}) == {f: True for f in classes}  # nothing to split
+    only_bias = param_groups.decays(classes, {"weight_decay": 0.1, "no_decay": ["bias"]})
     assert not only_bias["blocks.0.attn.qkv.bias"] and only_bias["wte.weight"] and only_bias["blocks.0.ln_1.weight"]
 
 
