@@ -153,8 +153,8 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     # a diverged run must not replace a good checkpoint: every rank checks what it writes, all decide alike
     if not _all_finite(trainer, params, optim, scalars):
         raise Divergence(f"after step {step} the parameters or optimizer state hold nan/inf; not saved to {final} "
-                         f"(a gradient went non-finite under a finite loss; with `clip=` in the plan the run also "
-                         f"checks the gradient norm and names the step)")
+                         f"(a gradient went non-finite under a finite loss between log points; the run checks the "
+                         f"gradient norm at every log point, and every step's with `clip=` in the plan)")
     sd = {f"model.{fqn[n]}": _sharded(t, mesh, n_shards, r) for n, t in params.items()}
     for n, per in optim.items():
         sd.update({f"optim.{fqn[n]}.{k}": _sharded(v, mesh, n_shards, r) for k, v in per.items()})
