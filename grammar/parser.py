@@ -412,7 +412,9 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "precision": {},
     "compile": {},
     "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
-                  "clip": _float},
+                  "clip": _float,
+                  "warmup": _int("a number of steps ≥ 0"), "decay": _name, "decay_steps": _POSITIVE,
+                  "min_lr": _float, "no_decay": _names},
     "expert_parallel": {},
 }
 
@@ -558,4 +560,6 @@ class _Builder:
         base = Optimizer()
         return Optimizer(name, kw.get("lr", base.lr), kw.get("betas", base.betas),
                          kw.get("eps", base.eps), kw.get("weight_decay", base.weight_decay),
-                         kw.get("clip", base.grad_clip), span=stmt.span)
+                         kw.get("clip", base.grad_clip), kw.get("warmup", base.warmup),
+                         kw.get("decay", base.decay), kw.get("decay_steps", base.decay_steps),
+                         kw.get("min_lr", base.min_lr), kw.get("no_decay", base.no_decay), span=stmt.span)

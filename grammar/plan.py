@@ -140,6 +140,14 @@ class Optimizer:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float | None = None  # max global grad norm
+    # learning-rate schedule (runtime/schedule_lr.py): linear warmup over `warmup` steps, then `decay`
+    # (constant, linear or cosine) down to `min_lr` at step `decay_steps`
+    warmup: int = 0
+    decay: str = "constant"
+    decay_steps: int | None = None
+    min_lr: float | None = None
+    # parameters weight decay skips (runtime/param_groups.py); ("none",) decays every parameter
+    no_decay: tuple[str, ...] = ("bias", "norm", "embedding")
     span: Span | None = field(default=None, compare=False)
 
 

@@ -125,4 +125,14 @@ def _optimizer(o: Optimizer) -> str:
         parts.append(f"weight_decay={repr(float(o.weight_decay))}")
     if o.grad_clip is not None:
         parts.append(f"clip={repr(float(o.grad_clip))}")
+    if o.warmup != base.warmup:
+        parts.append(f"warmup={o.warmup}")
+    if o.decay != base.decay:
+        parts.append(f"decay={o.decay}")
+    if o.decay_steps is not None:
+        parts.append(f"decay_steps={o.decay_steps}")
+    if o.min_lr is not None:
+        parts.append(f"min_lr={repr(float(o.min_lr))}")
+    if tuple(o.no_decay) != base.no_decay:
+        parts.append("no_decay=" + ",".join(o.no_decay))
     return " ".join(parts)

@@ -29,6 +29,8 @@ from parc.errors import Diagnostic, PlanError, Span
 from parc.grammar.plan import AXES, COMPILE_MODES, PRECISIONS, SCHEDULES, Plan, TPRule
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+DECAYS = ("constant", "linear", "cosine")  # the lr after warmup (runtime/schedule_lr.py)
+NO_DECAY = ("bias", "norm", "embedding")   # parameter classes weight decay can skip (runtime/param_groups.py)
 TP_STYLES = ("column", "row", "vocab", "replicate")
 CUT_WHERE = ("before", "after")
 INTERLEAVED = ("interleaved_1f1b",)  # schedules that place several stages on one pp rank
@@ -304,6 +306,35 @@ def _check_rest(plan: Plan, out: _Report) -> None:
     if opt.grad_clip is not None and not opt.grad_clip > 0:
         out.error(f"optimizer clip must be > 0, got {opt.grad_clip}", out.at("optimizer.clip", opt),
                   "clip is the max global gradient norm; drop it to disable clipping")
+    _check_schedule(opt, out)
+
+
+def _check_schedule(opt, out: _Report) -> None:
+    """The optimizer's lr schedule and weight-decay groups (runtime/schedule_lr.py, runtime/param_groups.py)."""
+    if opt.warmup < 0:
+        out.error(f"optimizer warmup must be ≥ 0 steps, got {opt.warmup}", out.at("optimizer.warmup", opt))
+    if opt.decay not in DECAYS:
+        out.error(f"unknown lr decay `{opt.decay}`", out.at("optimizer.decay", opt), _one_of(opt.decay, DECAYS))
+    elif opt.decay == "constant":
+        for key in ("decay_steps", "min_lr"):
+            if getattr(opt, key) is not None:
+                out.error(f"optimizer {key} needs decay=linear or decay=cosine (the lr is constant after warmup)",
+                          out.at(f"optimizer.{key}", opt), "add decay=cosine, or drop " + key)
+    elif opt.decay_steps is None:
+        out.error(f"optimizer decay={opt.decay} needs decay_steps=N, the step at which the lr reaches min_lr",
+                  out.at("optimizer.decay", opt), "e.g. decay_steps=<the run's --steps>")
+    elif opt.decay_steps <= opt.warmup:
+        out.error(f"optimizer decay_steps {opt.decay_steps} must be > warmup {opt.warmup}: the decay runs from "
+                  f"step {opt.warmup} to step decay_steps", out.at("optimizer.decay_steps", opt))
+    if opt.min_lr is not None and not 0 <= opt.min_lr <= opt.lr:
+        out.error(f"optimizer min_lr must lie in [0, lr {opt.lr:g}], got {opt.min_lr:g}", out.at("optimizer.min_lr", opt))
+    names = tuple(opt.no_decay)
+    if names != ("none",):
+        for n in names:
+            if n not in NO_DECAY:
+                out.error(f"unknown no_decay class `{n}`", out.at("optimizer.no_decay", opt),
+                          _one_of(n, NO_DECAY + ("none",)) + " (none: decay every parameter)")
+                break
 
 
 def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:

@@ -25,6 +25,7 @@ from parc.errors import LaunchError, ParcError
 EPILOG = """examples:
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 20
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 3 --verify
+  torchrun --nproc-per-node 4 -m parc.run compiled/ --data train.bin --val-data val.bin --eval-every 100
 """
 
 
@@ -68,11 +69,49 @@ def parser() -> argparse.ArgumentParser:
                    help="a nan/inf loss or gradient: stop (default: exit 2 before anything more is saved; "
                         "checked at log points, no extra sync) or skip the step (parameters and optimizer "
                         "state unchanged; one host sync per step)")
+    p.add_argument("--data", type=Path, default=None, metavar="FILE",
+                   help="train on a flat binary file of token ids (nanoGPT's train.bin), memory-mapped; each rank "
+                        "reads only its own samples (runtime/data.py). Default: the model file's get_samples, "
+                        "else its get_batch")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="the token id type of --data and --val-data (default uint16, GPT-2's 50257 ids fit)")
+    p.add_argument("--val-data", type=Path, default=None, metavar="FILE",
+                   help="held-out token file for --eval-every (default: the model file's get_val_samples or "
+                        "get_val_batch)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="every N steps (and after the last) log the mean loss over --eval-batches held-out "
+                        "global batches, the same ones each time")
+    p.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                   help="held-out global batches per eval (default 4)")
+    p.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="also write the metrics as TensorBoard event files to DIR (needs the tensorboard package)")
     p.add_argument("--oversubscribe", action="store_true",
                    help="run more ranks than this machine has GPUs (they share them): each rank poses to "
                         "NCCL as a host of its own and talks over loopback sockets; slow, for checking a "
                         "plan before renting its GPUs (docs/pipeline.md)")
     return p
+
+
+def _check_eval_args(args: argparse.Namespace, plan_json: dict) -> None:
+    """--eval-every and its companions: refused in one line before any process starts training."""
+    from parc.runtime.evaluate import refusal
+
+    if args.eval_every is None:
+        if args.val_data is not None:
+            raise LaunchError(f"--val-data {args.val_data} is read only by evals: add --eval-every N")
+        return
+    if args.eval_every < 1 or args.eval_batches < 1:
+        raise LaunchError(f"--eval-every {args.eval_every} --eval-batches {args.eval_batches}: both must be ≥ 1")
+    if why := refusal(plan_json):
+        raise LaunchError(why)
+
+
+def _describe_data(d: dict) -> str:
+    if d["source"] == "memmap":
+        return f"{d['file']} ({d['dtype']} tokens, {d['samples']} samples, shuffled per epoch by --seed)"
+    if d["source"] == "get_samples":
+        return "get_samples (each rank reads its own samples)" + (f", {d['samples']} per epoch" if d["samples"] else "")
+    return "get_batch (every rank reads the whole global batch and keeps its rows)"
 
 
 def _single_process_env() -> None:
@@ -117,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError("checkpoints of expert-parallel plans (mesh ep > 1) are not supported: each ep rank holds "
                           "other experts, and the checkpoint layout stores a tensor sharded over all of dp",
                           hint="drop --save-every / --resume, or train with ep=1")
+    _check_eval_args(args, art.plan)
     from parc.runtime import checkpoint_dir
 
     # files only, before any process group, at start rather than at the first save; rank 0 alone stats the
@@ -146,6 +186,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"parc.run: compiled this rank's programs with {art.plan['plan']['compile']} in "
               f"{trainer.compile_seconds:.1f} s", flush=True)
     ctx, user = trainer.ctx, trainer.user
+    from parc.runtime import data as data_sources
+
+    G = art.plan["plan"]["batch"]["global"]
+    trainer.data = data_sources.source_for(user, trainer.entry["inputs"], G, args.seed, args.data, args.data_dtype)
+    val = None
+    if args.eval_every:
+        val = data_sources.source_for(user, trainer.entry["inputs"], G, args.seed, args.val_data, args.data_dtype,
+                                      val=True)
+        if val is None:
+            raise LaunchError(f"--eval-every {args.eval_every}: no held-out split; give --val-data FILE, or define "
+                              f"get_val_samples(indices) or get_val_batch(step, batch_size) in the model file")
     first = 0
     if args.resume is not None:
         from parc.runtime import checkpoint
@@ -158,10 +209,15 @@ def run(args: argparse.Namespace) -> int:
     from parc.runtime.divergence import Guard
 
     guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
-    metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None)
+    metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None,
+                      tensorboard=args.tensorboard)
     if lead:
+        from parc.runtime.schedule_lr import describe
+
         print(f"parc.run: ready in {time.perf_counter() - t_start:.1f} s; steps {first}…{args.steps - 1}"
               + (f", metrics to {args.metrics}" if args.metrics else ""), flush=True)
+        print(f"parc.run: data {_describe_data(trainer.data.describe())}; {describe(art.plan['plan']['optimizer'])}",
+              flush=True)
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
     watchdog = _Watchdog(args.timeout, ctx.rank)
@@ -170,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
             watchdog.tick(f"step {step}")
             if args.trace and trainer.pipeline is not None:
                 trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
-            result = trainer.step(step, skip_nonfinite=args.on_nonfinite == "skip")
+            log_point = (step + 1) % args.log_every == 0 or step + 1 == args.steps
+            result = trainer.step(step, skip_nonfinite=args.on_nonfinite == "skip", want_norm=log_point)
             guard.watch(step, result)
             # and at the last step, as torchtitan does: a run given a --checkpoint-dir ends saved, even
             # one with --save-every beyond --steps
@@ -183,12 +240,16 @@ def run(args: argparse.Namespace) -> int:
                 replace = False  # only the first save replaces an earlier run's checkpoints
             local.append(result.loss)
             window.append(result.loss)
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            if log_point:
                 guard.check()  # the losses are read here anyway (the one sync per log point)
                 loss = guard.last_loss
                 dt = (time.perf_counter() - t_window) / len(window)
-                metrics.log(step, loss, tokens / dt, dt, advance=len(window))
+                metrics.log(step, loss, tokens / dt, dt, advance=len(window), lr=result.lr, grad_norm=guard.last_norm)
                 window, t_window = [], time.perf_counter()
+            if val is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+                from parc.runtime.evaluate import eval_loss
+
+                metrics.log_eval(step, eval_loss(trainer, val, args.eval_batches), args.eval_batches)
     finally:
         metrics.close()
     losses = trainer.global_losses(local)
@@ -205,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         state = trainer.gathered_state()
         if lead:
-            serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps)
+            serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
+                                                                trainer.data.whole)
             verdict = verifier.compare(losses, serial_losses, state, serial_state,
                                        args.tolerance or verifier.TOLERANCES[art.plan["plan"]["precision"]])
             print(verdict.render(), flush=True)

@@ -94,12 +94,22 @@ def load_user_module(path: str | Path) -> UserModel:
     fns = {}
     for fn, signature in _SIGNATURES.items():
         value = getattr(module, fn, None)
+        if fn == "get_batch" and value is None and callable(getattr(module, "get_samples", None)):
+            value = _batch_of_samples(module.get_samples)  # the per-rank convention (runtime/data.py)
         if not callable(value):
             what = "is not a function" if value is not None else "is missing"
             raise TraceError(f"`{fn}` {what} in the model file", Span(str(path), 1, 1),
                              hint=f"define `{signature}` (see docs/model-convention.md)")
         fns[fn] = value
     return UserModel(path, module, **fns)
+
+
+def _batch_of_samples(get_samples):
+    """get_batch(step, n) for a model file that defines only get_samples(indices): samples step·n … step·n + n − 1,
+    what `parc compile` traces one micro-batch of (training reads samples through runtime/data.py's sampler)."""
+    def get_batch(step: int, batch_size: int):
+        return get_samples(torch.arange(step * batch_size, (step + 1) * batch_size, dtype=torch.int64))
+    return get_batch
 
 
 def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:

@@ -154,8 +154,8 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     # a diverged run must not replace a good checkpoint: every rank checks what it writes, all decide alike
     if not _all_finite(trainer, params, optim, scalars):
         raise Divergence(f"after step {step} the parameters or optimizer state hold nan/inf; not saved to {final} "
-                         f"(a gradient went non-finite under a finite loss; with `clip=` in the plan the run also "
-                         f"checks the gradient norm and names the step)")
+                         f"(a gradient went non-finite under a finite loss between log points; the run checks the "
+                         f"gradient norm at every log point, and every step's with `clip=` in the plan)")
     sd = {f"model.{fqn[n]}": _sharded(t, mesh, n_shards, r) for n, t in params.items()}
     for n, per in optim.items():
         sd.update({f"optim.{fqn[n]}.{k}": _sharded(v, mesh, n_shards, r) for k, v in per.items()})
@@ -174,7 +174,8 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     dist.barrier()  # every rank's files are on disk before the directory gets its final name
     if ctx.rank == 0:
         state_keys = sorted({k for per in optim.values() for k in per})
-        info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars))
+        data = {**trainer.data.describe(), "consumed_samples": trainer.data.consumed_at(step)}
+        info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars), data)
         (tmp / "parc.json").write_text(json.dumps(info, indent=1, sort_keys=True))
         if replace:
             for n, old in steps(root).items():
@@ -255,7 +256,8 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     want_state, want_scalars = rec.optimizer_keys(plan_json["plan"]["optimizer"])
     with_optim = bool(want_state or want_scalars) and (ckpt_state, ckpt_scalars) == (want_state, want_scalars)
     line = rec.summary(saved.path, info, rec.differences(info, plan_json, ctx.world_size, with_optim, ckpt_state,
-                                                        ckpt_scalars), plan_json["plan"]["batch"]["global"])
+                                                        ckpt_scalars, trainer.data.describe()),
+                       plan_json["plan"]["batch"]["global"])
     names = {e["fqn"]: e["name"] for e in trainer.entry["state"] if e["name"] in trainer.params}
     sd = {}
     for key, m in meta.items():
@@ -293,4 +295,7 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     if f"rng.rank{ctx.rank}" in sd:
         torch.set_rng_state(sd[f"rng.rank{ctx.rank}"])
     trainer.resumed_step = int(sd["meta.step"])
+    data = info.get("data", {})  # the sample stream continues where the checkpoint's run stopped (runtime/data.py)
+    trainer.data.seek(trainer.resumed_step,
+                      data.get("consumed_samples", trainer.resumed_step * data.get("global_batch", 0)))
     return trainer.resumed_step, line

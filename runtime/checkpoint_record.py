@@ -50,14 +50,16 @@ def model_params(plan_json: dict) -> dict[str, list[int]]:
 
 
 def record(plan_json: dict, step: int, world_size: int, program: str, state_keys: list[str],
-           scalar_keys: list[str]) -> dict:
-    """parc.json: what the checkpoint after `step` steps holds and under which plan it was saved."""
+           scalar_keys: list[str], data: dict | None = None) -> dict:
+    """parc.json: what the checkpoint after `step` steps holds and under which plan it was saved. `data`:
+    the run's data source and the samples it used (runtime/data.py `describe`, `consumed_samples`)."""
     plan = plan_json["plan"]
     return {
         "format": FORMAT,
         "step": step,
         # get_batch is a function of the step: the next batch is get_batch(step, global batch)
-        "data": {"next_step": step, "global_batch": plan["batch"]["global"]},
+        # a source of samples (runtime/data.py) continues its stream at sample `consumed_samples`
+        "data": {"next_step": step, "global_batch": plan["batch"]["global"], **(data or {})},
         "world_size": world_size, "mesh": {a: plan_json["mesh"][a] for a in ("dp", "pp", "tp")},
         "zero": plan["zero"], "program": program,
         "plan": plan,
@@ -125,9 +127,14 @@ def _show(v) -> str:
 
 
 def differences(info: dict, plan_json: dict, world_size: int, optim_loaded: bool, ckpt_state: list[str],
-                ckpt_scalars: list[str]) -> list[str]:
-    """Every difference between the run and the checkpoint's record, as short phrases."""
+                ckpt_scalars: list[str], data: dict | None = None) -> list[str]:
+    """Every difference between the run and the checkpoint's record, as short phrases (`data`: the run's
+    data source, runtime/data.py `describe`)."""
     out = []
+    saved_data = info.get("data", {})
+    for k in ("source", "file", "dtype", "samples", "seed") if data is not None else ():
+        if k in saved_data and saved_data.get(k) != data.get(k):
+            out.append(f"data {k} {_show(saved_data.get(k, '-'))} → {_show(data.get(k, '-'))}")
     saved = info.get("plan")
     now = plan_json["plan"]
     if saved is None:  # format 1: only the mesh and the ZeRO stage were recorded
@@ -161,6 +168,10 @@ def summary(where, info: dict, diffs: list[str], global_batch: int) -> str:
     plan = info.get("plan") or {}
     under = (f"plan {plan.get('file', '?')} (sha256 {str(plan.get('sha256', '?'))[:12]})" if plan
              else "an unrecorded plan (parc.json format 1)")
-    return (f"resumed {info['step']} steps from {where} (next batch get_batch({info['step']}, {global_batch})), "
-            f"saved under {under}: "
+    data = info.get("data", {})
+    if data.get("source", "get_batch") == "get_batch":
+        nxt = f"next batch get_batch({info['step']}, {global_batch})"
+    else:
+        nxt = f"next sample {data.get('consumed_samples', '?')} of {data['source']}"
+    return (f"resumed from step {info['step']} of {where}, saved under {under} ({nxt}): "
             + ("; ".join(diffs) if diffs else "same plan, batch and optimizer settings"))

@@ -38,6 +38,7 @@ class Guard:
         self.trainer, self.mode, self.lead = trainer, mode, lead
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None, bool]] = []
         self.last_loss: float | None = None   # the global loss of the last step checked
+        self.last_norm: float | None = None   # its global gradient norm, when it was computed
         self.saved: int | None = None         # steps held by the last checkpoint this run wrote
         self.skipped = 0
 
@@ -63,6 +64,7 @@ class Guard:
         values = iter(torch.stack(known).tolist() if known else [])
         for step, loss, norm, skip in zip(steps, total, norms, skipped):
             value = next(values) if norm is not None else None
+            self.last_norm = value
             if skip or (math.isfinite(loss) and (value is None or math.isfinite(value))):
                 continue
             what = f"loss {loss}" + (f", gradient norm {value}" if value is not None else "")

@@ -4,7 +4,10 @@ A rich progress bar (step, loss, tokens/s) on stderr when it is a terminal; plai
 log lines on stdout every `log_every` steps otherwise (with parc.run's other
 lines, so one redirect keeps them in order), so CI logs stay readable. Every
 logged step is also written to a JSON-lines file: a fresh one for a fresh run,
-appended to on --resume so the earlier steps stay.
+appended to on --resume so the earlier steps stay. A record holds the step, loss, speed, the
+step's learning rate and the global gradient norm; an eval record (--eval-every) the step and
+`val_loss`. With --tensorboard DIR the same scalars also go to TensorBoard event files
+(torch.utils.tensorboard, which needs the `tensorboard` package: `tensorboard_writer`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,24 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from parc.errors import LaunchError
+
+
+def tensorboard_writer(path: Path):
+    """A SummaryWriter for `--tensorboard path`; without the `tensorboard` package, one line."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise LaunchError(f"--tensorboard {path}: the `tensorboard` package is not installed; pip install "
+                          f"tensorboard, or drop --tensorboard (the metrics JSON-lines file has the same scalars)") from None
+    return SummaryWriter(log_dir=str(path))
+
 
 class Metrics:
-    def __init__(self, total_steps: int, path: Path | None, enabled: bool, append: bool = False):
+    def __init__(self, total_steps: int, path: Path | None, enabled: bool, append: bool = False,
+                 tensorboard: Path | None = None):
         self.enabled = enabled
+        self.tb = tensorboard_writer(tensorboard) if enabled and tensorboard is not None else None
         tty = sys.stderr.isatty()
         self.console = Console(stderr=True) if tty else Console(soft_wrap=True)
         self.file = None
@@ -36,21 +53,46 @@ class Metrics:
             self.task = self.bar.add_task("train", total=total_steps, loss="-", tok_s="-")
             self.bar.start()
 
-    def log(self, step: int, loss: float, tokens_per_s: float, step_time_s: float, advance: int) -> None:
+    def log(self, step: int, loss: float, tokens_per_s: float, step_time_s: float, advance: int,
+            lr: float | None = None, grad_norm: float | None = None) -> None:
         if not self.enabled:
             return
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s}
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+        extra = {k: v for k, v in (("lr", lr), ("grad_norm", grad_norm)) if v is not None}
+        record.update(extra)
+        self._write(step, record)
         if self.bar:
             self.bar.update(self.task, advance=advance, loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
         else:
+            more = (f"  lr {lr:.3g}" if lr is not None else "") + (f"  grad norm {grad_norm:.3g}"
+                                                                      if grad_norm is not None else "")
             self.console.print(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                               f"{step_time_s * 1e3:.1f} ms/step", highlight=False)
+                               f"{step_time_s * 1e3:.1f} ms/step{more}", highlight=False)
+
+    def log_eval(self, step: int, val_loss: float, batches: int) -> None:
+        """The held-out loss after `step` (--eval-every)."""
+        if not self.enabled:
+            return
+        self._write(step, {"step": step, "val_loss": val_loss})
+        line = f"eval after step {step}: val loss {val_loss:.4f} ({batches} held-out batches)"
+        if self.bar:
+            self.bar.console.print(line, highlight=False)
+        else:
+            self.console.print(line, highlight=False)
+
+    def _write(self, step: int, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tb:
+            for k, v in record.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
         if self.bar:
             self.bar.stop()
         if self.file:
             self.file.close()
+        if self.tb:
+            self.tb.close()

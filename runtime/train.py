@@ -5,8 +5,10 @@ artifact, gets its state from the model built once per host under the seed (runt
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
-micro-batch's backward, then AdamW steps. Data are sharded deterministically:
-dp rank i takes samples [i·G/dp, (i+1)·G/dp) of the global batch `get_batch(step, G)`.
+micro-batch's backward, then AdamW steps (at the schedule's lr, runtime/schedule_lr.py, with
+weight-decay groups, runtime/param_groups.py). Data are sharded deterministically:
+dp rank i takes rows [i·G/dp, (i+1)·G/dp) of global batch `step` (runtime/data.py: from
+`get_batch(step, G)`, or only those rows from `get_samples` or a token file).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
 from parc.runtime import compiled, dropout, grad_norm, ops, precision, tensor_parallel
-from parc.runtime import expert_parallel
+from parc.runtime import data, expert_parallel, param_groups, schedule_lr
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -41,12 +43,14 @@ def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimiz
     return adam(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
 
 
-def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int) -> None:
+def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int, rows: int | None = None,
+                call: str | None = None) -> None:
     """Refuse, naming get_batch, what `get_batch(step, global)` returned when it is not what the programs were
     compiled for (`inputs`: plan.json's, traced at `parc compile` from one micro-batch): the program itself
-    would fail later with an error about its own code (`view size is not compatible`, an argument count)."""
+    would fail later with an error about its own code (`view size is not compatible`, an argument count).
+    `rows`, `call`: a source that returns only this rank's rows (runtime/data.py), and how it was asked."""
     g = batch_cfg["global"]
-    call = f"get_batch({step}, {g})"
+    call = call or f"get_batch({step}, {g})"
     want = ", ".join(f"{tuple(i['shape'])} {i['dtype']}" for i in inputs)
     if not isinstance(batch, (tuple, list)):
         raise ParcError(f"{call} returned a {type(batch).__name__}; it must return a tuple of tensors, the "
@@ -57,9 +61,12 @@ def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int) 
     for k, (t, spec) in enumerate(zip(batch, inputs)):
         if not isinstance(t, torch.Tensor):
             raise ParcError(f"{call}: value {k} is a {type(t).__name__}, not a tensor")
-        rows = t.shape[0] if t.dim() else None
-        if rows != g:
-            raise ParcError(f"{call}: tensor {k} has {rows if rows is not None else 'no'} rows (dim 0) but a step "
+        got = t.shape[0] if t.dim() else None
+        if rows is not None and got != rows:
+            raise ParcError(f"{call}: tensor {k} has {got if got is not None else 'no'} rows (dim 0) for "
+                            f"{rows} sample indices: one row per index")
+        if rows is None and got != g:
+            raise ParcError(f"{call}: tensor {k} has {got if got is not None else 'no'} rows (dim 0) but a step "
                             f"takes the global batch, {g} = micro {batch_cfg['micro']} × accumulation "
                             f"{batch_cfg['accumulation']} × dp {dp} rows: get_batch must return batch_size rows")
         if list(t.shape[1:]) != list(spec["shape"][1:]):
@@ -75,8 +82,9 @@ def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int) 
 class StepResult:
     loss: torch.Tensor   # this rank's mean micro-batch loss, detached
     seconds: float
-    grad_norm: torch.Tensor | None = None  # the global norm before clipping (plans with `clip=` only), 0-dim
+    grad_norm: torch.Tensor | None = None  # the global norm before clipping (with `clip=`, or asked for), 0-dim
     skipped: bool = False  # non-finite and skipped (`step(skip_nonfinite=True)`): nothing was updated
+    lr: float | None = None  # the learning rate of the step (runtime/schedule_lr.py)
 
 
 class Trainer:
@@ -98,22 +106,28 @@ class Trainer:
         ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/ops.py resolves them to groups
         self.tp_partial = [self.params[n] for n in self.entry.get("tp_partial_grads", []) if n in self.params]
         self.opt_cfg = plan["plan"]["optimizer"]
+        # weight decay by the serial model's parameter, whatever the plan (runtime/param_groups.py)
+        decay = param_groups.decays(param_groups.classify_user(user), self.opt_cfg)
+        self.decay_of = {e["name"]: decay.get(e["fqn"], True) for e in self.entry["state"] if e["name"] in self.params}
         self.zero = None
         if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.zero)
             self.zero = ZeroOptimizer(self.params, self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
-                                      ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg))
+                                      ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
+                                      self.decay_of)
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
             self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"])
-            self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
+            self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
             self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"])
-            self.optimizer = make_optimizer(list(self.params.values()), self.opt_cfg)
+            self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         if self.entry.get("experts"):  # expert gradients: summed over edp, averaged over dp
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
         self.resumed_step = 0  # steps the checkpoint this run resumed from holds (runtime/checkpoint.py)
+        # the rows of each step, read by this rank only (runtime/data.py); parc.run may pick another source
+        self.data = data.source_for(user, self.entry["inputs"], self.global_batch, seed, None)
         torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
         self.probe: ActivationProbe | None = None  # set to measure activations (runtime/memory.py)
         self.pipeline = None
@@ -143,6 +157,9 @@ class Trainer:
         # an ep rank's expert entries name its own experts (runtime/expert_parallel.py)
         return expert_parallel.localize(plan["programs"][plan["ranks"][rank]["program"]], plan["ranks"][rank].get("ep", 0))
 
+    def _groups(self) -> list[dict]:
+        return param_groups.torch_groups([(p, self.decay_of[n]) for n, p in self.params.items()])
+
     def before_grad(self, stage: int, last: bool) -> None:
         """Pipeline callback: a backward of `stage` is about to accumulate grads; `last` arms the dp sync."""
         if isinstance(self.buckets, pipeline.StageBuckets):
@@ -150,12 +167,18 @@ class Trainer:
         else:  # one stage on this rank
             self.buckets.start_micro_batch(sync=last)
 
-    def local_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's micro-batches of global batch `step`."""
-        batch = self.user.get_batch(step, self.global_batch)
-        check_batch(batch, self.entry["inputs"], step, self.art.plan["plan"]["batch"], self.ctx.degree["dp"])
+    def local_batches(self, step: int, source=None) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches of global batch `step` (of `source`: the training data by default)."""
+        source = source or self.data
         per_rank = self.global_batch // self.ctx.degree["dp"]
         lo = self.ctx.coord["dp"] * per_rank
+        cfg, dp = self.art.plan["plan"]["batch"], self.ctx.degree["dp"]
+        if isinstance(source, data.GetBatch):  # the whole global batch, then this rank's rows
+            batch = source.whole(step)
+            check_batch(batch, self.entry["inputs"], step, cfg, dp, call=source.call(step, lo, per_rank))
+        else:  # only this rank's rows
+            batch, lo = source.local(step, lo, per_rank), 0
+            check_batch(batch, self.entry["inputs"], step, cfg, dp, rows=per_rank, call=source.call(step, lo, per_rank))
         return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device) for t in batch)
                 for k in range(self.accumulation)]
 
@@ -164,9 +187,11 @@ class Trainer:
         first = self.ctx.coord["dp"] * (self.global_batch // self.ctx.degree["dp"]) + k * self.micro
         return dropout.key_scope(self.seed, self.current_step, first)
 
-    def step(self, step: int, skip_nonfinite: bool = False) -> StepResult:
+    def step(self, step: int, skip_nonfinite: bool = False, want_norm: bool = False) -> StepResult:
         """One optimizer step on global batch `step`. `skip_nonfinite`: if any rank's loss or gradient is
-        nan/inf, update nothing (runtime/divergence.py; costs a host sync per step)."""
+        nan/inf, update nothing (runtime/divergence.py; costs a host sync per step). `want_norm`: compute the
+        global gradient norm even without `clip=` (one scalar all-reduce per mesh axis; parc.run asks for it
+        at log points)."""
         t0 = time.perf_counter()
         self.current_step = step
         total = torch.zeros((), device=self.ctx.device)
@@ -197,9 +222,13 @@ class Trainer:
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
             norm = self.clip(self.opt_cfg["grad_clip"])  # a tensor: reading it would sync the device
+        elif want_norm:
+            norm = self.global_grad_norm()
+        lr = schedule_lr.lr_at(self.opt_cfg, step)
+        schedule_lr.set_lr(self.zero.optimizer if self.zero else self.optimizer, lr)
         self.optimizer.step()
         self.buckets.zero()
-        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm)
+        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm, lr=lr)
 
     def _complete_grads(self) -> None:
         """The sums a gradient still lacks after the dp sync: sequence-parallel partials over tp, tied
@@ -230,13 +259,23 @@ class Trainer:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to the serial model's global norm (`parc.runtime.grad_norm`); return that norm."""
+        owned, grads, axes = self._owned_grads()
+        return grad_norm.clip_(owned, grads, max_norm, self.ctx, axes)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The serial model's global gradient norm, unclipped (collective over the axes that split it)."""
+        owned, _, axes = self._owned_grads()
+        return grad_norm.global_norm(owned, self.ctx, axes)
+
+    def _owned_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
+        """(the gradient pieces this rank counts in the norm, every gradient it updates, the axes to sum over)."""
         names = grad_norm.counted(self.entry, self.ctx, self.tied_elsewhere)
         if self.zero:  # each dp rank owns its ranges: sum over dp too
             ranges = self.zero.grad_ranges()
             owned = [ranges[n][0] for n in sorted(names) if n in ranges]
-            return grad_norm.clip_(owned, self.zero.master_grads(), max_norm, self.ctx, ("dp", "tp", "pp"))
+            return owned, self.zero.master_grads(), ("dp", "tp", "pp")
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        return grad_norm.clip_(grad_norm.owned_pieces(self.params, names), grads, max_norm, self.ctx, ("tp", "pp"))
+        return grad_norm.owned_pieces(self.params, names), grads, ("tp", "pp")
 
     def global_losses(self, local: list[torch.Tensor]) -> list[float]:
         """Mean over the dp group of each step's loss: the loss of the global batch."""

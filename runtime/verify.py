@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parc.runtime import param_groups, schedule_lr
 from parc.runtime.dropout import key_scope, serial_keys
 from parc.runtime.precision import autocast
 from parc.runtime.state import build_reference
@@ -72,13 +73,19 @@ class Verdict:
                 f"parameters {self.param_rel:.2e} ({self.worst_param}); tolerance {self.tolerance:.0e}")
 
 
-def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_serial(user, plan_json: dict, seed: int, steps: int,
+                 batch_of=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
+    default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
+    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py)."""
     from parc.runtime.train import make_optimizer
 
     model = build_reference(user, seed)
     cfg = plan_json["plan"]["optimizer"]
-    optimizer = make_optimizer(list(model.parameters()), cfg)
+    decay = param_groups.decays(param_groups.classify(model), cfg)
+    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
     global_batch = plan_json["plan"]["batch"]["global"]
+    batch_of = batch_of or (lambda step: user.get_batch(step, global_batch))
     losses = []
     compute = plan_json["plan"].get("precision", "fp32")
     # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
@@ -87,7 +94,7 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
                        plan_json["plan"]["batch"]["micro"])
     for step in range(steps):
-        batch = user.get_batch(step, global_batch)
+        batch = batch_of(step)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for first in range(0, global_batch, micro):
@@ -100,6 +107,7 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
             total += loss.item() * micro / global_batch
         if cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
+        schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
         optimizer.step()
         losses.append(total)
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may

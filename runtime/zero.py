@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from parc.runtime.ops import mark_ordered
+from parc.runtime.param_groups import RangeGroups
 
 # torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
 # which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
@@ -56,7 +57,8 @@ class ZeroOptimizer:
     the micro-batch loop), `full_params()` (gathered, for --verify/checkpoints).
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt):
+    def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
+                 decay_of: dict[str, bool] | None = None):
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.table = table
         self.params = params
@@ -99,7 +101,9 @@ class ZeroOptimizer:
                     self._bucket_of[id(p)] = b
                     p.register_post_accumulate_grad_hook(self._on_grad)
             del full
-        self.optimizer = make_opt(self.master)
+        # the optimizer sees runs of each range split by weight decay (runtime/param_groups.py): torch groups
+        self.pieces = RangeGroups(self.master, self.buckets, self.rank, decay_of or {})
+        self.optimizer = make_opt(self.pieces.groups())
         self._pending: list[int] = []
         self._works: list = []
         self._sync = False
@@ -213,6 +217,7 @@ class ZeroOptimizer:
         return [m.grad for m in self.master]
 
     def step(self) -> None:
+        self.pieces.bind_grads()
         self.optimizer.step()
         if self.stage == 3:
             return  # parameters stay sharded; the next forward gathers them
@@ -231,6 +236,7 @@ class ZeroOptimizer:
             g.zero_()
         for m in self.master:
             m.grad = None  # stage 1's reduced range is a temporary; 2–3 keep `grad_acc`
+        self.pieces.clear_grads()
 
     # --- stage 3: gather on demand -------------------------------------------------------
 
@@ -337,7 +343,7 @@ class ZeroOptimizer:
         for b, bucket in enumerate(self.buckets):
             # sorted: one all-gather per key, so every rank must walk the keys in one order; a dict's
             # order is how it was filled, which after `load_full` once followed each rank's string hashes
-            for key, v in sorted(self.optimizer.state.get(self.master[b], {}).items()):
+            for key, v in sorted(self.pieces.state(self.optimizer, b).items()):
                 if v.dim() == 0:
                     scalars[key] = v.detach().clone()
                     continue
@@ -375,7 +381,7 @@ class ZeroOptimizer:
                              self.master[b])[lo:lo + n].clone() for k in keys}
             state.update({k: v.clone() for k, v in sorted(scalars.items())})
             if state:
-                self.optimizer.state[self.master[b]] = state
+                self.pieces.set_state(self.optimizer, b, state)
 
     def backward_gathered_numel(self) -> int:
         """Padded numel of the buckets ZeRO-3 re-gathers in each backward."""

@@ -21,7 +21,7 @@ from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 
 BASE = "mesh dp=2\nzero stage=1\nbatch global=4 micro=2\noptimizer adamw lr=1e-2\n"
-OTHER = "mesh dp=2\nzero stage=2\nbatch global=8 micro=2\noptimizer sgd lr=1e-3\n"
+OTHER = "mesh dp=2\nzero stage=2\nbatch global=8 micro=2\noptimizer sgd lr=1e-3 warmup=5 no_decay=bias\n"
 
 
 def _model(tmp, name: str, config: str):
@@ -74,10 +74,11 @@ def test_resume_says_what_it_loaded_and_every_difference(world):
     tmp, _, out = world
     step, line = out["resumed"]
     assert step == 2
-    assert line.startswith(f"resumed 2 steps from {tmp / 'ckpt' / 'step_2'} (next batch get_batch(2, 8)), saved "
-                           f"under plan test.par (sha256 "), line
+    assert line.startswith(f"resumed from step 2 of {tmp / 'ckpt' / 'step_2'}, saved under plan test.par (sha256 "), line
+    assert "(next batch get_batch(2, 8)): " in line, line
     for diff in ("batch accumulation 1 → 2", "batch global 4 → 8", "optimizer lr 0.01 → 0.001",
-                 "optimizer name adamw → sgd", "zero 1 → 2",
+                 "optimizer name adamw → sgd", "zero 1 → 2", "optimizer warmup 0 → 5",
+                 "optimizer no_decay bias,norm,embedding → bias",
                  "optimizer state (exp_avg, exp_avg_sq, step) not loaded: sgd keeps none"):
         assert diff in line, (diff, line)
     assert "\n" not in line
@@ -96,7 +97,8 @@ def test_checkpoint_records_what_it_holds(world):
 
     tmp, _, _ = world
     info = json.loads((tmp / "ckpt" / "step_2" / "parc.json").read_text())
-    assert info["step"] == 2 and info["data"] == {"next_step": 2, "global_batch": 4}
+    assert info["step"] == 2 and info["data"] == {"next_step": 2, "global_batch": 4, "source": "get_batch",
+                                                  "consumed_samples": 8}
     assert info["plan"]["source"] == BASE and info["plan"]["sha256"]
     assert info["model"]["params"]["blocks.0.attn.qkv.weight"] == [192, 64]
     assert info["optimizer"] == {"name": "adamw", "state": ["exp_avg", "exp_avg_sq"], "scalars": ["step"]}

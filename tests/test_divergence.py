@@ -82,7 +82,11 @@ def _scenarios(ctx, compiled: dict, tmp: str):
     common = ["--steps", "4", "--save-every", "1", "--metrics", f"{tmp}/m{ctx.rank}.jsonl"]
     out["loss"] = _main([compiled["clip"], *common, "--checkpoint-dir", f"{tmp}/loss"], "loss")
     out["norm"] = _main([compiled["clip"], *common, "--checkpoint-dir", f"{tmp}/norm"], "grad")
-    out["state"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/state"], "grad")
+    # the norm is computed at log points only (without clip=): between them, a nan gradient under a finite
+    # loss reaches the parameters, and the save refuses them
+    out["state"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/state", "--log-every", "4"],
+                         "grad")
+    out["logged"] = _main([compiled["noclip"], *common, "--checkpoint-dir", f"{tmp}/logged"], "grad")
     out["rows"] = _main([compiled["clip"], *common, "--checkpoint-dir", f"{tmp}/rows"], "rows")
     # last: a run that finishes destroys the process group. Its directory holds an earlier run's step_9,
     # which --overwrite-checkpoints lets the first save replace
@@ -109,6 +113,7 @@ def _one_error_line(text: str) -> str:
     ("loss", "training diverged at step 2: loss inf"),  # inf in, inf out: x @ w and (y − 1)² overflow
     ("norm", "training diverged at step 2: loss "),  # a finite loss, a nan norm
     ("state", "after step 3 the parameters or optimizer state hold nan/inf; not saved"),
+    ("logged", "training diverged at step 2: loss "),  # no clip=, but the norm of each logged step is checked
 ])
 def test_nonfinite_stops_before_saving(runs, case, words):
     tmp, out = runs
@@ -116,7 +121,7 @@ def test_nonfinite_stops_before_saving(runs, case, words):
     assert code == 2, text
     line = _one_error_line(text)
     assert words in line, line
-    if case == "norm":
+    if case in ("norm", "logged"):
         assert "gradient norm nan" in line, line
     # steps 0 and 1 were saved; the diverged step 2 never was, and `latest` still names the good one
     assert sorted(p.name for p in (tmp / case).glob("step_*")) == ["step_1", "step_2"]
