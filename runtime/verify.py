@@ -72,10 +72,13 @@ class Verdict:
                 f"parameters {self.param_rel:.2e} ({self.worst_param}); tolerance {self.tolerance:.0e}")
 
 
-def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_serial(user, plan_json: dict, seed: int, steps: int,
+                 weights=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model."""
     from parc.runtime.train import make_optimizer
+    from parc.runtime.weights import reference
 
-    model = build_reference(user, seed)
+    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
     cfg = plan_json["plan"]["optimizer"]
     optimizer = make_optimizer(list(model.parameters()), cfg)
     global_batch = plan_json["plan"]["batch"]["global"]
