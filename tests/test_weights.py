@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import ROOT, compile_text, gpt_tp_rules, llama_tp_rules
-from parc import artifact
-from parc.errors import LaunchError
+from parc import artifact, cli
+from parc.errors import LaunchError, ParcError
+from parc.export_hf import export_hf
+from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
 from parc.runtime.state import build_reference
 from parc.runtime.train import Trainer
@@ -34,19 +36,21 @@ def _plan(mesh: str, rules: str = "", tail: str = "") -> str:
     return f"mesh {mesh}\nbatch global=4 micro=2\noptimizer adamw lr=1e-2 clip=1.0\n" + rules + tail
 
 
-def _body(ctx, compiled: str, steps: int, weights):
+def _body(ctx, compiled: str, steps: int, weights, save_to):
     trainer = Trainer.load(compiled, 0, weights)
     local = [trainer.step(s).loss for s in range(steps)]
     losses = trainer.global_losses(local)
     state = trainer.gathered_state()
+    if save_to:
+        checkpoint.save(trainer, save_to, steps)
     src = str(trainer.weights.path) if trainer.weights else None
     return {"losses": losses, "state": state if ctx.rank == 0 else None, "read": trainer.weights.bytes_read,
             "source": src}
 
 
-def _train(compiled, weights, steps: int = 3):
-    """Parallel and serial from the same weights: (verdict, bytes each rank read)."""
-    runs = spawn(artifact.load(compiled).world_size, _body, str(compiled), steps, weights)
+def _train(compiled, weights, steps: int = 2, save_to=None):
+    """Parallel and serial from the same weights: (verdict, what each rank returned)."""
+    runs = spawn(artifact.load(compiled).world_size, _body, str(compiled), steps, weights, save_to and str(save_to))
     user = load_user_module(compiled / "model" / "model.py")
     serial_losses, serial_state = train_serial(user, artifact.load(compiled).plan, 0, steps, weights)
     verdict = compare(runs[0]["losses"], serial_losses, runs[0]["state"], serial_state)
@@ -109,24 +113,63 @@ HF_MODEL = """
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Llama saved with save_pretrained in shards (its index names the files), under seed 3."""
+def hf_run(tmp_path_factory):
+    """A tiny Llama saved with save_pretrained in shards (its index names the files) under seed 3, a model
+    file whose build_model calls from_pretrained on it, compiled for tp=2 and trained 2 steps without
+    --weights, then checkpointed."""
     user = load_user_module(LLAMA)
     root = tmp_path_factory.mktemp("hf")
-    build_reference(user, 3).save_pretrained(root / "ckpt", max_shard_size="100KB")
+    ckpt = root / "ckpt"
+    build_reference(user, 3).save_pretrained(ckpt, max_shard_size="100KB")
     model_file = root / "pretrained.py"
-    model_file.write_text(textwrap.dedent(HF_MODEL.format(models=str(MODELS), ckpt=str(root / "ckpt"))))
-    return root / "ckpt", model_file
+    model_file.write_text(textwrap.dedent(HF_MODEL.format(models=str(MODELS), ckpt=str(ckpt))))
+    art = compile_text(_plan("tp=2", llama_tp_rules()), root / "c", model_file)
+    verdict, runs = _train(art.root, None, save_to=root / "saved")
+    return {"ckpt": ckpt, "compiled": art.root, "saved": root / "saved", "verdict": verdict, "runs": runs}
 
 
-def test_from_pretrained_in_build_model_compiles_and_reads_per_shard(hf_dir, tmp_path):
-    ckpt, model_file = hf_dir
+def test_from_pretrained_in_build_model_compiles_and_reads_per_shard(hf_run):
+    ckpt, runs = hf_run["ckpt"], hf_run["runs"]
     assert (ckpt / "model.safetensors.index.json").is_file() and len(list(ckpt.glob("*.safetensors"))) > 1
-    art = compile_text(_plan("tp=2", llama_tp_rules()), tmp_path / "c", model_file)
-    _, runs = _train(art.root, None)  # no --weights: the directory build_model names
     total = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    assert all(r["source"] == str(ckpt) for r in runs)
+    assert all(r["source"] == str(ckpt) for r in runs)  # no --weights: the directory build_model names
     assert all(r["read"] < 0.6 * total for r in runs)  # half of every sharded tensor; norms whole
+
+
+def test_export_hf_directory_loads_in_transformers(hf_run, tmp_path):
+    """parc export --hf: config.json + safetensors shards + index; AutoModelForCausalLM.from_pretrained gives
+    the trained parc model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = export_hf(hf_run["saved"], tmp_path / "hf", hf_run["compiled"], max_shard_size=60_000)
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    user = load_user_module(LLAMA)
+    trained = build_reference(user, 0).eval()
+    trained.load_state_dict(hf_run["runs"][0]["state"])  # the parallel run's parameters, gathered
+    idx = user.get_batch(0, 4)[0]
+    with torch.no_grad():
+        # the same module code on the same values: equal up to kernel choice (sdpa) and load order
+        torch.testing.assert_close(loaded(input_ids=idx).logits, trained(input_ids=idx).logits,
+                                   rtol=1e-6, atol=1e-6)
+    one = export_hf(hf_run["saved"], tmp_path / "one", hf_run["compiled"])  # under the default limit
+    assert sorted(p.name for p in one.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
+
+
+def test_export_hf_refusals(hf_run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ParcError, match="exists and is not an empty directory; refusing to overwrite"):
+        export_hf(hf_run["saved"], out, hf_run["compiled"])
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    with pytest.raises(ParcError, match="returns a GPT, not a transformers PreTrainedModel"):
+        export_hf(hf_run["saved"], tmp_path / "x", TIED_GPT)
+    assert cli.main(["export", str(hf_run["saved"]), "--hf", str(hf_run["compiled"])]) == 2
+    assert "name it with -o" in capsys.readouterr().err
+    assert cli.main(["export", str(hf_run["saved"]), "-o", str(tmp_path / "y"), "--hf", str(hf_run["compiled"]),
+                     "--max-shard-size", "lots"]) == 2
 
 
 def test_weights_errors_are_one_line(gpt_file, tmp_path):
