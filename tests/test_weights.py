@@ -184,3 +184,22 @@ def test_weights_errors_are_one_line(gpt_file, tmp_path):
         w.read("blocks.0.attn.qkv.weight", [64, 64], None)
     with pytest.raises(LaunchError, match="no tensor `lm_head.weight`; it holds"):
         w.read("lm_head.weight", [256, 64], None)  # no tie learned: the alias is unknown
+
+
+def test_parc_run_weights_flag_verifies(gpt_file, tmp_path):
+    """`python -m parc.run DIR --weights F --verify` (a world of one): training starts from F, and the serial
+    reference loads F too. (A bad path's one line is Weights.open's LaunchError, tested above.)"""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = gpt_file
+    art = compile_text(_plan("dp=1"), tmp_path / "c", TIED_GPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "parc.run", str(art.root), "--steps", "2", "--verify",
+                        "--metrics", str(tmp_path / "m.jsonl"), "--weights", str(path)],
+                       env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "verify PASS" in r.stdout, r.stdout + r.stderr
+    user = load_user_module(TIED_GPT)
+    first = user.loss_fn(reference(user, 0, path), *user.get_batch(0, 4)).item()
+    assert f"loss {first:.4f}" in r.stdout  # step 0's loss is the file's weights' loss
