@@ -56,17 +56,23 @@ def pretrained_as_config(paths: list[Path]):
 
 
 @contextlib.contextmanager
-def params_on_meta():
+def params_on_meta(order: list | None = None, on_create=None):
     """Within: every parameter a module registers moves to meta at once (its CPU value, at most one
     parameter at a time, is dropped); buffers stay where they were made. `accelerate`'s
-    `init_empty_weights(include_buffers=False)` does the same."""
+    `init_empty_weights(include_buffers=False)` does the same. Each meta parameter made is appended to
+    `order`, and `on_create(cpu_value, meta)` sees it (runtime/init_shards.py)."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):
         register(module, name, param)
-        if param is not None and param.device.type != "meta":
+        # TensorBase's own is_meta: during a replay (runtime/init_shards.py) torch.Tensor's says False
+        if param is not None and not torch._C.TensorBase.is_meta.__get__(param):
             kind = type(param)
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            meta = module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            if order is not None:
+                order.append(meta)
+            if on_create is not None:
+                on_create(param, meta)
 
     torch.nn.Module.register_parameter = on_meta
     try:

@@ -28,6 +28,7 @@ from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
+from parc.runtime.init_shards import own_init
 from parc.runtime import dropout, grad_norm, ops, precision, tensor_parallel
 from parc.runtime import weights as pretrained
 
@@ -93,9 +94,11 @@ class Trainer:
         stand_ins = pretrained.zero3_params(self.entry) if self.weights else set()
         if self.weights:
             self.state = self.weights.materialize(self.entry["state"], skeleton, ctx.device, stand_ins)
-        else:
-            self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
-                                    ctx.device)  # one model built per host, shards sent to its ranks
+        else:  # the model's own init replayed per shard (runtime/init_shards.py), else built once per host
+            self.state = own_init(self.entry["state"], user, seed, ctx.device)
+            if self.state is None:
+                self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
+                                        ctx.device)
         self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
             [t for e, t in zip(self.entry["state"], self.state) if e.get("autocast_weight")])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
