@@ -1,7 +1,8 @@
 """The training loop a rank runs under `torchrun -m parc.run`.
 
 Start here for the runtime. `Trainer` loads this rank's program from the
-artifact, gets its state from the model built once per host under the seed (runtime/state.py),
+artifact, gets its own shards of the starting weights (docs/weights.md: runtime/weights.py,
+runtime/init_shards.py, else the model built once per host under the seed, runtime/state.py),
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
