@@ -97,6 +97,8 @@ class _Replay(TorchDispatchMode):
             raise Unsupported(f"{func} reads a parameter of shape {tuple(params[0].meta.shape)}")
         if any(isinstance(t, torch.Tensor) and _IS_META.__get__(t) and self._param(t) is None for t in flat):
             raise Unsupported(f"{func} mixes a parameter with another meta tensor")
+        if args[0].dtype != target.meta.dtype:
+            raise Unsupported(f"{func} writes a parameter through a view of another dtype")
         self.on_full(target, args[0], lambda real: func(real, *args[1:], **kwargs))
         return args[0]
 
@@ -141,7 +143,7 @@ def init_shards(user, seed: int, keep: dict[str, dict | None]) -> tuple[dict[str
     from parc.runtime.state import shard
 
     order: list[torch.Tensor] = []
-    skeleton = _build(user, seed, order)
+    skeleton = _attempt(lambda: _build(user, seed, order))
     names: dict[int, list[str]] = {}
     for n, p in skeleton.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -166,9 +168,12 @@ def init_shards(user, seed: int, keep: dict[str, dict | None]) -> tuple[dict[str
         created.append(p)
         by_storage[meta.untyped_storage()._cdata] = p
 
-    model = _build(user, seed, None, on_create, _Replay(by_storage))
+    model = _attempt(lambda: _build(user, seed, None, on_create, _Replay(by_storage)))
     if len(created) != len(plan):
         raise Unsupported("the build created fewer parameters the second time")
+    # `param.data = tensor` swaps a parameter's storage without an op the mode sees: its record is stale
+    if any(not _IS_META.__get__(p.meta) or p.meta.untyped_storage()._cdata not in by_storage for p in created):
+        raise Unsupported("a parameter's data was replaced during the build")
     bad = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if bad:
         raise Unsupported(f"buffer {bad[0]} was made from a parameter")
@@ -177,6 +182,17 @@ def init_shards(user, seed: int, keep: dict[str, dict | None]) -> tuple[dict[str
         if kept is not None:
             out[kept[0]] = p.values.view(p.shape)
     return out, model
+
+
+def _attempt(build):
+    """A build that fails with parameters on meta (`param.data = cpu_tensor` is refused there) may still
+    succeed on CPU: Unsupported sends the caller to the full build, which raises a real error itself."""
+    try:
+        return build()
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise Unsupported(f"the build fails with parameters on meta: {type(e).__name__}: {e}") from e
 
 
 def _build(user, seed: int, order: list | None, on_create=None, mode=None) -> torch.nn.Module:

@@ -76,6 +76,7 @@ READS = """
 
 @pytest.mark.parametrize("line", ["self.a.weight.data.mul_(self.a.weight.data.norm())",  # a value read
                                   "self.b.weight.data.copy_(self.a.weight.data)",  # one parameter into another
+                                  "self.a.weight.data = torch.randn(8, 8)",        # storage swapped, no op
                                   "self.register_buffer('s', self.a.weight.sum(0))"])
 def test_a_build_that_reads_parameters_is_refused(tmp_path, line):
     f = tmp_path / "m.py"
