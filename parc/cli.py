@@ -24,6 +24,7 @@ into one readable program per rank, then runs them under torchrun.
   parc compile model.py --plan plan.par -o compiled/            write the per-rank programs
   torchrun --nproc-per-node N -m parc.run compiled/            train
   parc export  checkpoints/ -o model.safetensors               one file from a sharded checkpoint
+  parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
@@ -222,7 +223,15 @@ def cmd_viz(args) -> int:
 def cmd_export(args) -> int:
     from parc.export import export
 
-    out = export(args.checkpoint, args.output)
+    if args.hf is not None:
+        from parc.export_hf import export_hf, parse_size
+
+        if args.output is None:
+            raise ParcError("--hf writes a directory: name it with -o (e.g. -o my-model/)")
+        out = export_hf(args.checkpoint, args.output, args.hf, parse_size(args.max_shard_size))
+        print(f"wrote {out}")
+        return 0
+    out = export(args.checkpoint, args.output or Path("model.safetensors"))
     print(f"wrote {out}")
     return 0
 
@@ -263,8 +272,14 @@ def parser() -> argparse.ArgumentParser:
                        description="Assemble every parameter of a checkpoint written by `parc.run --save-every` "
                                    "(any dp, any ZeRO stage) into one safetensors file keyed by model FQN.")
     e.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint, or a --checkpoint-dir (its latest)")
-    e.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"),
-                   help="output file (default model.safetensors)")
+    e.add_argument("-o", "--output", type=Path, default=None,
+                   help="output file (default model.safetensors); with --hf, a new directory")
+    e.add_argument("--hf", type=Path, default=None, metavar="MODEL",
+                   help="write a Hugging Face directory (config.json + safetensors, sharded with an index past "
+                        "--max-shard-size) that transformers' from_pretrained loads; MODEL is the model file or "
+                        "the compiled directory, whose build_model() must return a PreTrainedModel")
+    e.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="with --hf: the largest safetensors file (default 5GB)")
     e.set_defaults(fn=cmd_export)
 
     d = sub.add_parser("import-deepspeed", help="translate a DeepSpeed JSON config into a .par plan",

@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
                    help="continue from a checkpoint (or the latest in a --checkpoint-dir), saved under any "
                         "plan of the same model: any dp/tp/pp, any ZeRO stage; prints what it loaded and "
                         "every setting that differs")
+    p.add_argument("--weights", type=Path, default=None, metavar="PATH",
+                   help="start from pretrained weights: a .safetensors file, a directory of shards with "
+                        "model.safetensors.index.json, or a Hugging Face checkpoint directory; each rank reads "
+                        "only its own slices (default: a from_pretrained directory the model file names, else "
+                        "the model's own init under --seed; docs/weights.md)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a nan/inf loss or gradient: stop (default: exit 2 before anything more is saved; "
                         "checked at log points, no extra sync) or skip the step (parameters and optimizer "
@@ -181,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         for line in placed:
             print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)
     init_distributed(args.timeout)
-    trainer = Trainer.load(art, args.seed)
+    trainer = Trainer.load(art, args.seed, args.weights)
     if lead and trainer.compile_seconds is not None:  # `compile inductor`: paid here, once, not in step 0
         print(f"parc.run: compiled this rank's programs with {art.plan['plan']['compile']} in "
               f"{trainer.compile_seconds:.1f} s", flush=True)
@@ -267,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
         state = trainer.gathered_state()
         if lead:
             serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
-                                                                trainer.data.whole)
+                                                                batch_of=trainer.data.whole,
+                                                                weights=args.weights)
             verdict = verifier.compare(losses, serial_losses, state, serial_state,
                                        args.tolerance or verifier.TOLERANCES[art.plan["plan"]["precision"]])
             print(verdict.render(), flush=True)

@@ -59,6 +59,7 @@ from torch.export.graph_signature import InputKind
 
 from parc import replicate
 from parc.errors import Span, TraceError
+from parc.pretrained import pretrained_as_config
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
 _SIGNATURES = {
@@ -118,7 +119,8 @@ def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:
     With `fast`, a model with ≥ 3 repeated blocks is exported with 2 and the rest
     replicated (`parc.replicate`), which gives the same graph in a fraction of the time.
     """
-    with _user_errors(user.path, "building the model"), torch.device("meta"):
+    # from_pretrained builds from the checkpoint's config.json on meta; parc.run reads the weights per shard
+    with _user_errors(user.path, "building the model"), torch.device("meta"), pretrained_as_config([]):
         model = user.build_model()
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"build_model() returned {type(model).__name__}, not a torch.nn.Module",

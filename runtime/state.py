@@ -1,4 +1,8 @@
-"""Materialize a program's state inputs on this rank from the user's model.
+"""Materialize a program's state inputs on this rank from the user's model: the fallback path.
+
+The Trainer first asks runtime/weights.py (pretrained weights) and runtime/init_shards.py
+(the model's own init replayed per shard); this module is what it does when a model's
+init cannot be replayed per shard (docs/weights.md), and what `--verify` builds.
 
 One rank per host builds the full model on CPU under the seed — so every rank,
 and the serial reference, starts from the same weights — and sends every other

@@ -1,7 +1,8 @@
 """The training loop a rank runs under `torchrun -m parc.run`.
 
 Start here for the runtime. `Trainer` loads this rank's program from the
-artifact, gets its state from the model built once per host under the seed (runtime/state.py),
+artifact, gets its own shards of the starting weights (docs/weights.md: runtime/weights.py,
+runtime/init_shards.py, else the model built once per host under the seed, runtime/state.py),
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
@@ -30,8 +31,10 @@ from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
 from parc.runtime.zero import ZeroOptimizer
 from parc.runtime.state import load_state, unshard
+from parc.runtime.init_shards import own_init
 from parc.runtime import compiled, dropout, grad_norm, ops, precision, tensor_parallel
 from parc.runtime import data, expert_parallel, param_groups, schedule_lr
+from parc.runtime import weights as pretrained
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
@@ -88,7 +91,7 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, art: Artifact, ctx: ParallelContext, user, seed: int):
+    def __init__(self, art: Artifact, ctx: ParallelContext, user, seed: int, weights: str | Path | None = None):
         self.art, self.ctx, self.user, self.seed = art, ctx, user, seed
         self.current_step = 0  # the step being run: it keys dropout masks (runtime/dropout.py)
         plan = art.plan
@@ -97,8 +100,16 @@ class Trainer:
         self.entry = self._entry_of(ctx.rank)
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
         self.forward = compiled.program(self.forward, plan["plan"].get("compile", "none"))  # runtime/compiled.py
-        self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
-                                ctx.device)  # one model built per host, shards sent to its ranks
+        # pretrained (--weights, or from_pretrained in build_model): each rank reads its own slices
+        self.weights, skeleton = pretrained.resolve(user, weights, seed)
+        stand_ins = pretrained.zero3_params(self.entry) if self.weights else set()
+        if self.weights:
+            self.state = self.weights.materialize(self.entry["state"], skeleton, ctx.device, stand_ins)
+        else:  # the model's own init replayed per shard (runtime/init_shards.py), else built once per host
+            self.state = own_init(self.entry["state"], user, seed, ctx.device)
+            if self.state is None:
+                self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
+                                        ctx.device)
         self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
             [t for e, t in zip(self.entry["state"], self.state) if e.get("autocast_weight")])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
@@ -113,7 +124,8 @@ class Trainer:
         if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.zero)
             self.zero = ZeroOptimizer(self.params, self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
                                       ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
-                                      self.decay_of)
+                                      self.decay_of,
+                                      pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None)
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
             self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"])
@@ -141,13 +153,14 @@ class Trainer:
         self.compile_seconds = compiled.warm_up(self)  # `compile inductor`: compiled now, not in step 0
 
     @classmethod
-    def load(cls, art: Artifact | str | Path, seed: int = 0) -> Trainer:
+    def load(cls, art: Artifact | str | Path, seed: int = 0, weights: str | Path | None = None) -> Trainer:
         """This rank's trainer for a compiled/ directory (or a loaded artifact); the process group is up."""
         from parc import artifact
         from parc.trace import load_user_module
 
         art = art if isinstance(art, Artifact) else artifact.load(Path(art))
-        return cls(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), seed)
+        return cls(art, ParallelContext.create(art.plan), load_user_module(art.root / "model" / "model.py"), seed,
+                   weights)
 
     def _entry_of(self, rank: int) -> dict:
         """Rank `rank`'s program entry; with pp, every stage program of the rank, one state list in stage order."""

@@ -74,13 +74,15 @@ class Verdict:
 
 
 def train_serial(user, plan_json: dict, seed: int, steps: int,
-                 batch_of=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                 batch_of=None, weights=None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
     default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
-    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py)."""
+    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
+    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model."""
     from parc.runtime.train import make_optimizer
+    from parc.runtime.weights import reference
 
-    model = build_reference(user, seed)
+    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
     cfg = plan_json["plan"]["optimizer"]
     decay = param_groups.decays(param_groups.classify(model), cfg)
     optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)

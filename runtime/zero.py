@@ -58,7 +58,10 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
-                 decay_of: dict[str, bool] | None = None):
+                 decay_of: dict[str, bool] | None = None,
+                 read_range=None):
+        """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/weights.py): elements [a, e) of
+        parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.table = table
         self.params = params
@@ -71,6 +74,9 @@ class ZeroOptimizer:
         shared = None
         for b, bucket in enumerate(self.buckets):
             ps = [params[p["name"]] for p in bucket["params"]]
+            if self.stage == 3 and read_range is not None:
+                shared = self._master_from_weights(bucket, ps, read_range, shared)
+                continue
             full = torch.zeros(bucket["padded"], dtype=ps[0].dtype, device=ps[0].device)
             for p, spec in zip(ps, bucket["params"]):
                 full[spec["offset"]:spec["offset"] + spec["numel"]].copy_(p.detach().reshape(-1))
@@ -114,6 +120,22 @@ class ZeroOptimizer:
         self._prefetch: dict[int, tuple] = {}
         self._reduced: set[int] = set()               # buckets whose gradient this backward has reduced
         self._needed_in_backward: set[int] = set()    # buckets whose weights autograd saved (seen so far)
+
+    def _master_from_weights(self, bucket: dict, ps: list[torch.Tensor], read_range, shared):
+        """Stage 3 from a weights file: this rank's range of the bucket, read parameter by parameter."""
+        lo, n = self.rank * bucket["shard"], bucket["shard"]
+        master = torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)
+        for spec in bucket["params"]:
+            a, e = max(spec["offset"], lo), min(spec["offset"] + spec["numel"], lo + n)
+            if a < e:
+                master[a - lo:e - lo] = read_range(spec["name"], a - spec["offset"], e - spec["offset"])
+        self.full.append(None)
+        self.master.append(master)
+        self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=master.device))
+        shared = shared if shared is not None else torch.zeros(1, dtype=ps[0].dtype, device=ps[0].device)
+        for p in ps:
+            p.data = shared.expand(p.shape)
+        return shared
 
     # --- backward: gradients -------------------------------------------------------------
 
