@@ -26,6 +26,7 @@ DEFAULT_ORDER = ("tp", "pp", "dp")  # inner → outer on global ranks: tp adjace
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16")  # `precision … reduce=`: the dp gradient reduction
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class Plan:
     recompute: Recompute = Recompute()
     precision: str = "fp32"
     optimizer: Optimizer = Optimizer()
+    grad_reduce: str = "fp32"  # `precision bf16 reduce=…`: dtype of the dp gradient reduction (docs/precision.md)
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
     # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",

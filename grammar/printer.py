@@ -42,8 +42,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"zero stage={plan.zero.stage}")
     if plan.recompute.patterns:
         lines.append("recompute " + " ".join(_quote(p) for p in plan.recompute.patterns))
-    if plan.precision != "fp32":
-        lines.append(f"precision {plan.precision}")
+    if plan.precision != "fp32" or plan.grad_reduce != "fp32":
+        reduce = f" reduce={plan.grad_reduce}" if plan.grad_reduce != "fp32" else ""
+        lines.append(f"precision {plan.precision}{reduce}")
     if plan.optimizer != Optimizer():
         lines.append(_optimizer(plan.optimizer))
     return "\n".join(lines) + "\n"

@@ -7,6 +7,10 @@ micro-batches in place and no copy is made (DDP's gradient_as_bucket_view). A
 post-accumulate-grad hook counts the gradients of the last micro-batch; when a
 bucket's last one lands, its all-reduce is launched asynchronously while backward
 goes on. `finish()` waits for them: one collective per bucket per step.
+
+`reduce_dtype` (`precision bf16 reduce=bf16`, runtime/precision.py): the bucket,
+already divided by dp in fp32, is cast to bf16, all-reduced in bf16 (half the
+bytes), and copied back into the fp32 buffer, where the gradients accumulated.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import torch.distributed as dist
 
 
 class GradBuckets:
-    def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int):
-        self.group, self.dp = group, dp
+    def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int,
+                 reduce_dtype: torch.dtype | None = None):
+        self.group, self.dp, self.reduce_dtype = group, dp, reduce_dtype
         self.flat: list[torch.Tensor] = []
         self.members: list[list[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
@@ -53,7 +58,8 @@ class GradBuckets:
     def _launch(self, b: int) -> None:
         if self.dp > 1:
             self.flat[b].div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
-            self._works[b] = dist.all_reduce(self.flat[b], group=self.group, async_op=True)
+            wire = self.flat[b] if self.reduce_dtype is None else self.flat[b].to(self.reduce_dtype)
+            self._works[b] = (dist.all_reduce(wire, group=self.group, async_op=True), wire)
         else:
             self._works[b] = True
 
@@ -62,9 +68,11 @@ class GradBuckets:
         for b, work in enumerate(self._works):
             if work is None:
                 self._launch(b)
-        for work in self._works:
+        for b, work in enumerate(self._works):
             if work is not True:
-                work.wait()
+                work[0].wait()
+                if work[1] is not self.flat[b]:
+                    self.flat[b].copy_(work[1])  # the bf16 sum, back into the fp32 gradients
 
     def zero(self) -> None:
         for flat in self.flat:

@@ -24,12 +24,13 @@ training by `dropout_refusal`, naming their modules.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from parc.runtime.dropout import key_scope, serial_keys
-from parc.runtime.precision import autocast
+from parc.runtime.precision import autocast, compute_dtype
 from parc.runtime.state import build_reference
 
 # fp32: the parallel run sums the same products in another order (micro-batch
@@ -39,7 +40,7 @@ from parc.runtime.state import build_reference
 # all-reduce, a skipped micro-batch), which shows up as 1e-2 or more.
 DEFAULT_TOLERANCE = 1e-4
 
-# bf16 (precision bf16: autocast, fp32 masters): each matmul rounds its inputs to
+# bf16 (precision bf16: bf16 copies of fp32 masters, autocast): each matmul rounds its inputs to
 # 8 mantissa bits (~4e-3 relative). Both runs round the same fp32 inputs the same
 # way, so the differences come from accumulation order (micro-batches, the dp
 # reduction) pushed through bf16-rounded activations, then AdamW: an entry whose
@@ -87,7 +88,8 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
         keys.new_forward()
         # the whole global batch: its first sample is sample 0 (runtime/dropout.py keys by global sample)
         with key_scope(seed, step, 0), keys:
-            with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
+            # same layout as the parallel run (runtime/precision.py): bf16 copies of the fp32 masters, autocast
+            with autocast(compute, "cpu"), compute_copies(model, compute_dtype(compute)):
                 loss = user.loss_fn(model, *user.get_batch(step, global_batch)).float()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -98,6 +100,30 @@ def train_serial(user, plan_json: dict, seed: int, steps: int) -> tuple[list[flo
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
     # have kept either name
     return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+@contextlib.contextmanager
+def compute_copies(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Inside: `model`'s trainable parameters read as their `dtype` copies (differentiable casts of the fp32
+    masters, so gradients accumulate in the masters' fp32 `.grad`); nothing changes for dtype None.
+    Tied parameters stay tied: one copy per tensor."""
+    if dtype is None:
+        yield
+        return
+    copies = {id(p): p.to(dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    swapped = []  # (module, attribute, master)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in copies:
+                swapped.append((module, name, p))
+                del module._parameters[name]
+                setattr(module, name, copies[id(p)])  # a plain attribute while inside
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            delattr(module, name)
+            module._parameters[name] = p
 
 
 def dropout_refusal(plan_json: dict) -> str | None:
