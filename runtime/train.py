@@ -177,8 +177,8 @@ class Trainer:
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
         self.casts.refresh()  # bf16: this step's compute copies of the masters (runtime/precision.py)
-        if self.probe:
-            self.probe.ignore(t for mb in micro_batches for t in mb)
+        if self.probe:  # the batch, and the compute copies (state: runtime/memory.py held_state)
+            self.probe.ignore([*(t for mb in micro_batches for t in mb), *self.casts.copies()])
         with self.zero.active() if self.zero else contextlib.nullcontext():
             if self.pipeline is not None:
                 total += self.pipeline.run(micro_batches, self)

@@ -37,8 +37,8 @@ from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module
 
 EXAMPLES = ("dp", "tp", "pp", "zero", "3d")
-# and one more: a bf16 pipeline, where each rank holds its matmuls' bf16 weight copies once per step
-# (runtime/precision.py StepCasts), not once per micro-batch in flight
+# and one more: a bf16 pipeline, where each rank holds one bf16 compute copy of its weights per step
+# (runtime/precision.py StepCasts), and the values crossing the cut travel and wait in bf16
 PP_BF16 = "mesh pp=2\nbatch global=16 micro=2\npipeline schedule=1f1b\nprecision bf16\n"
 # examples/gpt.py on one rank, micro 8, fp32 and bf16 (issue 13): bf16 keeps bf16 activations
 MICRO8 = {name: f"mesh dp=1\nbatch global=8 micro=8\nprecision {name.removeprefix('micro8_')}\n"
