@@ -35,6 +35,12 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def step_device(optimizer: torch.optim.Optimizer, device) -> torch.device:
+    """Where `optimizer` keeps its step counts (what a resume puts them back on): on the device for a fused
+    optimizer, whose kernel reads them there; on the CPU otherwise (torch's default: read on the host)."""
+    return torch.device(device) if _fused(optimizer) else torch.device("cpu")
+
+
 def step_unless(optimizer: torch.optim.Optimizer, found: torch.Tensor | None) -> None:
     """`optimizer.step()`; where `found` > 0, parameters and optimizer state end as they began."""
     if found is None:

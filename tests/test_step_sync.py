@@ -3,7 +3,7 @@
 A step that reads a device value on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`) stalls
 the CPU until the GPU has caught up, and the next step's kernels cannot be queued meanwhile. This
 box has no GPU, so the test counts the calls themselves: every such call made from parc's code or
-a generated program while two dp ranks run bf16 steps with clipping and the skip flag. Not counted:
+a generated program while two ranks run bf16 steps with clipping and the skip flag under dp, ZeRO-2 and pp. Not counted:
 calls from inside torch (its CPU optimizer loop reads CPU step counters; on CUDA the fused kernel
 keeps them on the device) and from the user's get_batch, which builds the batch on the host. Then `step_unless`, which makes
 the skip, is held to exactness on both optimizer paths: a skipped step leaves parameters and state
@@ -23,7 +23,8 @@ from parc.runtime.launch import spawn
 from parc.runtime.optim_step import kernel_kwargs, step_unless
 from parc.runtime.train import Trainer
 
-PLAN = "mesh dp=2\nbatch global=4 micro=1\nprecision bf16\noptimizer adamw lr=1e-3 clip=1.0\n"
+COMMON = "batch global=4 micro=1\nprecision bf16\noptimizer adamw lr=1e-3 clip=1.0\n"
+PLANS = {"dp": "mesh dp=2\n", "zero2": "mesh dp=2\nzero stage=2\n", "pp": "mesh pp=2\npipeline schedule=1f1b\n"}
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 TORCH = os.path.dirname(torch.__file__)
 
@@ -47,7 +48,11 @@ def _count_syncs(calls: list, user_file: str):
     return originals
 
 
-def _body(ctx, root: str):
+def _body(ctx, roots: dict[str, str]):
+    return {name: _steps(root) for name, root in roots.items()}
+
+
+def _steps(root: str) -> dict:
     trainer = Trainer.load(root, 0)
     trainer.step(0, skip_nonfinite=True)  # warm: optimizer state exists, as in every later step
     calls: list = []
@@ -61,11 +66,12 @@ def _body(ctx, root: str):
 
 
 def test_a_step_reads_nothing_on_the_host(tmp_path):
-    root = compile_text(PLAN, tmp_path / "dp").root
-    for res in spawn(2, _body, str(root)):
-        assert res["calls"] == [], res["calls"]
-        # the skip flag and the norm stay tensors, read later with the losses (runtime/divergence.py)
-        assert res["kinds"] == [("Tensor", "Tensor"), ("bool", "Tensor")], res["kinds"]
+    roots = {name: str(compile_text(mesh + COMMON, tmp_path / name).root) for name, mesh in PLANS.items()}
+    for rank in spawn(2, _body, roots):
+        for name, res in rank.items():
+            assert res["calls"] == [], (name, res["calls"])
+            # the skip flag and the norm stay tensors, read later with the losses (runtime/divergence.py)
+            assert res["kinds"] == [("Tensor", "Tensor"), ("bool", "Tensor")], (name, res["kinds"])
 
 
 def _adamw(fused: bool):
