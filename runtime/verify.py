@@ -49,7 +49,7 @@ DEFAULT_TOLERANCE = 1e-4
 # lr 6e-4 (examples/zero.par, ZeRO-2 dp 4, 3 steps; losses 5e-6), 5.1e-3 at lr 1e-2
 # (dp 2, 2 steps). 1e-2 passes that noise at the usual learning rates. It is
 # looser than a small real mistake at a small lr (a quarter of the batch lost at
-# lr 6e-4 measures parameters 7.2e-3, losses 4.5e-4); tests/test_precision.py
+# lr 6e-4 measures parameters 7.2e-3, losses 4.5e-4); tests/test_bf16_layout.py
 # therefore uses 2e-3 at lr 1e-3, and --tolerance tightens a run by hand.
 BF16_TOLERANCE = 1e-2
 TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE}

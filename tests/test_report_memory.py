@@ -114,7 +114,7 @@ def test_measured_runs_match_serial(measured, name):
     serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
     verdict = compare(run["losses"], serial_losses, run["state"], serial_state)
     # fp32: 1e-4, as every equivalence test (runtime/verify.py explains it); bf16 (zero.par, serial
-    # also under autocast): 2e-3, as tests/test_precision.py
+    # the same bf16 layout): 2e-3, as tests/test_bf16_layout.py
     tol = 2e-3 if art.plan["plan"]["precision"] == "bf16" else 1e-4
     assert verdict.loss_rel < tol and verdict.param_rel < tol, verdict.render()
 
