@@ -409,7 +409,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},
     "zero": {"stage": _int("an integer 0..3")},
     "recompute": {},
-    "precision": {},
+    "precision": {"reduce": _name},
     "compile": {},
     "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
                   "clip": _float,
@@ -456,7 +456,8 @@ class _Builder:
             self.error("the plan has no `mesh` statement", Span(self.file, 1, 1, 1, 2),
                        "every plan states its mesh, e.g. `mesh dp=2`")
         plan = Plan(**{k: v for k, v in parts.items() if v is not None and k != "batch"},
-                    batch=parts.get("batch"), file=self.file, source=self.text, spans=self.spans)
+                    batch=parts.get("batch"), file=self.file, source=self.text, spans=self.spans,
+                    grad_reduce=getattr(self, "grad_reduce", "fp32"))
         return plan
 
     def _kwargs(self, stmt: _Stmt) -> dict[str, object]:
@@ -547,6 +548,7 @@ class _Builder:
     def _precision(self, stmt: _Stmt, kw: dict) -> str:
         name, span = stmt.words[0]
         self.spans["precision"] = span
+        self.grad_reduce = kw.get("reduce", "fp32")  # a Plan field of its own: `precision` stays a name
         return name
 
     def _compile(self, stmt: _Stmt, kw: dict) -> str:

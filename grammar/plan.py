@@ -27,6 +27,7 @@ TPStyle = Literal["column", "row", "vocab", "replicate"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("none", "inductor", "aot_eager")  # runtime/compiled.py; docs/compile.md
+REDUCE_DTYPES = ("fp32", "bf16")  # `precision … reduce=`: the dp gradient reduction
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class Plan:
     optimizer: Optimizer = Optimizer()
     expert_parallel: ExpertParallel = ExpertParallel()
     compile: str = "none"
+    grad_reduce: str = "fp32"  # `precision bf16 reduce=…`: dtype of the dp gradient reduction (docs/precision.md)
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
     # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",

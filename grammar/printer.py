@@ -46,8 +46,9 @@ def format_plan(plan: Plan) -> str:
     if plan.recompute.patterns:
         rc = plan.recompute
         lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))
-    if plan.precision != "fp32":
-        lines.append(f"precision {plan.precision}")
+    if plan.precision != "fp32" or plan.grad_reduce != "fp32":
+        reduce = f" reduce={plan.grad_reduce}" if plan.grad_reduce != "fp32" else ""
+        lines.append(f"precision {plan.precision}{reduce}")
     if plan.optimizer != Optimizer():
         lines.append(_optimizer(plan.optimizer))
     if plan.compile != "none":

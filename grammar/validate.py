@@ -26,7 +26,7 @@ import difflib
 from fnmatch import fnmatchcase
 
 from parc.errors import Diagnostic, PlanError, Span
-from parc.grammar.plan import AXES, COMPILE_MODES, PRECISIONS, SCHEDULES, Plan, TPRule
+from parc.grammar.plan import AXES, COMPILE_MODES, PRECISIONS, REDUCE_DTYPES, SCHEDULES, Plan, TPRule
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAYS = ("constant", "linear", "cosine")  # the lr after warmup (runtime/schedule_lr.py)
@@ -289,6 +289,12 @@ def _check_rest(plan: Plan, out: _Report) -> None:
         out.error(f"unknown precision `{plan.precision}`", out.at("precision"), _one_of(plan.precision, PRECISIONS))
     if plan.compile not in COMPILE_MODES:
         out.error(f"unknown compile mode `{plan.compile}`", out.at("compile"), _one_of(plan.compile, COMPILE_MODES))
+    if plan.grad_reduce not in REDUCE_DTYPES:
+        out.error(f"precision reduce must be fp32 or bf16, got `{plan.grad_reduce}`", out.at("precision.reduce"),
+                  _one_of(plan.grad_reduce, REDUCE_DTYPES))
+    elif plan.grad_reduce == "bf16" and plan.precision != "bf16":
+        out.error(f"precision {plan.precision} reduce=bf16: a bf16 gradient reduction needs bf16 compute",
+                  out.at("precision.reduce"), "write `precision bf16 reduce=bf16`, or drop reduce=")
     opt = plan.optimizer
     if opt.name not in OPTIMIZERS:
         out.error(f"unknown optimizer `{opt.name}`", out.at("optimizer.name", opt), _one_of(opt.name, OPTIMIZERS))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import parc
 from parc import artifact, codegen, mesh as meshlib
-from parc.analysis import activations, cost, review, support
+from parc.analysis import cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
 from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
@@ -51,6 +51,7 @@ def _plan_summary(plan: Plan) -> dict:
         "zero": plan.zero.stage,
         "precision": plan.precision,
         "compile": plan.compile,
+        "grad_reduce": plan.grad_reduce,  # `precision bf16 reduce=…` (runtime/precision.py reduce_dtype)
         "optimizer": {"name": opt.name, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
                       "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip,
                       "warmup": opt.warmup, "decay": opt.decay, "decay_steps": opt.decay_steps,
@@ -64,11 +65,9 @@ def _plan_summary(plan: Plan) -> dict:
 MAX_INLINE_CONSTANT = 4096  # elements; a bigger tensor made in forward belongs in a buffer
 
 
-def _state_entry(spec, shard, constants: dict, autocast: set[str]) -> dict:
+def _state_entry(spec, shard, constants: dict) -> dict:
     entry = {"name": spec.name, "fqn": spec.fqn, "kind": spec.kind, "shape": _local_shape(spec.shape, shard),
              "dtype": spec.dtype, "requires_grad": spec.requires_grad, "shard": shard}
-    if spec.name in autocast:
-        entry["autocast_weight"] = True  # bf16: cast once per step (runtime/precision.py StepCasts)
     if spec.fqn in constants:
         value = constants[spec.fqn]
         if value.numel() > MAX_INLINE_CONSTANT:
@@ -172,9 +171,6 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     if n_stages > 1:
         warnings += schedule_diagnostics(schedule_name, m.pp, plan.accumulation, virtual)
         schedule = build_schedule(schedule_name, m.pp, plan.accumulation, virtual).to_json()
-    # bf16: weights only matmuls read are cast once per step, not per forward (not under ZeRO-3,
-    # whose weights are gathered at each use)
-    autocast = activations.autocast_weights(traced.gm) if plan.precision == "bf16" and plan.zero.stage < 3 else set()
     programs: dict[str, dict] = {}
     files: dict[str, str] = {}
     whole: dict = {}  # tp rank → its graph after the whole-graph passes, shared by its stages
@@ -192,7 +188,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             files[f"programs/{name}.py"] = src
             programs[name] = {
                 "file": f"programs/{name}.py", "stage": stage, "tp_rank": tp_rank,
-                "state": [_state_entry(s, ctx.shards.get(s.name), traced.constants, autocast) for s in state],
+                "state": [_state_entry(s, ctx.shards.get(s.name), traced.constants) for s in state],
                 "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in traced.inputs],
                 "buckets": grad_buckets.assign(gm, state),
                 "rewrites": dict(sorted(ctx.rewrites.items())),

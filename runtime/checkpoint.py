@@ -61,6 +61,7 @@ from parc.errors import LaunchError
 from parc.runtime import checkpoint_record as rec
 from parc.runtime.checkpoint_dir import LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve, steps
 from parc.runtime.divergence import Divergence
+from parc.runtime.optim_step import step_device
 from parc.runtime.state import shard as tp_slice, unshard
 
 __all__ = ["LATEST", "load", "read", "resolve", "resume", "save"]
@@ -281,8 +282,9 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
         for k in want_state if with_optim else ():
             if f"optim.{f}.{k}" in sd:  # absent: the parameter never had a gradient, so no state yet
                 optim.setdefault(n, {})[k] = tp_slice(sd[f"optim.{f}.{k}"], shard_of[n]).to(ctx.device)
-    for k in want_scalars if with_optim else ():
-        scalars[k] = sd[f"optim.{k}"]
+    opt = trainer.zero.optimizer if trainer.zero is not None else trainer.optimizer
+    for k in want_scalars if with_optim else ():  # a fused optimizer keeps its step counts on the device
+        scalars[k] = sd[f"optim.{k}"].to(step_device(opt, ctx.device))
     if trainer.zero is not None:
         trainer.zero.load_full(params, optim, scalars)
     else:

@@ -7,6 +7,10 @@ micro-batches in place and no copy is made (DDP's gradient_as_bucket_view). A
 post-accumulate-grad hook counts the gradients of the last micro-batch; when a
 bucket's last one lands, its all-reduce is launched asynchronously while backward
 goes on. `finish()` waits for them: one collective per bucket per step.
+
+`reduce_dtype` (`precision bf16 reduce=bf16`, runtime/precision.py): the bucket,
+already divided by dp in fp32, is cast to bf16, all-reduced in bf16 (half the
+bytes), and copied back into the fp32 buffer, where the gradients accumulated.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import torch.distributed as dist
 
 class GradBuckets:
     def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int,
-                 divisor: int | None = None):
+                 divisor: int | None = None, reduce_dtype: torch.dtype | None = None):
         # `divisor` (default dp): the sum over `group` is divided by it; expert gradients are summed
-        # over the edp group but averaged over all of dp (runtime/expert_parallel.py)
-        self.group, self.dp, self.divisor = group, dp, divisor or dp
+        # over the edp group but averaged over all of dp (runtime/expert_parallel.py). `reduce_dtype`:
+        # the wire dtype of the sum (`precision bf16 reduce=bf16`), accumulated back into fp32
+        self.group, self.dp, self.divisor, self.reduce_dtype = group, dp, divisor or dp, reduce_dtype
         self.flat: list[torch.Tensor] = []
         self.members: list[list[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
@@ -57,7 +62,8 @@ class GradBuckets:
         if self.divisor > 1:
             self.flat[b].div_(self.divisor)  # average: pre-divide, as DDP does, to keep sums in range
         if self.dp > 1:
-            self._works[b] = dist.all_reduce(self.flat[b], group=self.group, async_op=True)
+            wire = self.flat[b] if self.reduce_dtype is None else self.flat[b].to(self.reduce_dtype)
+            self._works[b] = (dist.all_reduce(wire, group=self.group, async_op=True), wire)
         else:
             self._works[b] = True
 
@@ -66,9 +72,11 @@ class GradBuckets:
         for b, work in enumerate(self._works):
             if work is None:
                 self._launch(b)
-        for work in self._works:
+        for b, work in enumerate(self._works):
             if work is not True:
-                work.wait()
+                work[0].wait()
+                if work[1] is not self.flat[b]:
+                    self.flat[b].copy_(work[1])  # the bf16 sum, back into the fp32 gradients
 
     def zero(self) -> None:
         for flat in self.flat:

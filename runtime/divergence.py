@@ -10,11 +10,12 @@ stop (default): no host sync is added per step. Each step's loss and gradient no
   point. Detection therefore lags by up to --log-every steps of wasted compute, never by a checkpoint:
   `checkpoint.save` also refuses any non-finite parameter or optimizer value, which catches a gradient
   gone non-finite under a finite loss when the plan has no `clip=` (then no norm is computed).
-skip: `Trainer.step` decides before the optimizer steps, from one scalar all-reduce per mesh axis and
-  one host sync per step (`grad_norm.any_nonfinite`): if any rank's loss or any gradient element is
-  nan/inf, the gradients are dropped and the parameters and optimizer state (Adam's moments and step
-  count) stay as they were, as large runs do (Megatron skips a step on found_inf, which syncs each step
-  too). That sync is why skip is not the default.
+skip: `Trainer.step` decides on the device, from one scalar all-reduce per mesh axis
+  (`grad_norm.nonfinite`): if any rank's loss or any gradient element is nan/inf, the optimizer step
+  leaves the parameters and optimizer state (Adam's moments and step count) as they were, as large runs
+  do (Megatron and `torch.amp.GradScaler` skip a step on found_inf). No host sync is added either: the
+  flag is a tensor the optimizer takes (runtime/optim_step.py `step_unless`), and `check` reads it with
+  the losses, so a skipped step is announced at the next log point or save.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ class Guard:
 
     def watch(self, step: int, result) -> None:
         """Remember `step`'s result (a `StepResult`); nothing is read from the device here."""
-        if result.skipped:
-            self.skipped += 1
-            if self.lead:
-                print(f"parc.run: step {step} skipped: its loss or a gradient is nan/inf (--on-nonfinite skip); "
-                      f"parameters and optimizer state unchanged", file=sys.stderr, flush=True)
         self.pending.append((step, result.loss, result.grad_norm, result.skipped))
 
     def check(self) -> None:
@@ -62,9 +58,17 @@ class Guard:
         self.last_loss = total[-1]
         known = [n for n in norms if n is not None]
         values = iter(torch.stack(known).tolist() if known else [])
+        flags = [s for s in skipped if torch.is_tensor(s)]  # skip mode: the step's device flag
+        read = iter(torch.stack(flags).tolist() if flags else [])
         for step, loss, norm, skip in zip(steps, total, norms, skipped):
             value = next(values) if norm is not None else None
             self.last_norm = value
+            skip = bool(next(read)) if torch.is_tensor(skip) else skip
+            if skip:
+                self.skipped += 1
+                if self.lead:
+                    print(f"parc.run: step {step} skipped: its loss or a gradient is nan/inf (--on-nonfinite skip); "
+                          f"parameters and optimizer state unchanged", file=sys.stderr, flush=True)
             if skip or (math.isfinite(loss) and (value is None or math.isfinite(value))):
                 continue
             what = f"loss {loss}" + (f", gradient norm {value}" if value is not None else "")

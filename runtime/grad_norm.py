@@ -51,12 +51,13 @@ def clip_(owned: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float,
     return norm
 
 
-def any_nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> bool:
-    """Whether any rank's `loss` or any element of any rank's `grads` is nan/inf (`--on-nonfinite skip`).
+def nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> torch.Tensor:
+    """1.0 if any rank's `loss` or any element of any rank's `grads` is nan/inf, else 0.0: a 0-dim fp32 tensor
+    on the device (`--on-nonfinite skip`, runtime/optim_step.py `step_unless`).
 
-    Each rank counts its own non-finite tensors; one scalar all-reduce per mesh axis adds the counts, and
-    `.item()` is a host sync every step: the answer must be known before the optimizer steps. (Reading the
-    norm instead would miss plans without `clip=`, and the loss lives on the last pp stage only.)
+    Each rank counts its own non-finite tensors; one scalar all-reduce per mesh axis adds the counts. Nothing
+    is read on the host: the optimizer step takes the flag as a tensor. (Reading the norm instead would miss
+    plans without `clip=`, and the loss lives on the last pp stage only.)
     """
     bad = (~torch.isfinite(loss.detach())).float().sum()
     for g in grads:
@@ -64,7 +65,7 @@ def any_nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> bool:
     for axis in ("dp", "tp", "pp"):
         if ctx.degree[axis] > 1:
             bad = ops.all_reduce(bad, axis, "step")
-    return bool(bad.item() > 0)
+    return (bad > 0).float()
 
 
 def counted(entry: dict, ctx, tied_elsewhere: set[str]) -> set[str]:

@@ -81,7 +81,8 @@ class ActivationProbe(TorchDispatchMode):
 
 
 def held_state(trainer) -> dict[str, int]:
-    """Bytes of the state a rank keeps between steps: trainable weights, gradients, optimizer state.
+    """Bytes of the state a rank keeps between steps: trainable weights (with bf16's compute copies),
+    gradients, optimizer state.
 
     Adam's per-tensor `step` counters are 0-dim tensors, a few bytes outside every
     memory formula: they are left out. Measure after a step, when every buffer exists.
@@ -93,5 +94,6 @@ def held_state(trainer) -> dict[str, int]:
         params = [p.detach() for p in trainer.params.values()]
         grads = [p.grad for p in trainer.params.values() if p.grad is not None]  # views of the flat buckets
         opt = [v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    params = list(params) + trainer.casts.copies()  # bf16: the compute copies a step keeps (runtime/precision.py)
     return {"params": storage_bytes(params), "grads": storage_bytes(grads),
             "optimizer": storage_bytes([t for t in opt if t.dim() > 0])}

@@ -329,11 +329,13 @@ class StageBuckets:
 
     def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int):
         from parc.runtime.data_parallel import GradBuckets
+        from parc.runtime.precision import reduce_dtype
 
         self.by_stage = {}
         for name in rank_programs(plan_json, rank):
             prog = plan_json["programs"][name]
-            self.by_stage[prog["stage"]] = GradBuckets(params, prog["buckets"], group, dp)
+            self.by_stage[prog["stage"]] = GradBuckets(params, prog["buckets"], group, dp,
+                                                       reduce_dtype(plan_json["plan"]))
 
     def start(self, stage: int, sync: bool) -> None:
         self.by_stage[stage].start_micro_batch(sync)
@@ -361,8 +363,9 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
         offset += n
         fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
         fwd = compiled.program(fwd, plan["plan"].get("compile", "none"))  # runtime/compiled.py
-        fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device, trainer.casts)  # bf16: autocast
+        fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device, trainer.casts)  # bf16 copies, autocast
         stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
-                                      prog["recv"], prog["send"], prog["last"])
+                                      precision.boundary_specs(prog["recv"], plan["plan"]["precision"]),
+                                      precision.boundary_specs(prog["send"], plan["plan"]["precision"]), prog["last"])
     schedule = Schedule.from_json(plan["schedule"])
     return PipelineExecutor(ctx, schedule, stages, 1.0 / trainer.accumulation, trace)

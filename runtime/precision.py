@@ -1,28 +1,36 @@
-"""The plan's `precision`: how a program's forward runs (see docs/precision.md).
+"""The plan's `precision`: what dtype a program computes in, and what the optimizer updates (docs/precision.md).
 
 - fp32: as written.
-- bf16: mixed precision by autocast. Parameters stay fp32 — they *are* the
-  master weights the optimizer updates — and each program's forward runs under
-  `torch.autocast(device, bfloat16)`: matmuls (mm/addmm/bmm/linear/sdpa) cast
-  their inputs to bf16 and compute in bf16; reductions, softmax/log-softmax and
-  the loss stay fp32 by autocast's own op lists. Backward runs outside autocast
-  (autograd replays each op's casts), so every parameter gradient is fp32 and
-  every dp / ZeRO reduction of gradients is fp32.
+- bf16: Megatron's and FSDP2's layout.
+  * Masters: every trainable parameter stays an fp32 tensor, and it is what the
+    optimizer, ZeRO's partitions, clipping and checkpoints see. Optimizer state
+    is fp32 beside it.
+  * Compute copy: `StepCasts.refresh()`, at the start of each step, makes one
+    bf16 copy of each master (a differentiable `to(bfloat16)`); every
+    micro-batch's forward reads the copy instead of the master. The copies are
+    kept until the next step's refresh: 2 bytes per parameter of state, as
+    Megatron keeps its bf16 model weights beside the fp32 main ones.
+  * Gradients: each micro-batch's gradient of a copy (bf16, from the bf16
+    matmuls) flows back through the cast into the master's fp32 `.grad`, where
+    micro-batches accumulate in fp32 (Megatron's `main_grad`).
+  * Forward under `torch.autocast(bf16)`: the matmuls see bf16 weights already;
+    autocast keeps its fp32 ops (layer norm, softmax, cross entropy) in fp32,
+    so the loss is fp32 as the vocab-parallel cross entropy's is. Everything
+    else follows its bf16 inputs: embeddings of bf16 tables, residual adds,
+    GELU, attention, so the activations autograd saves are bf16 (a layer
+    norm's fp32 output is saved only as the bf16 copy its matmul makes).
+  * The dp gradient reduction runs in `reduce_dtype(plan)`: fp32 (default) or
+    bf16 (`precision bf16 reduce=bf16`: half the bytes; the reduced gradient
+    is added back into the fp32 accumulator).
+  * Pipeline: floating values crossing a stage cut travel and wait in bf16
+    (`boundary_specs`, `wrap`); the loss stays fp32.
+  * ZeRO-3 keeps no whole weight to copy: its gather casts the rank's fp32
+    range to bf16 and gathers bf16 (runtime/zero.py), so no `StepCasts` there.
 - fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
   scaling, which parc does not implement; silently training in fp32 would lie.
 
-Weights that only matmuls read (the compiler marks them `"autocast_weight"` in
-plan.json; parc/analysis/activations.py `autocast_weights`) are cast to bf16 once per step
-by `StepCasts`, not by autocast once per micro-batch forward: autocast's cast cache
-lives for one forward, and each matmul saves the copy it used, so a pipeline rank
-with p micro-batches in flight held p bf16 copies of its weights. The one copy is
-the same `to(bfloat16)` autocast would have made, so the numbers do not change;
-its gradient flows back into the fp32 weight through the cast, in every
-micro-batch's backward. `Trainer.step` clears the copies after the last backward.
-
-The wrapper is applied where a program is loaded (runtime/train.py,
-runtime/pipeline.py), and the serial reference (runtime/verify.py) uses the same
-`autocast`, so --verify compares bf16 with bf16.
+The serial reference (runtime/verify.py) applies the same layout, so --verify
+compares bf16 with bf16.
 """
 
 from __future__ import annotations
@@ -47,6 +55,16 @@ def check_supported(plan) -> None:
                         hint="use `precision bf16`: same 16-bit compute, fp32's exponent range, no loss scaling")
 
 
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype parameters and activations compute in, or None for fp32 (nothing is cast)."""
+    return _DTYPES.get(precision)
+
+
+def reduce_dtype(plan_summary: dict) -> torch.dtype | None:
+    """plan.json's `precision … reduce=`: the dtype the dp gradient reduction moves, or None for fp32."""
+    return _DTYPES.get(plan_summary.get("grad_reduce", "fp32"))
+
+
 def autocast(precision: str, device) -> contextlib.AbstractContextManager:
     """The compute context of `precision` on `device` (a no-op for fp32)."""
     if precision not in _DTYPES:
@@ -55,10 +73,11 @@ def autocast(precision: str, device) -> contextlib.AbstractContextManager:
 
 
 class StepCasts:
-    """One bf16 copy per step of each weight only matmuls read (see the module docstring)."""
+    """The bf16 compute copy of each fp32 master (see the module docstring); empty under fp32."""
 
     def __init__(self, tensors, dtype: torch.dtype = torch.bfloat16):
-        self._ids = {id(t) for t in tensors}
+        self._masters = list(tensors)
+        self._ids = {id(t) for t in self._masters}
         self._dtype = dtype
         self._cache: dict[int, torch.Tensor] = {}
 
@@ -71,26 +90,35 @@ class StepCasts:
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         c = self._cache.get(id(t))
         if c is None:
-            c = self._cache[id(t)] = t.to(self._dtype)  # differentiable: grads reach the fp32 weight
+            c = self._cache[id(t)] = t.to(self._dtype)  # differentiable: grads reach the fp32 master
         return c
 
-    def clear(self) -> None:
-        """After the step's last backward: the weights are about to change."""
+    def refresh(self) -> None:
+        """At the start of a step: new copies of the masters the last step updated. The old copies go first,
+        so the copies never exist twice."""
         self._cache.clear()
+        for t in self._masters:
+            self._cast(t)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The copies held now (state: counted by runtime/memory.py `held_state`)."""
+        return list(self._cache.values())
 
 
 def wrap(forward, precision: str, device, casts: StepCasts | None = None):
-    """`forward` run under `precision`'s autocast; its low-precision float outputs are returned as fp32;
-    `casts` replaces the weights it covers by their bf16 copies of this step.
+    """`forward` run under `precision`: `casts` replaces the masters it covers by their bf16 copies, the
+    body runs under autocast, floating outputs with dims leave as bf16 and 0-dim ones (the loss) as fp32.
 
-    Why cast outputs back: a pipeline stage's outputs are sent into receive buffers
-    allocated with the traced (fp32) dtype, and the loss is reported and verified in
-    fp32. The cast is differentiable, so the incoming gradient is cast back to the
-    output's bf16 in backward, as autocast itself would have done.
+    Why the outputs: a pipeline stage's outputs are what it sends, into receive buffers that
+    `boundary_specs` made bf16; the loss is reported and verified in fp32. The casts are
+    differentiable, so the incoming gradient reaches the body in the dtype it produced.
     """
     if precision not in _DTYPES:
         return forward
     low = _DTYPES[precision]
+
+    def out_dtype(o: torch.Tensor) -> torch.dtype:
+        return low if o.dim() else torch.float32
 
     @functools.wraps(forward)
     def run(*args):
@@ -98,6 +126,17 @@ def wrap(forward, precision: str, device, casts: StepCasts | None = None):
             args = casts(args)
         with autocast(precision, device):
             out = forward(*args)
-        return tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == low else o for o in out)
+        return tuple(o.to(out_dtype(o)) if isinstance(o, torch.Tensor) and o.dtype in (torch.float32, low) else o
+                     for o in out)
 
     return run
+
+
+def boundary_specs(specs: list[dict], precision: str) -> list[dict]:
+    """plan.json's send/recv specs of a pipeline stage as the runtime allocates them: traced fp32 values
+    travel in the compute dtype (what `wrap` hands the sender)."""
+    low = _DTYPES.get(precision)
+    if low is None:
+        return specs
+    name = str(low).removeprefix("torch.")
+    return [{**s, "dtype": name} if s["dtype"] == "float32" and s["shape"] else s for s in specs]

@@ -35,15 +35,17 @@ from parc.runtime.init_shards import own_init
 from parc.runtime import compiled, dropout, grad_norm, ops, precision, tensor_parallel
 from parc.runtime import data, expert_parallel, param_groups, schedule_lr
 from parc.runtime import weights as pretrained
+from parc.runtime.optim_step import kernel_kwargs, step_unless
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: dict) -> torch.optim.Optimizer:
     """The plan's optimizer (`parc.grammar.validate.OPTIMIZERS` lists the names the plan accepts)."""
     name = cfg["name"]
     if name == "sgd":
-        return torch.optim.SGD(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        return torch.optim.SGD(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"], **kernel_kwargs(name, params))
     adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[name]
-    return adam(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
+    return adam(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"],
+                **kernel_kwargs(name, params))  # fused on CUDA (runtime/optim_step.py)
 
 
 def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int, rows: int | None = None,
@@ -86,7 +88,9 @@ class StepResult:
     loss: torch.Tensor   # this rank's mean micro-batch loss, detached
     seconds: float
     grad_norm: torch.Tensor | None = None  # the global norm before clipping (with `clip=`, or asked for), 0-dim
-    skipped: bool = False  # non-finite and skipped (`step(skip_nonfinite=True)`): nothing was updated
+    # `step(skip_nonfinite=True)`: 1.0 where the step was non-finite and skipped (nothing was updated), a 0-dim
+    # tensor on the device, read at the next log point (runtime/divergence.py); False otherwise
+    skipped: torch.Tensor | bool = False
     lr: float | None = None  # the learning rate of the step (runtime/schedule_lr.py)
 
 
@@ -110,8 +114,10 @@ class Trainer:
             if self.state is None:
                 self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
                                         ctx.device)
-        self.casts = precision.StepCasts(  # bf16: weights only matmuls read, cast once per step
-            [t for e, t in zip(self.entry["state"], self.state) if e.get("autocast_weight")])
+        low = precision.compute_dtype(plan["plan"]["precision"])
+        zero3 = (self.entry.get("zero") or {}).get("stage") == 3  # gathers bf16 itself (runtime/zero.py)
+        self.casts = precision.StepCasts(  # bf16: each fp32 master's compute copy, made once per step
+            [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zero3 else [])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
         ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/ops.py resolves them to groups
@@ -125,13 +131,15 @@ class Trainer:
             self.zero = ZeroOptimizer(self.params, self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
                                       ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
                                       self.decay_of,
-                                      pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None)
+                                      pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None,
+                                      compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
             self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"])
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
-            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"])
+            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"],
+                                       reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         if self.entry.get("experts"):  # expert gradients: summed over edp, averaged over dp
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
@@ -192,7 +200,8 @@ class Trainer:
         else:  # only this rank's rows
             batch, lo = source.local(step, lo, per_rank), 0
             check_batch(batch, self.entry["inputs"], step, cfg, dp, rows=per_rank, call=source.call(step, lo, per_rank))
-        return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device) for t in batch)
+        return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device, non_blocking=True)
+                      for t in batch)
                 for k in range(self.accumulation)]
 
     def dropout_key(self, k: int):
@@ -202,15 +211,16 @@ class Trainer:
 
     def step(self, step: int, skip_nonfinite: bool = False, want_norm: bool = False) -> StepResult:
         """One optimizer step on global batch `step`. `skip_nonfinite`: if any rank's loss or gradient is
-        nan/inf, update nothing (runtime/divergence.py; costs a host sync per step). `want_norm`: compute the
-        global gradient norm even without `clip=` (one scalar all-reduce per mesh axis; parc.run asks for it
-        at log points)."""
+        nan/inf, update nothing (runtime/divergence.py), decided on the device: the step reads nothing on the
+        host (runtime/optim_step.py). `want_norm`: compute the global gradient norm even without `clip=` (one
+        scalar all-reduce per mesh axis; parc.run asks for it at log points)."""
         t0 = time.perf_counter()
         self.current_step = step
         total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
-        if self.probe:
-            self.probe.ignore(t for mb in micro_batches for t in mb)
+        self.casts.refresh()  # bf16: this step's compute copies of the masters (runtime/precision.py)
+        if self.probe:  # the batch, and the compute copies (state: runtime/memory.py held_state)
+            self.probe.ignore([*(t for mb in micro_batches for t in mb), *self.casts.copies()])
         with self.zero.active() if self.zero else contextlib.nullcontext():
             if self.pipeline is not None:
                 total += self.pipeline.run(micro_batches, self)
@@ -225,13 +235,11 @@ class Trainer:
                         (loss / self.accumulation).backward()
                     total += loss.detach()
             self.buckets.finish()
-        self.casts.clear()
         self._complete_grads()
-        if skip_nonfinite:
+        found = None
+        if skip_nonfinite:  # a device flag: the optimizer leaves params and state unchanged where it is set
             updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
-            if grad_norm.any_nonfinite(total, [g for g in updated if g is not None], self.ctx):
-                self.buckets.zero()  # the optimizer never sees these gradients: params and state unchanged
-                return StepResult(total / self.accumulation, time.perf_counter() - t0, None, skipped=True)
+            found = grad_norm.nonfinite(total, [g for g in updated if g is not None], self.ctx)
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
             norm = self.clip(self.opt_cfg["grad_clip"])  # a tensor: reading it would sync the device
@@ -239,9 +247,13 @@ class Trainer:
             norm = self.global_grad_norm()
         lr = schedule_lr.lr_at(self.opt_cfg, step)
         schedule_lr.set_lr(self.zero.optimizer if self.zero else self.optimizer, lr)
-        self.optimizer.step()
+        if self.zero:
+            self.zero.step(found)
+        else:
+            step_unless(self.optimizer, found)
         self.buckets.zero()
-        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm, lr=lr)
+        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm,
+                          skipped=found if found is not None else False, lr=lr)
 
     def _complete_grads(self) -> None:
         """The sums a gradient still lacks after the dp sync: sequence-parallel partials over tp, tied

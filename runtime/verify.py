@@ -24,13 +24,14 @@ training by `dropout_refusal`, naming their modules.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from parc.runtime import param_groups, schedule_lr
 from parc.runtime.dropout import key_scope, serial_keys
-from parc.runtime.precision import autocast
+from parc.runtime.precision import autocast, compute_dtype
 from parc.runtime.state import build_reference
 
 # fp32: the parallel run sums the same products in another order (micro-batch
@@ -40,7 +41,7 @@ from parc.runtime.state import build_reference
 # all-reduce, a skipped micro-batch), which shows up as 1e-2 or more.
 DEFAULT_TOLERANCE = 1e-4
 
-# bf16 (precision bf16: autocast, fp32 masters): each matmul rounds its inputs to
+# bf16 (precision bf16: bf16 copies of fp32 masters, autocast): each matmul rounds its inputs to
 # 8 mantissa bits (~4e-3 relative). Both runs round the same fp32 inputs the same
 # way, so the differences come from accumulation order (micro-batches, the dp
 # reduction) pushed through bf16-rounded activations, then AdamW: an entry whose
@@ -49,7 +50,7 @@ DEFAULT_TOLERANCE = 1e-4
 # lr 6e-4 (examples/zero.par, ZeRO-2 dp 4, 3 steps; losses 5e-6), 5.1e-3 at lr 1e-2
 # (dp 2, 2 steps). 1e-2 passes that noise at the usual learning rates. It is
 # looser than a small real mistake at a small lr (a quarter of the batch lost at
-# lr 6e-4 measures parameters 7.2e-3, losses 4.5e-4); tests/test_precision.py
+# lr 6e-4 measures parameters 7.2e-3, losses 4.5e-4); tests/test_bf16_layout.py
 # therefore uses 2e-3 at lr 1e-3, and --tolerance tightens a run by hand.
 BF16_TOLERANCE = 1e-2
 TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE}
@@ -103,7 +104,8 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
             keys.new_forward()
             # the forward's first global sample keys its dropouts (runtime/dropout.py keys by global sample)
             with key_scope(seed, step, first), keys:
-                with autocast(compute, "cpu"):  # same compute precision as the parallel run (runtime/precision.py)
+                # same layout as the parallel run (runtime/precision.py): bf16 copies of the fp32 masters, autocast
+                with autocast(compute, "cpu"), compute_copies(model, compute_dtype(compute)):
                     loss = user.loss_fn(model, *(t[first:first + micro] for t in batch)).float()
                 (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
             total += loss.item() * micro / global_batch
@@ -115,6 +117,30 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
     # have kept either name
     return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+@contextlib.contextmanager
+def compute_copies(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Inside: `model`'s trainable parameters read as their `dtype` copies (differentiable casts of the fp32
+    masters, so gradients accumulate in the masters' fp32 `.grad`); nothing changes for dtype None.
+    Tied parameters stay tied: one copy per tensor."""
+    if dtype is None:
+        yield
+        return
+    copies = {id(p): p.to(dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    swapped = []  # (module, attribute, master)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in copies:
+                swapped.append((module, name, p))
+                del module._parameters[name]
+                setattr(module, name, copies[id(p)])  # a plain attribute while inside
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            delattr(module, name)
+            module._parameters[name] = p
 
 
 def dropout_refusal(plan_json: dict) -> str | None:

@@ -27,6 +27,14 @@ tensor per bucket, padded to equal ranges):
            pass) and again in backward when autograd first needs a saved
            weight (a saved-tensor hook), then freed: 3Ψ(N−1)/N per micro-batch.
 With accumulation k, stages 2–3 send their reduce-scatter k times.
+
+Under `precision bf16` (runtime/precision.py) the masters and the gradient
+accumulators stay fp32. Stages 1–2 keep their fp32 flat buffers (the trainer
+computes with a bf16 copy of each parameter, made once per step); stage 3's
+gather casts the rank's fp32 range to bf16 and gathers bf16 (`compute_dtype`),
+so the program's weights and their gradients are bf16, as FSDP2's
+`param_dtype`. Each reduce-scatter moves `reduce_dtype` (fp32 unless `reduce=bf16`)
+and its result is added into the fp32 range.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch.distributed as dist
 
 from parc.runtime.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
+from parc.runtime.optim_step import step_unless
 
 # torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
 # which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
@@ -58,11 +67,14 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
-                 decay_of: dict[str, bool] | None = None,
-                 read_range=None):
+                 decay_of: dict[str, bool] | None = None, read_range=None,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/weights.py): elements [a, e) of
-        parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket."""
+        parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
+        `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
+        wire dtype of the gradient reduction; None is the masters' fp32."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # None: the masters' fp32
         self.table = table
         self.params = params
         self.buckets = table["buckets"]
@@ -177,9 +189,13 @@ class ZeroOptimizer:
         return torch.cat(parts)
 
     def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
+        flat = flat.float()  # stage 3 under bf16: the bf16 bucket gradient (else a no-op)
+        if self.dp > 1:
+            flat.div_(self.dp)  # average: pre-divide in fp32, as DDP does, to keep sums in range
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)  # `reduce=bf16`: half the bytes on the wire
         out = torch.empty(self.buckets[b]["shard"], dtype=flat.dtype, device=flat.device)
         if self.dp > 1:
-            flat.div_(self.dp)  # average: pre-divide, as DDP does, to keep sums in range
             work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
         else:
             out.copy_(flat)
@@ -238,9 +254,11 @@ class ZeroOptimizer:
         """The gradients the optimizer updates from (what clipping scales)."""
         return [m.grad for m in self.master]
 
-    def step(self) -> None:
+    def step(self, found: torch.Tensor | None = None) -> None:
+        """The update of this rank's ranges (skipped where `found` > 0: runtime/optim_step.py), then stages
+        1–2 all-gather the updated parameters."""
         self.pieces.bind_grads()
-        self.optimizer.step()
+        step_unless(self.optimizer, found)
         if self.stage == 3:
             return  # parameters stay sharded; the next forward gathers them
         works = []
@@ -262,13 +280,16 @@ class ZeroOptimizer:
 
     # --- stage 3: gather on demand -------------------------------------------------------
 
-    def _start_gather(self, b: int):
+    def _start_gather(self, b: int, dtype: torch.dtype | None = None):
+        """Gather bucket b's ranges in `dtype` (default: the compute dtype; the fp32 masters for state)."""
         bucket = self.buckets[b]
-        full = torch.empty(bucket["padded"], dtype=self.master[b].dtype, device=self.master[b].device)
+        dtype = dtype or self.compute_dtype or self.master[b].dtype
+        mine = self.master[b].detach().to(dtype)
+        full = torch.empty(bucket["padded"], dtype=dtype, device=mine.device)
         if self.dp > 1:
-            work = dist.all_gather_into_tensor(full, self.master[b].detach(), group=self.group, async_op=True)
+            work = dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True)
         else:
-            full.copy_(self.master[b].detach())
+            full.copy_(mine)
             work = None
         return work, full
 
@@ -352,7 +373,7 @@ class ZeroOptimizer:
             if self.stage < 3:
                 full = self.full[b]
             else:
-                work, full = self._start_gather(b)
+                work, full = self._start_gather(b, self.master[b].dtype)  # the fp32 masters, not bf16 copies
                 if work is not None:
                     work.wait()
             for s in bucket["params"]:

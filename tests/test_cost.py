@@ -42,11 +42,11 @@ def _mem(plan_text: str, **kw) -> dict:
 
 @pytest.mark.parametrize("text,per_param", [
     ("mesh dp=4\n", (4, 4, 8)),                                    # fp32: 4Ψ / 4Ψ / 8Ψ
-    # bf16 is autocast over fp32 masters (runtime/precision.py): the runtime holds fp32's table
-    ("mesh dp=4\nprecision bf16\n", (4, 4, 8)),                     # fp32 params = masters, fp32 grads
-    ("mesh dp=4\nzero stage=1\nprecision bf16\n", (4, 4, 2)),      # ZeRO-1: optimizer ÷ dp
-    ("mesh dp=4\nzero stage=2\nprecision bf16\n", (4, 1, 2)),      # ZeRO-2: grads too
-    ("mesh dp=4\nzero stage=3\nprecision bf16\n", (1, 1, 2)),      # ZeRO-3: params too
+    # bf16 (runtime/precision.py): fp32 masters 4Ψ + bf16 compute copy 2Ψ, fp32 grads, fp32 Adam
+    ("mesh dp=4\nprecision bf16\n", (6, 4, 8)),
+    ("mesh dp=4\nzero stage=1\nprecision bf16\n", (6, 4, 2)),      # ZeRO-1: optimizer ÷ dp
+    ("mesh dp=4\nzero stage=2\nprecision bf16\n", (6, 1, 2)),      # ZeRO-2: grads too
+    ("mesh dp=4\nzero stage=3\nprecision bf16\n", (1, 1, 2)),      # ZeRO-3: masters too; bf16 gathered per layer
 ])
 def test_memory_table(text, per_param):
     row = _mem(text)
@@ -178,7 +178,7 @@ def test_memory_that_does_not_fit_is_an_error():
     plan = parse("mesh dp=1\ntopology preset=a100\nprecision bf16\n", file="p.par")
     diags = review(plan, stats=_stats(psi=10_000_000_000))  # 10B parameters × 16 bytes on one A100
     (d,) = [d for d in diags if "needs" in d.message]
-    assert d.severity == "error" and "pp rank 0 needs params 37.3 + grads 37.3 + optimizer 74.5" in d.message  # bf16: fp32 masters
+    assert d.severity == "error" and "pp rank 0 needs params 55.9 + grads 37.3 + optimizer 74.5" in d.message  # bf16: masters + copy
     assert "> 80.0 GiB of a A100-80GB" in d.message
     assumed = review(parse("mesh dp=1\nprecision bf16\n"), stats=_stats(psi=10_000_000_000))
     assert len(assumed) == 1

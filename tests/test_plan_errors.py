@@ -238,6 +238,14 @@ def test_unknown_precision_and_optimizer():
         ("unknown precision `fp23`", 2, 11), ("unknown optimizer `adamx`", 3, 11)]
 
 
+def test_precision_reduce_dtype():
+    """`reduce=` names the dp reduction's dtype: fp32 or bf16, and bf16 only over bf16 compute."""
+    assert _only("mesh\nprecision bf16 reduce=fp16\n") == ("precision reduce must be fp32 or bf16, got `fp16`", 2, 23)
+    assert _only("mesh\nprecision fp32 reduce=bf16\n") == (
+        "precision fp32 reduce=bf16: a bf16 gradient reduction needs bf16 compute", 2, 23)
+    assert parse("mesh\nprecision bf16 reduce=bf16\n", "t.par").grad_reduce == "bf16"
+
+
 def test_lr_must_be_positive():
     assert _only("mesh\noptimizer adamw lr=0\n") == ("optimizer lr must be > 0, got 0.0", 2, 20)
 

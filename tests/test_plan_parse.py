@@ -69,6 +69,13 @@ def test_pipeline_cuts_stages_and_virtual():
     assert parse("mesh\npipeline { }\n").pipeline.cuts == ()  # explicit: one stage, no cut
 
 
+def test_precision_reduce_round_trips():
+    plan = parse("mesh dp=2\nprecision bf16 reduce=bf16\n")
+    assert (plan.precision, plan.grad_reduce) == ("bf16", "bf16")
+    assert "precision bf16 reduce=bf16" in format_plan(plan) and parse(format_plan(plan)) == plan
+    assert "reduce" not in format_plan(parse("mesh dp=2\nprecision bf16 reduce=fp32\n"))  # the default
+
+
 def test_bandwidth_units_are_decimal_and_bits_are_eighths():
     plan = parse("mesh\ntopology intra=1.5TB/s inter=400Gbit/s nodes=2 gpus_per_node=4\n")
     assert plan.topology.intra_bw == 1.5e12 and plan.topology.inter_bw == 50e9

@@ -285,11 +285,11 @@ CASES = {
     "dp2_zero2": "mesh dp=2\nbatch global=8 micro=2\nzero stage=2\n" + OPT + RECOMPUTE,
     "pp2_interleaved": "mesh pp=2\nbatch global=8 micro=2\npipeline schedule=interleaved_1f1b virtual=2\n"
                        + OPT + RECOMPUTE,  # 4 stages of one block: each program recomputes its block
-    # autocast in the rerun; lr 1e-3 as tests/test_precision.py: at 1e-2 plain bf16 dp=2 already differs from
+    # autocast in the rerun; lr 1e-3 as tests/test_bf16_layout.py: at 1e-2 plain bf16 dp=2 already differs from
     # serial bf16 by 7.5e-3 (the same with and without recompute), which would hide a real mistake
     "dp2_bf16": "mesh dp=2\nbatch global=8 micro=2\nprecision bf16\noptimizer adamw lr=1e-3 clip=1.0\n" + RECOMPUTE,
 }
-# bf16: the serial reference runs under the same autocast; tests/test_precision.py's bound
+# bf16: the serial reference runs under the same autocast; tests/test_bf16_layout.py's bound
 BF16_TOL = 2e-3
 # dropout 0.1 under tp: the recomputed forward must draw the masks the first forward drew (keyed
 # dropout, runtime/dropout.py: a pure function of the key the runtime sets around forward and

@@ -37,10 +37,14 @@ from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module
 
 EXAMPLES = ("dp", "tp", "pp", "zero", "3d")
-# and one more: a bf16 pipeline, where each rank holds its matmuls' bf16 weight copies once per step
-# (runtime/precision.py StepCasts), not once per micro-batch in flight
+# and one more: a bf16 pipeline, where each rank holds one bf16 compute copy of its weights per step
+# (runtime/precision.py StepCasts), and the values crossing the cut travel and wait in bf16
 PP_BF16 = "mesh pp=2\nbatch global=16 micro=2\npipeline schedule=1f1b\nprecision bf16\n"
-PLANS = (*EXAMPLES, "pp_bf16")
+# examples/gpt.py on one rank, micro 8, fp32 and bf16 (issue 13): bf16 keeps bf16 activations
+MICRO8 = {name: f"mesh dp=1\nbatch global=8 micro=8\nprecision {name.removeprefix('micro8_')}\n"
+          for name in ("micro8_fp32", "micro8_bf16")}
+TEXTS = {"pp_bf16": PP_BF16, **MICRO8}
+PLANS = (*EXAMPLES, *TEXTS)
 # The cost model sizes what each op saves from its traced shapes and dtypes; what
 # it leaves out is small (int64 position ids, a 0-dim loss). Across the examples
 # it is within 3.3% of the measured; 10% is the issue's bound.
@@ -68,7 +72,7 @@ def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report_memory")
     compiled, by_world = {}, {}
     for name in PLANS:
-        plan = parse(PP_BF16, file="pp_bf16.par") if name == "pp_bf16" else load_plan(ROOT / "examples" / f"{name}.par")
+        plan = parse(TEXTS[name], file=f"{name}.par") if name in TEXTS else load_plan(ROOT / "examples" / f"{name}.par")
         compiled[name] = compile_model(GPT, plan, tmp / name).out_dir
         by_world.setdefault(plan.mesh.world_size, []).append(name)
     runs = {}
@@ -113,6 +117,30 @@ def test_measured_runs_match_serial(measured, name):
     serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
     verdict = compare(run["losses"], serial_losses, run["state"], serial_state)
     # fp32: 1e-4, as every equivalence test (runtime/verify.py explains it); bf16 (zero.par, serial
-    # also under autocast): 2e-3, as tests/test_precision.py
+    # the same bf16 layout): 2e-3, as tests/test_bf16_layout.py
     tol = 2e-3 if art.plan["plan"]["precision"] == "bf16" else 1e-4
     assert verdict.loss_rel < tol and verdict.param_rel < tol, verdict.render()
+
+
+def test_bf16_keeps_about_half_of_fp32s_activations(measured):
+    """The bf16 layout (runtime/precision.py) saves bf16 activations: ≤ 0.55× fp32's, predicted and measured.
+    Not 0.50×: layer norm's mean/rstd, attention's log-sum-exp and the cross entropy's log-softmax stay fp32."""
+    rows = {n: measured[n][0]["memory"]["per_pp_rank"][0] for n in MICRO8}
+    runs = {n: measured[n][1][0] for n in MICRO8}
+    predicted = rows["micro8_bf16"]["activations_kept_bytes"] / rows["micro8_fp32"]["activations_kept_bytes"]
+    held = runs["micro8_bf16"]["activations"] / runs["micro8_fp32"]["activations"]
+    assert predicted <= 0.55 and held <= 0.55, (predicted, held)
+
+
+def test_bf16_state_is_the_design_formula(measured):
+    """docs/design.md's bf16 row: 4Φ fp32 masters + 2Φ bf16 copy, 4Φ fp32 grads, 8Φ Adam; ZeRO-2 (zero.par,
+    bf16, dp 4) divides grads and Adam by dp, on the padded numel Φ' of its flat buckets."""
+    row = measured["micro8_bf16"][0]["memory"]["per_pp_rank"][0]
+    phi = row["params_count"]
+    assert (row["params_bytes"], row["grads_bytes"], row["optimizer_bytes"]) == (6 * phi, 4 * phi, 8 * phi)
+    rep, ranks, _, root = measured["zero"]
+    table = artifact.load(root).plan["programs"]["stage0_tp0"]["zero"]
+    padded, dp = sum(b["padded"] for b in table["buckets"]), table["dp"]
+    assert table["stage"] == 2 and artifact.load(root).plan["plan"]["precision"] == "bf16"
+    for r in ranks:  # masters and copy are whole at stage 2; the masters' padding is state too
+        assert (r["params"], r["grads"], r["optimizer"]) == (4 * padded + 2 * phi, 4 * padded // dp, 8 * padded // dp)

@@ -15,7 +15,7 @@ uninterrupted run saves after steps 2, 4 and 6; the interrupted one takes its st
 comparison is of every tensor the checkpoints hold (parameters, optimizer state, step, each rank's RNG)
 with `torch.equal`, and of their parc.json.
 
-All four plans run in each world one after another (every plan has 2 ranks), so the test starts three
+All five plans run in each world one after another (every plan has 2 ranks), so the test starts three
 worlds, not twelve: process start-up is most of the time on a small box.
 """
 
@@ -37,6 +37,9 @@ PLANS = {
     "zero2": "mesh dp=2\nzero stage=2\n",
     "zero3": "mesh dp=2\nzero stage=3\n",
     "pp": "mesh pp=2\npipeline schedule=1f1b\n",
+    # bf16 (runtime/precision.py): the checkpoint holds the fp32 masters; a resumed step computes with
+    # copies made from the loaded masters, never from stale ones
+    "dp_bf16": "mesh dp=2\nprecision bf16 reduce=bf16\n",
 }
 # micro=1: two micro-batches per step on dp=2 (ZeRO-2/3 reduce in each), four on pp=2
 COMMON = "batch global=4 micro=1\noptimizer adamw lr=1e-2 clip=1.0\n"
@@ -91,5 +94,8 @@ def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, se
     bad = {f"{name} step_{s}": diff for name in PLANS for s in (4, 6)
            if (diff := _same(whole / name / f"step_{s}", cut / name / f"step_{s}"))}
     assert not bad, bad
+    held = checkpoint.read(whole / "dp_bf16" / "step_2")
+    assert {v.dtype for k, v in held.items() if k.startswith(("model.", "optim."))} >= {torch.float32}
+    assert torch.bfloat16 not in {v.dtype for v in held.values()}  # the masters, not the bf16 copies
     for name in PLANS:
         assert checkpoint.resolve(cut / name).name == f"step_{STEPS}"

@@ -12,12 +12,15 @@ collective or a p=0 dropout is freed as soon as they ran. So, per node:
 - count each distinct copy once. Under tensor parallelism the copy a column
   layer saves is the one its input collective made (all-gathered under sequence
   parallelism: the full sequence); under `precision bf16` the copy a matmul saves
-  is autocast's bf16 cast of an fp32 input;
+  is autocast's bf16 cast of an fp32 input (a layer norm's output);
 - add what ops keep besides their inputs: attention's log-sum-exp, layer norm's
-  mean and reciprocal std, cross-entropy's log-softmax, a dropout's mask, and
-  under bf16 autocast's bf16 copy of each weight a matmul reads (cached for the
-  forward, saved by the matmul for its input gradient; made once per step for
-  weights only matmuls read, see `autocast_weights`).
+  mean and reciprocal std, cross-entropy's log-softmax, a dropout's mask.
+
+Dtypes under bf16 (runtime/precision.py): the trainable parameters are bf16
+copies, so whatever computes from them is bf16 (embeddings, matmuls, residual
+adds, GELU, attention) except autocast's fp32 ops and what they feed; a value
+crossing a pipeline cut travels and waits in bf16. The weight copies themselves
+are state (parc/analysis/cost.py), not activations.
 
 Sizes: a value of the tp-sharded core (between a column and a row layer) is
 1/tp per rank; a value of the replicated region is 1/tp under sequence
@@ -119,18 +122,16 @@ def _aux(n: fx.Node) -> int:
 
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
-               bf16: bool, n_stages: int, step_casts: bool = True) -> list[dict]:
-    """Per stage: bytes one micro-batch keeps after its forward, the largest recomputed working set, and
-    (bf16) the bf16 weight copies made once per step (`step_casts`: not under ZeRO-3, whose gathered
-    weights autocast casts at each use).
+               bf16: bool, n_stages: int) -> list[dict]:
+    """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
-    Returns [{"kept_*", "peak_*", "casts_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
+    Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
     for all tp ranks together (a rank holds 1/tp of it).
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    size = _dtype_sizes(nodes, bf16)
-    out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated", "casts_sharded",
-                          "casts_replicated"), 0) for _ in range(n_stages)]
+    size = _dtype_sizes(gm, nodes, bf16)
+    out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"), 0)
+           for _ in range(n_stages)]
     working: dict[tuple[str, int], list[int]] = {}  # (recompute instance, stage) -> [sharded, replicated]
 
     def own_scale(n) -> str:
@@ -141,27 +142,31 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
             continue
         s, inst = stage_of(n), instance_of(n)
         copies: set[tuple] = set()   # (stage, scale, bytes per element, which copy)
+        # across a pipeline cut an fp32 value with dims travels in bf16 (runtime/precision.py boundary_specs)
+        sent = 2 if bf16 and size[n] == 4 and _floating(n) and n.meta["val"].dim() else size[n]
         if _is(n, SAVES_OUTPUT):
             copies.add((s, own_scale(n), size[n], "own" if inst is None else "region"))
         for c in _consumers(n):
             if c.op == "output":
                 continue
             cs, cinst = stage_of(c), instance_of(c)
+            seen = size[n]
             if cs != s:  # the sender holds what it sent, the receiver its buffer, until the backward
-                copies.add((s, own_scale(n), size[n], "own"))
-                copies.add((cs, own_scale(n), size[n], "own"))
+                copies.add((s, own_scale(n), sent, "own"))
+                copies.add((cs, own_scale(n), sent, "own"))
+                seen = sent
             if cinst is not None and cinst != inst:
-                copies.add((cs, own_scale(n), size[n], "own"))     # a checkpoint holds its inputs
+                copies.add((cs, own_scale(n), seen, "own"))        # a checkpoint holds its inputs
                 continue
             if not _saves(c, n):
                 continue
             if inst is not None and cinst == inst:
-                copies.add((cs, own_scale(n), size[n], "region"))  # rebuilt in backward
+                copies.add((cs, own_scale(n), seen, "region"))     # rebuilt in backward
                 continue
             core = tp > 1 and sharded_of.get(c) and not sharded_of.get(n)
             scale = "replicated" if core else own_scale(n)         # the gathered copy is the full sequence
-            cast = bf16 and _is(c, LOWERED) and size[n] == 4
-            copies.add((cs, scale, 2 if cast else size[n], "gathered" if core else "cast" if cast else "own"))
+            cast = bf16 and _is(c, LOWERED) and seen == 4
+            copies.add((cs, scale, 2 if cast else seen, "gathered" if core else "cast" if cast else "own"))
         aux = _aux(n) * 4
         if aux:  # a cross-entropy's log-softmax has its logits' layout (vocab-parallel: 1/tp)
             ce = _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy."))
@@ -173,50 +178,24 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
                 w[0 if scale == "sharded" else 1] += nbytes
             else:
                 out[cs][f"kept_{scale}"] += nbytes
-    if bf16:  # the bf16 copy of each weight a matmul reads, saved by the matmul for its input gradient
-        once = autocast_weights(gm) if step_casts else set()
-        for p in gm.graph.nodes:
-            if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
-                continue
-            c = next((c for c in _consumers(p) if c.op == "call_function" and _is(c, LOWERED)), None)
-            if c is not None and not step_casts:
-                # ZeRO-3: the gathered weight and its bf16 copy are freed after the layer and gathered again
-                # in backward (runtime/zero.py's saved-tensor hook): not kept per micro-batch in flight
-                continue
-            if c is not None and p.name not in once and instance_of(c) is not None:
-                w = working.setdefault((instance_of(c), stage_of(c)), [0, 0])   # recast when recomputed
-                w[0 if sharded_of.get(c) else 1] += _numel(p) * 2
-                continue
-            if c is not None:  # one per step (runtime/precision.py StepCasts), else one per forward
-                key = ("casts" if p.name in once else "kept") + ("_sharded" if sharded_of.get(c) else "_replicated")
-                out[stage_of(c)][key] += _numel(p) * 2
     for (_, s), (sh, rep) in working.items():
         if sh / tp + rep > out[s]["peak_sharded"] / tp + out[s]["peak_replicated"]:
             out[s]["peak_sharded"], out[s]["peak_replicated"] = sh, rep
     return out
 
 
-def autocast_weights(gm: fx.GraphModule) -> set[str]:
-    """Placeholders of trainable weights that only autocast-lowered ops (matmuls) read.
-
-    Under bf16 the runtime casts these once per step (runtime/precision.py StepCasts):
-    exactly the cast autocast would make, since autocast casts every input of a
-    lowered op. A weight anything else reads (an embedding, a layer norm, a tied
-    embedding + head) stays fp32 for autocast to cast at each use.
-    """
-    out = set()
-    for p in gm.graph.nodes:
-        if p.op != "placeholder" or not getattr(p.meta.get("val"), "requires_grad", False):
-            continue
-        users = _consumers(p)
-        if users and all(c.op == "call_function" and _is(c, LOWERED) for c in users):
-            out.add(p.name)
-    return out
+def _floating(n: fx.Node) -> bool:
+    return getattr(n.meta.get("val"), "is_floating_point", lambda: False)()
 
 
-def _dtype_sizes(nodes: list[fx.Node], bf16: bool) -> dict[fx.Node, int]:
-    """Bytes per element of each node's output as the runtime computes it (autocast under bf16)."""
+def _dtype_sizes(gm: fx.GraphModule, nodes: list[fx.Node], bf16: bool) -> dict[fx.Node, int]:
+    """Bytes per element of each node's output as the runtime computes it: under bf16 the trainable
+    parameters are their bf16 copies, and the program runs under autocast."""
     size: dict[fx.Node, int] = {}
+    if bf16:
+        for p in gm.graph.nodes:
+            if p.op == "placeholder" and _floating(p) and getattr(p.meta["val"], "requires_grad", False):
+                size[p] = 2
 
     def of(a) -> int:
         if a in size:

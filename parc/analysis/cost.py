@@ -13,8 +13,9 @@ need the passes to have run:
 - `hw`, a `Hardware` preset (A100-80GB, H100, H200 nodes); the plan's `topology`
   intra=/inter= override its bandwidths (both are per GPU, one direction).
 
-Memory follows DESIGN.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16 is
-autocast over fp32 masters, so the same — see docs/precision.md; ZeRO-1 ÷dp the optimizer, ZeRO-2 the grads too, ZeRO-3 the params too).
+Memory follows docs/design.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16 adds a
+2Ψ bf16 compute copy beside the 4Ψ fp32 masters, see docs/precision.md; ZeRO-1 ÷dp the
+optimizer, ZeRO-2 the grads too, ZeRO-3 the masters too, and keeps no whole copy).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed; the logits' gradient is a transient peak on the
@@ -181,13 +182,11 @@ def graph_stats(traced, plan) -> dict:
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
         instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
-        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
-        step_casts=plan.zero.stage < 3)
+        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32")
     _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of)
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
-            d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"],
-                      f"weight_casts_bytes_{t}": k[f"casts_{t}"]})
+            d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -279,17 +278,15 @@ class Estimate:
         return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds, self.step_seconds)
 
 
-def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes per parameter, as parc's runtime holds them.
+def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int, int]:
+    """(fp32 masters, compute copy, grads, optimizer state) bytes per parameter, as parc's runtime holds them.
 
-    bf16 runs by autocast (runtime/precision.py): the parameters stay fp32 and are
-    themselves the master weights, gradients are fp32, so the table is fp32's —
-    4Ψ / 4Ψ / 8Ψ, not DESIGN.md's 2Ψ / 2Ψ / 12Ψ of a bf16 copy beside fp32 masters
-    (same 16Ψ in all, but ZeRO shards a different part of it). The bf16 saving is
-    in activations and matmul time, modelled in `estimate`.
+    bf16 (runtime/precision.py): fp32 masters (4) and a bf16 compute copy (2) made
+    each step; gradients accumulate in fp32 (4); Adam's moments are fp32 (8). fp32:
+    the parameters are their own compute copy. docs/design.md has the table.
     """
     moments = {"adamw": 8, "adam": 8, "sgd": 0}.get(optimizer, 8)
-    return 4, 4, moments
+    return 4, 2 if precision == "bf16" else 0, 4, moments
 
 
 def _ring_fraction(ranks: list[int], per_node: int) -> float:
@@ -358,8 +355,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     groups = groups or {a: meshlib.groups(m, a) for a in ("dp", "pp", "tp")}
     act_b = 4 if plan.precision == "fp32" else 2
     dtype = "fp32" if plan.precision == "fp32" else "bf16"
-    pb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
+    pb, cb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
     z = plan.zero.stage
+    wire = 2 if plan.grad_reduce == "bf16" else gb  # `precision bf16 reduce=bf16`: the dp gradient reduction
     # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them
     slow = max(1.0, min(m.world_size, hw.gpus_per_node) / hw.cores) if hw.cores else 1.0
 
@@ -418,16 +416,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
         kept = sum(per_tp(d, "kept_bytes") for d in held) / len(held)
         rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
-        casts = sum(d.get("weight_casts_bytes_sharded", 0) / tp + d.get("weight_casts_bytes_replicated", 0)
-                    for d in held)  # bf16 weight copies, once per step: not per micro-batch in flight
         transient = max(_transient(d, tp, act_b) for d in held)
-        act = kept * inflight[r] + casts + max(rpeak, transient)
+        act = kept * inflight[r] + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
-                       "params": params * pb / (dp if z >= 3 else 1),
+                       # ZeRO-3 keeps no whole compute copy: it gathers bf16 per layer (runtime/zero.py)
+                       "params": params * pb / (dp if z >= 3 else 1) + (params * cb if z < 3 else 0),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
                        "activations": act, "inflight": inflight[r],
-                       "activations_kept": kept * inflight[r] + casts, "recompute_peak": rpeak,
+                       "activations_kept": kept * inflight[r], "recompute_peak": rpeak,
                        "transient": transient})
     for row in memory:
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
@@ -441,12 +438,14 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce))
         else:
             # runtime/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
-            # ZeRO-3 all-gathers the parameters twice per micro-batch (forward, backward), ZeRO-1/2 once a step
+            # ZeRO-1/2 gather the updated fp32 masters once a step; ZeRO-3 gathers the compute copy twice per
+            # micro-batch (forward, backward)
             rs = acc if z >= 2 else 1
             comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
                                      latency_steps=(dp - 1) * rs))
             ag = 2 * acc if z == 3 else 1
-            comms.append(_collective("dp", "all-gather", dp, big * pb * ag, groups["dp"], hw, allreduce,
+            gathered = big * ((cb or pb) if z == 3 else pb)
+            comms.append(_collective("dp", "all-gather", dp, gathered * ag, groups["dp"], hw, allreduce,
                                      latency_steps=(dp - 1) * ag))
     if tp > 1:
         tp_bytes = max(d["tp_bytes"] for d in stages) * act_b * acc * virtual
