@@ -184,9 +184,13 @@ def test_zero3_bf16_weights_not_kept_per_micro_batch(traced):
     _, z1 = _graph(traced, "mesh dp=2\nzero stage=1\nprecision bf16\n")
     _, z3 = _graph(traced, "mesh dp=2\nzero stage=3\nprecision bf16\n")
     k1, k3 = z1["stages"][0], z3["stages"][0]
-    # ZeRO-1 casts the weights once per step (held all step); ZeRO-3 frees each layer's copy after use
-    assert k1["weight_casts_bytes_replicated"] > 0 and k3["weight_casts_bytes_replicated"] == 0
+    # The bf16 layout (runtime/precision.py, docs/precision.md) makes each weight's compute copy once per
+    # step and counts it as state (2 bytes a parameter, cost._bytes_per_param), never as an activation:
+    # no weight is kept per micro-batch in flight under any ZeRO stage, so ZeRO-3's activations are
+    # ZeRO-1's (before the fix, ZeRO-3 added a bf16 copy of every weight per micro-batch)
+    assert not any(k.startswith("weight_casts") for k in (*k1, *k3))
     assert k3["kept_bytes_replicated"] == k1["kept_bytes_replicated"]
+    assert k3["kept_bytes_sharded"] == k1["kept_bytes_sharded"]
 
 
 def test_transient_logits_gradient_in_the_verdict(traced):

@@ -211,7 +211,7 @@ def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of) -> Non
     from parc.passes.pipeline_split import STAGE
 
     bf16 = plan.precision != "fp32"
-    size = activations._dtype_sizes([n for n in gm.graph.nodes if n.op == "call_function"], bf16)
+    size = activations._dtype_sizes(gm, [n for n in gm.graph.nodes if n.op == "call_function"], bf16)
     sp = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel
 
     def size_of(a):

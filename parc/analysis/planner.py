@@ -168,10 +168,13 @@ def _pair_style(node, p: str, path: dict, op_of: dict) -> str:
 
 ADDITIVE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "kept_bytes_sharded",
-            "kept_bytes_replicated", "weight_casts_bytes_sharded", "weight_casts_bytes_replicated")
+            "kept_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
 PER_SAMPLE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
               "tp_bytes", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
-              "recompute_peak_bytes_replicated")
+              "recompute_peak_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
+# Not assembled: the per-operation tables (`ops`, parc/analysis/compute.py) hold shapes, whose efficiency
+# does not scale with the micro-batch as a count does; assembled stages leave them out, so the search
+# prices compute by FLOPs at the preset's one efficiency (compute.fallback). docs/planner.md says so.
 
 
 class _Stats:
