@@ -75,6 +75,7 @@ def _pipeline_forward(trainer, micro_batches) -> torch.Tensor:
 def eval_loss(trainer, source, batches: int) -> float:
     """Mean loss over held-out global batches 0…batches−1 (collective over every rank)."""
     local = []
+    trainer.casts.refresh()  # bf16: copies of the masters as the last step left them (runtime/precision.py)
     with torch.no_grad(), (trainer.zero.active() if trainer.zero else contextlib.nullcontext()):
         for b in range(batches):
             micro_batches = trainer.local_batches(b, source)
@@ -87,7 +88,6 @@ def eval_loss(trainer, source, batches: int) -> float:
                         (loss,) = trainer.forward(*trainer.state, *mb)
                     total += loss.detach().float()
             local.append(total / trainer.accumulation)
-        trainer.casts.clear()
     losses = trainer.global_losses(local)
     return sum(losses) / len(losses)
 

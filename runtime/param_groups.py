@@ -45,8 +45,12 @@ def classify(model: torch.nn.Module) -> dict[str, str | None]:
 
 
 def classify_user(user) -> dict[str, str | None]:
-    """`classify` on the user's model built on meta: no weight memory, the same FQNs as plan.json."""
-    with torch.device("meta"):
+    """`classify` on the user's model built on meta: no weight memory, the same FQNs as plan.json.
+    A build that calls `from_pretrained` builds from the checkpoint's config, as the tracer does
+    (parc/pretrained.py): transformers refuses to load weights on meta."""
+    from parc.pretrained import pretrained_as_config
+
+    with torch.device("meta"), pretrained_as_config([]):
         return classify(user.build_model())
 
 

@@ -52,7 +52,7 @@ def _train(compiled, weights, steps: int = 2, save_to=None):
     """Parallel and serial from the same weights: (verdict, what each rank returned)."""
     runs = spawn(artifact.load(compiled).world_size, _body, str(compiled), steps, weights, save_to and str(save_to))
     user = load_user_module(compiled / "model" / "model.py")
-    serial_losses, serial_state = train_serial(user, artifact.load(compiled).plan, 0, steps, weights)
+    serial_losses, serial_state = train_serial(user, artifact.load(compiled).plan, 0, steps, weights=weights)
     verdict = compare(runs[0]["losses"], serial_losses, runs[0]["state"], serial_state)
     assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, verdict.render()
     return verdict, runs

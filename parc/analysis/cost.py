@@ -432,7 +432,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # -- communication per rank per step (the worst pp rank's sizes)
     comms = []
     big = max(memory, key=lambda row: row["params_count"])["params_count"]
-    wire = dp_bytes or gb
+    wire = dp_bytes or wire  # stated, else the layout's (`reduce=bf16`: 2 bytes)
     if dp > 1:
         if z == 0:
             comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce))
