@@ -42,13 +42,6 @@ MODES = ("none", "inductor", "aot_eager")
 
 def check_supported(plan) -> None:
     """Compile-time refusal of what `compile` cannot run (`plan` is a parc.grammar.plan.Plan)."""
-    if plan.compile != "none" and plan.zero.stage == 3:
-        # A dp=2 ZeRO-3 aot_eager run hung (both ranks waiting) in two of about six runs on a loaded
-        # 2-core box, and passed alone; the cause (the gathers' order inside the compiled graph against
-        # the backward's re-gather hook) is not found. Refused until it is: a hang is never acceptable.
-        raise ParcError(f"compile {plan.compile} with zero stage=3: a compiled ZeRO-3 step has hung in testing "
-                        "(the order of ZeRO-3's gathers inside a compiled graph is not yet proven)",
-                        plan.spans.get("compile"), hint="use `compile none` with ZeRO-3, or ZeRO stage 1 or 2")
     if plan.compile == "inductor" and plan.recompute.patterns and plan.mesh.tp > 1:
         # torch 2.13: inductor's partitioner fails ("forward num_erased_outs:3 != expected 1") when a
         # checkpointed region holds ORDERED ops; with tp > 1 every block's region holds tp collectives

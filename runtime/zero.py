@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from parc.runtime.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
@@ -125,9 +125,9 @@ class ZeroOptimizer:
         self._pending: list[int] = []
         self._works: list = []
         self._sync = False
-        # stage 3 bookkeeping: gathered buckets alive now (weak: forward frees them by dropping references),
-        # buckets re-gathered for backward (strong, until their gradient is reduced), prefetches in flight
-        self._live: dict[int, weakref.ref] = {}
+        # stage 3 bookkeeping: the storage of each bucket's latest gather (weak: forward frees it by dropping
+        # references), buckets re-gathered for backward (strong, until their gradient is reduced), prefetches
+        self._live: dict[int, StorageWeakRef] = {}
         self._resident: dict[int, torch.Tensor] = {}
         self._prefetch: dict[int, tuple] = {}
         self._reduced: set[int] = set()               # buckets whose gradient this backward has reduced
@@ -300,7 +300,7 @@ class ZeroOptimizer:
             work, full = self._start_gather(b)
         if work is not None:
             work.wait()
-        self._live[b] = weakref.ref(full)
+        self._live[b] = StorageWeakRef(full.untyped_storage())
         return full
 
     def _prefetch_bucket(self, b: int | None) -> None:
@@ -324,11 +324,15 @@ class ZeroOptimizer:
         self._reduce_scatter(b, grad.contiguous().clone())
 
     def _pack(self, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
+        # Is `t` a view of a gathered bucket? Decided by storage identity alone, which is the same on every
+        # rank: the weak reference keeps the bucket's StorageImpl address from being reused, and `t` keeps its
+        # own storage alive, so equal addresses mean the same storage. Never by whether the gathered *tensor*
+        # object is still alive: under `compile` the graph saves views and drops that tensor, whose lifetime
+        # then hangs on references outside the program (an async collective's work object, a cycle awaiting
+        # the collector), different per rank; a rank that re-gathered alone in backward hung its group.
+        mine = StorageWeakRef(t.untyped_storage())
         for b, ref in self._live.items():
-            full = ref()
-            # a live gathered bucket owns its address, so equal pointers mean the same storage
-            if full is not None and full.untyped_storage().data_ptr() == ptr and ptr != 0:
+            if ref == mine:
                 return (b, t.storage_offset(), tuple(t.shape), t.stride())
         return t
 

@@ -67,18 +67,6 @@ def test_inductor_with_collectives_in_recomputed_regions_is_refused():
     check_supported(parse("mesh dp=2\nrecompute \"blocks.*\"\ncompile inductor\n"))  # no collective inside
 
 
-def test_compiled_zero3_is_refused():
-    """A compiled ZeRO-3 step hung intermittently (runtime/compiled.py says why it is refused)."""
-    from parc.errors import ParcError
-    from parc.runtime.compiled import check_supported
-
-    for mode in ("aot_eager", "inductor"):
-        with pytest.raises(ParcError, match=f"compile {mode} with zero stage=3") as e:
-            check_supported(parse(f"mesh dp=2\nzero stage=3\ncompile {mode}\n", file="z.par"))
-        assert (e.value.span.line, e.value.span.col) == (3, 9)
-    check_supported(parse("mesh dp=2\nzero stage=3\n"))
-
-
 def _snapshot(tr) -> list[torch.Tensor]:
     """Every tensor of training state a warm-up could touch, copied."""
     from parc.runtime.data_parallel import GradBuckets
@@ -116,13 +104,18 @@ def _body(ctx, compiled: str, steps: int):
     recompiled = dict(torch._dynamo.utils.counters["stats"]) != graphs
     losses = tr.global_losses(local)
     state = tr.gathered_state()
+    zero3 = tr.zero is not None and tr.zero.stage == 3
+    regathered = tr.zero.backward_gathered_numel() if zero3 else None  # by the saved-tensor hook in backward
     return {"losses": losses, "state": state if ctx.rank == 0 else None, "unchanged": unchanged,
-            "seconds": seconds, "recompiled": recompiled}
+            "seconds": seconds, "recompiled": recompiled, "regathered": regathered}
 
 
 CASES = {
     "tp2_sp_aot_eager": "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + "compile aot_eager\n",
     "dp2_zero2_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=2\ncompile aot_eager\n",
+    # ZeRO-3: the gathers run inside the compiled graph, the backward's re-gathers in the saved-tensor hook
+    # (runtime/zero.py `_pack`, decided by storage identity: it once hung, see docs/compile.md)
+    "dp2_zero3_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=3\ncompile aot_eager\n",
     "pp2_1f1b_recompute_aot_eager": ("mesh pp=2\nbatch global=4 micro=1\npipeline schedule=1f1b\n"
                                      "recompute \"blocks.*\"\ncompile aot_eager\n"),
 }
@@ -138,6 +131,8 @@ def test_compiled_plan_equals_serial(tmp_path, case):
     for r in results:
         assert r["seconds"] is not None and r["unchanged"], "the warm-up changed training state"
         assert not r["recompiled"], "a step compiled again after the warm-up"
+    if "zero stage=3" in CASES[case]:  # the compiled backward re-gathers the saved weights, alike on every rank
+        assert results[0]["regathered"] > 0 and len({r["regathered"] for r in results}) == 1
     serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
     v = compare(results[0]["losses"], serial_losses, results[0]["state"], serial_state)
     assert v.loss_rel < LOSS_TOL and v.param_rel < PARAM_TOL, v.render()
