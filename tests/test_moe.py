@@ -102,13 +102,15 @@ def _dropped(user, global_batch: int) -> list[int]:
     return [drops[m] for m in layers]
 
 
-@pytest.mark.parametrize("dp", list(RUNS))
-def test_ep2_matches_serial(dp, tmp_path):
+@pytest.mark.parametrize("dp, mode", [(dp, "none") for dp in RUNS] + [(2, "aot_eager")])
+def test_ep2_matches_serial(dp, mode, tmp_path):
+    """`mode`: the plan's `compile` (aot_eager: the all-to-all and its backward captured, runtime/compiled.py)."""
     (k1, cf1), (k3, cf3) = RUNS[dp]
     model = tmp_path / f"moe_dp{dp}.py"
     model.write_text(MODEL.format(k1=k1, cf1=cf1, k3=k3, cf3=cf3, examples=str(ROOT / "examples")))
     text = (f'mesh dp={dp} ep=2\nbatch global={2 * dp * MICRO} micro={MICRO}\n'
-            'expert_parallel {\n    "blocks.*.moe.experts"\n}\noptimizer adamw lr=1e-2\n')
+            'expert_parallel {\n    "blocks.*.moe.experts"\n}\noptimizer adamw lr=1e-2\n'
+            + (f"compile {mode}\n" if mode != "none" else ""))
     out = tmp_path / "compiled"
     art = compile_text(text, out, model)
     # the rewrite, visible in the one program all ranks run: two all-to-alls per MoE layer, and only the
