@@ -67,6 +67,18 @@ def program(forward, mode: str):
     return torch.compile(forward, backend=mode, fullgraph=True, dynamic=False)
 
 
+def split_backward(mode: str) -> None:
+    """Let a compiled program's backward run twice: a zero-bubble schedule computes a micro-batch's
+    input gradients (I, `retain_graph=True`) apart from its weight gradients (W). AOTAutograd's
+    donated buffers (the compiled backward freeing saved tensors as it reads them) forbid that, so
+    they are turned off. A process-wide torch setting, read when a program compiles and when its
+    backward runs; a rank's process runs one plan. The compiled backward is one autograd node, so
+    I and W each run all of it (W's input gradients, and I's weight gradients, are computed and
+    dropped): exact, but the split saves no compute under `compile`."""
+    if mode != "none":
+        torch._functorch.config.donated_buffer = False
+
+
 def warm_up(trainer) -> float | None:
     """Compile every program of this rank now, by one forward and backward that changes no training
     state (see the module docstring); the seconds it took, or None when the plan compiles nothing."""

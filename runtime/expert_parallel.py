@@ -66,8 +66,17 @@ def alltoall_alltoall(x: Tensor, axis: str) -> Tensor:
     return all_to_all(x, axis, "fwd")
 
 
-alltoall_alltoall.register_fake(lambda x, axis: torch.empty_like(x))
-alltoall_alltoall.register_autograd(lambda ctx, g: (all_to_all(g, ctx.axis, "bwd"), None),
+@torch.library.custom_op("parc::alltoall_bwd", mutates_args=())
+def alltoall_bwd(g: Tensor, axis: str) -> Tensor:
+    """The all-to-all's backward: the same exchange of the gradient, as an opaque op so that
+    `compile` (runtime/compiled.py) traces a call to it instead of running torch.distributed."""
+    return all_to_all(g, axis, "bwd")
+
+
+for _op in (alltoall_alltoall, alltoall_bwd):
+    _op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
+    ops.mark_ordered(_op)  # every rank of the ep group issues its all-to-alls in the program's order
+alltoall_alltoall.register_autograd(lambda ctx, g: (torch.ops.parc.alltoall_bwd(g, ctx.axis), None),
                                     setup_context=_axis_ctx)
 
 

@@ -368,4 +368,6 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
                                       precision.boundary_specs(prog["recv"], plan["plan"]["precision"]),
                                       precision.boundary_specs(prog["send"], plan["plan"]["precision"]), prog["last"])
     schedule = Schedule.from_json(plan["schedule"])
+    if any(a.kind == "I" for rank in schedule.actions for a in rank):  # zero-bubble: I then W, retain_graph
+        compiled.split_backward(plan["plan"].get("compile", "none"))  # before the programs compile (lazily)
     return PipelineExecutor(ctx, schedule, stages, 1.0 / trainer.accumulation, trace)

@@ -74,7 +74,10 @@ def _body(ctx, roots: dict[str, str]):
                 saved.append((t.dtype, tuple(t.shape)))
                 return t
             trainer.casts.refresh()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Matmuls(matmuls):
+            # the program's layout as written: under PARC_TEST_COMPILE its compiled form runs eagerly here, since
+            # dynamo cannot trace under a dispatch mode (the training above ran compiled)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Matmuls(matmuls), \
+                    torch.compiler.set_stance("force_eager"):
                 (loss,) = trainer.forward(*trainer.state, *trainer.local_batches(0)[0])
             loss.backward()
             res.update(saved=saved, matmuls=matmuls, loss_dtype=loss.dtype,

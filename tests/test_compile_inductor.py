@@ -118,7 +118,15 @@ CASES = {
     "dp2_zero3_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=3\ncompile aot_eager\n",
     "pp2_1f1b_recompute_aot_eager": ("mesh pp=2\nbatch global=4 micro=1\npipeline schedule=1f1b\n"
                                      "recompute \"blocks.*\"\ncompile aot_eager\n"),
+    # zero-bubble: each stage's compiled backward runs twice, I (retain_graph) then W (compiled.split_backward)
+    "pp2_zb_h1_aot_eager": "mesh pp=2\nbatch global=4 micro=1\npipeline schedule=zb_h1\ncompile aot_eager\n",
+    # bf16 compute copies and autocast around the compiled program, recompute saving the bf16 stream
+    "dp2_bf16_aot_eager": ("mesh dp=2\nbatch global=4 micro=1\nprecision bf16\nrecompute \"blocks.*\"\n"
+                           "optimizer adamw lr=1e-3\ncompile aot_eager\n"),
 }
+# bf16 against the serial bf16 model: tests/test_bf16_layout.py's TOLERANCE, for its reasons (bf16 rounding
+# of each matmul's inputs, pushed through another summation order and AdamW; measured ≤ 5.6e-4 at lr 1e-3)
+TOLS = {"dp2_bf16_aot_eager": (2e-3, 2e-3)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -135,7 +143,8 @@ def test_compiled_plan_equals_serial(tmp_path, case):
         assert results[0]["regathered"] > 0 and len({r["regathered"] for r in results}) == 1
     serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
     v = compare(results[0]["losses"], serial_losses, results[0]["state"], serial_state)
-    assert v.loss_rel < LOSS_TOL and v.param_rel < PARAM_TOL, v.render()
+    loss_tol, param_tol = TOLS.get(case, (LOSS_TOL, PARAM_TOL))
+    assert v.loss_rel < loss_tol and v.param_rel < param_tol, v.render()
 
 
 def test_single_device_bench_runs():

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
-from parc import artifact, viz
+from helpers import ROOT, compile_text
+from parc import viz
 from parc.analysis import report
-from parc.compiler import compile_model
-from parc.grammar.parser import parse
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
@@ -104,16 +102,17 @@ def _dropped(user, global_batch: int) -> list[int]:
     return [drops[m] for m in layers]
 
 
-@pytest.mark.parametrize("dp", list(RUNS))
-def test_ep2_matches_serial(dp, tmp_path):
+@pytest.mark.parametrize("dp, mode", [(dp, "none") for dp in RUNS] + [(2, "aot_eager")])
+def test_ep2_matches_serial(dp, mode, tmp_path):
+    """`mode`: the plan's `compile` (aot_eager: the all-to-all and its backward captured, runtime/compiled.py)."""
     (k1, cf1), (k3, cf3) = RUNS[dp]
     model = tmp_path / f"moe_dp{dp}.py"
     model.write_text(MODEL.format(k1=k1, cf1=cf1, k3=k3, cf3=cf3, examples=str(ROOT / "examples")))
     text = (f'mesh dp={dp} ep=2\nbatch global={2 * dp * MICRO} micro={MICRO}\n'
-            'expert_parallel {\n    "blocks.*.moe.experts"\n}\noptimizer adamw lr=1e-2\n')
+            'expert_parallel {\n    "blocks.*.moe.experts"\n}\noptimizer adamw lr=1e-2\n'
+            + (f"compile {mode}\n" if mode != "none" else ""))
     out = tmp_path / "compiled"
-    compile_model(model, parse(text, str(tmp_path / "moe.par")), out)
-    art = artifact.load(out)
+    art = compile_text(text, out, model)
     # the rewrite, visible in the one program all ranks run: two all-to-alls per MoE layer, and only the
     # slots of experts 0 and 1 (each rank's two experts) hold weights
     program = art.programs["stage0_tp0"]
