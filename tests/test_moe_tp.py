@@ -9,11 +9,13 @@ coordinate. Block 1's MoE is top-1 at capacity factor 0.5 (tokens dropped), bloc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import ROOT
 from parc import artifact
 from parc.compiler import compile_model
+from parc.errors import ParcError
 from parc.grammar.parser import parse
 from parc.runtime.launch import spawn
 from parc.runtime.verify import compare, train_serial
@@ -43,11 +45,12 @@ def test_ep2_tp2_matches_serial(tmp_path):
     out = tmp_path / "compiled"
     compile_model(model, parse(PLAN, str(tmp_path / "moe_tp.par")), out)
     art = artifact.load(out)
-    # each tp rank's program: two all-to-alls per MoE layer, the experts' proj outputs summed over tp
-    # inside each expert copy (2 local experts × 2 sources × 2 layers = 8 g's, plus the dense ones)
+    # each tp rank's program: two all-to-alls per MoE layer, and an f/g pair inside each expert copy
+    # (2 local experts × 2 sources × 2 layers = 8) besides the dense ones (4 attn.proj + 2 mlp.proj = 6)
     for tp in (0, 1):
         program = art.programs[f"stage0_tp{tp}"]
         assert program.count("torch.ops.parc.alltoall_alltoall.default(") == 4
+        assert program.count("allreduce_identity.default(") == program.count("identity_allreduce.default(") == 14
         assert "experts_2_" not in program and "experts_3_" not in program
     results = spawn(art.world_size, _body, str(out))
     user = load_user_module(art.root / "model" / "model.py")
@@ -62,3 +65,15 @@ def test_ep2_tp2_matches_serial(tmp_path):
     assert verdict.ok, verdict.render()
     assert all(r["a2a"] == results[0]["a2a"] > 0 for r in results)
     assert torch.is_tensor(next(iter(results[0]["state"].values())))
+
+
+def test_ep_with_sequence_parallel_refused_at_the_block():
+    """ep × tp is proven above without sequence parallelism only; with it, a located refusal."""
+    from parc.analysis import support
+
+    text = PLAN.replace('"blocks.*.moe.experts.*.proj"  : row\n', '"blocks.*.moe.experts.*.proj"  : row\n    sequence_parallel\n')
+    with pytest.raises(ParcError) as info:
+        support.check(parse(text, "t.par"))
+    (d,) = info.value.diagnostics
+    assert d.message.startswith("expert parallelism (mesh ep 2) with sequence_parallel") and d.span.line == 3
+    support.check(parse(PLAN, "t.par"))  # and without it, accepted
