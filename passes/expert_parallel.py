@@ -23,7 +23,7 @@ model run on that rank's micro-batch: the same tokens compete for the same slots
 ones are dropped. Each expert runs once per source on that source's (cap, C) slots, the shape
 the serial model gives it, so its arithmetic is the serial model's.
 
-Assumes: tensor_parallel ran (parc/analysis/support.py refuses ep with tp), dropout has not
+Assumes: tensor_parallel ran (its f/g of an expert's linears belong to the expert's region), dropout has not
 (no expert may draw random numbers: refused). Guarantees: the program's loss is unchanged on
 each rank; a form other than the one above is a located ParcError at the rule saying what
 was expected and what was found. With ep 1 or no rules the graph is returned unchanged.

@@ -257,6 +257,7 @@ class _Rewriter:
             op, args, layout = parc_ops.allreduce_identity.default, (after, "tp"), None
         nxt = after.next
         red = self.call(nxt, op, args, after, layout)
+        red.meta["nn_module_stack"] = node.meta.get("nn_module_stack")  # node's, not the next one's (ep regions)
         for u in users:
             u.replace_input_with(after, red)
         return red, layout
@@ -291,6 +292,7 @@ class _Rewriter:
         if isinstance(b, fx.Node):
             users = list(red.users)
             add = self.call(red.next, aten.add.Tensor, (red, b), red, layout)
+            add.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
             for u in users:
                 u.replace_input_with(red, add)
         self.ctx.count(NAME)

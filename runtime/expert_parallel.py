@@ -8,7 +8,7 @@ each MoE layer's experts. The rest serves the Trainer (runtime/train.py):
 - `ExpertBuckets`: the dense gradients are averaged over dp as always; an expert's gradient
   already sums the losses of its whole ep group (the all-to-all's backward brought them), so
   it is summed over the edp group (the ranks holding the same experts) and divided by dp.
-- `gather_experts`: the full model's experts for `gathered_state`, from every ep rank.
+- `gather_experts`: the full model's experts for `gathered_state`, from every ep rank (and tp rank).
 
 Recording. `with traffic() as log:` appends `(phase, bytes)` for every all-to-all issued,
 `bytes` being what this rank sends to the other ranks of its ep group (its own chunk stays);
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from parc.runtime import ops
 from parc.runtime.data_parallel import GradBuckets
+from parc.runtime.state import unshard
 
 _TRAFFIC: list | None = None
 
@@ -117,5 +118,15 @@ def gather_experts(entry: dict, state: list[Tensor], ctx) -> dict[str, Tensor]:
             continue
         parts = [torch.empty_like(t) for _ in e["ep_fqns"]]
         dist.all_gather(parts, t.detach().contiguous(), group=ctx.groups["ep"])
-        out.update({fqn: p.cpu() for fqn, p in zip(e["ep_fqns"], parts)})
+        out.update({fqn: _tp_whole(p, e["shard"], ctx).cpu() for fqn, p in zip(e["ep_fqns"], parts)})
     return out
+
+
+def _tp_whole(t: Tensor, shard: dict | None, ctx) -> Tensor:
+    """An expert's parameter whole from its tp shards (collective over the tp group; `t` itself if unsharded).
+    The ep group of a rank holds its tp coordinate (parc/mesh.py), so `t` is shard `shard["index"]` of it."""
+    if shard is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(shard["parts"])]
+    dist.all_gather(parts, t.contiguous(), group=ctx.groups["tp"])
+    return unshard(parts, shard)

@@ -11,6 +11,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-3 with tp                                                 test_zero_combos
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
+  expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -58,13 +59,15 @@ def check(plan: Plan) -> None:
 
 
 def _expert_parallel(plan: Plan, refuse) -> None:
-    """mesh ep > 1 is proven with dp only (tests/test_moe.py): each other feature is refused, with why."""
+    """mesh ep > 1 is proven with dp (tests/test_moe.py) and tp (tests/test_moe_tp.py): each other feature is
+    refused, with why."""
     m = plan.mesh
     if m.ep == 1:
         return
     why = {
-        "mesh.tp": (m.tp > 1, f"tp {m.tp}: the experts' tensor-parallel shards and the all-to-all over ep are not "
-                    "composed by the pass (it runs on whole experts) nor proven by a test", "use tp=1 with ep"),
+        "tensor_parallel": (m.tp > 1 and plan.tensor_parallel.sequence_parallel, "sequence_parallel: the "
+                            "dispatch and combine would read sequence-sharded tokens, which no test proves",
+                            "drop sequence_parallel with ep (tp without it is proven: tests/test_moe_tp.py)"),
         "mesh.pp": (m.pp > 1, f"pp {m.pp}: the pipeline executor's stage buckets do not reduce expert gradients over "
                     "the expert-data-parallel group", "use pp=1 with ep"),
         "zero.stage": (plan.zero.stage > 0, f"zero stage={plan.zero.stage}: ZeRO partitions gradients over all of dp, "
@@ -77,7 +80,7 @@ def _expert_parallel(plan: Plan, refuse) -> None:
         "recompute.patterns[0]": (bool(plan.recompute.patterns), "recompute: a recomputed region would issue the "
                                   "experts' all-to-all again in backward, which no test proves", "drop `recompute`"),
     }
-    nodes = {"mesh.tp": m, "mesh.pp": m, "zero.stage": plan.zero, "precision": None,
+    nodes = {"tensor_parallel": plan.tensor_parallel, "mesh.pp": m, "zero.stage": plan.zero, "precision": None,
              "optimizer.clip": plan.optimizer, "recompute.patterns[0]": plan.recompute}
     for key, (bad, reason, hint) in why.items():
         if bad:
