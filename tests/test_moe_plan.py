@@ -81,7 +81,6 @@ def test_untested_compositions_refused_at_their_token():
         support.check(parse(text, "t.par"))
     got = [(d.message.split(":")[0], d.span.line, d.span.col) for d in info.value.diagnostics]
     assert got == [("expert parallelism (mesh ep 2) with tp 2", 1, 19),
-                   ("expert parallelism (mesh ep 2) with pp 2", 1, 14),
                    ("expert parallelism (mesh ep 2) with zero stage=2", 3, 12),
                    ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
                    ("expert parallelism (mesh ep 2) with clip", 5, 22)]
