@@ -194,7 +194,8 @@ def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:
     """plan.json fields of a program with experts: dense and expert gradient buckets apart (the
     runtime reduces them over different groups), and `experts`: slot placeholder → FQNs per ep rank.
     `assign` is passes/grad_buckets.assign."""
-    slots = ctx.notes.get("expert_parallel") or {}
+    names = {s.name for s in state}  # with pp: only this stage's slots (the notes hold every stage's)
+    slots = {k for k in ctx.notes.get("expert_parallel") or {} if k in names}
     if not slots:
         return {}
     return {"buckets": assign(gm, [s for s in state if s.name not in slots]),

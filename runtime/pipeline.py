@@ -321,32 +321,45 @@ def merged_entry(plan_json: dict, rank: int) -> dict:
     if len(progs) == 1:
         return progs[0]
     return {**progs[0], "state": [e for p in progs for e in p["state"]],
-            "buckets": [b for p in progs for b in p["buckets"]]}
+            "buckets": [b for p in progs for b in p["buckets"]],
+            "experts": [x for p in progs for x in p.get("experts", [])]}
 
 
 class StageBuckets:
-    """One `GradBuckets` per stage: each stage arms its dp all-reduce on its own last micro-batch."""
+    """Per stage, its `GradBuckets`: each stage arms its all-reduces on its own last micro-batch.
 
-    def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int):
+    A stage holding experts (expert parallelism, runtime/expert_parallel.py) has two: its dense
+    gradients averaged over dp, its expert slots' summed over `edp` = (group, size), the ranks
+    holding the same experts, and divided by dp. An ep group's ranks share the pp and tp
+    coordinates (parc/mesh.py expert_groups), so they run the same stage in the same order."""
+
+    def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int,
+                 edp: tuple | None = None):
         from parc.runtime.data_parallel import GradBuckets
         from parc.runtime.precision import reduce_dtype
 
-        self.by_stage = {}
+        self.by_stage: dict[int, list] = {}
         for name in rank_programs(plan_json, rank):
             prog = plan_json["programs"][name]
-            self.by_stage[prog["stage"]] = GradBuckets(params, prog["buckets"], group, dp,
-                                                       reduce_dtype(plan_json["plan"]))
+            self.by_stage[prog["stage"]] = [GradBuckets(params, prog["buckets"], group, dp,
+                                                        reduce_dtype(plan_json["plan"]))]
+            if prog.get("expert_buckets"):
+                self.by_stage[prog["stage"]].append(GradBuckets(params, prog["expert_buckets"], edp[0], edp[1],
+                                                                divisor=dp))
 
     def start(self, stage: int, sync: bool) -> None:
-        self.by_stage[stage].start_micro_batch(sync)
+        for b in self.by_stage[stage]:
+            b.start_micro_batch(sync)
 
     def finish(self) -> None:
-        for b in self.by_stage.values():
-            b.finish()
+        for bs in self.by_stage.values():
+            for b in bs:
+                b.finish()
 
     def zero(self) -> None:
-        for b in self.by_stage.values():
-            b.zero()
+        for bs in self.by_stage.values():
+            for b in bs:
+                b.zero()
 
 
 def build_executor(trainer, trace: bool = False) -> PipelineExecutor:

@@ -135,13 +135,14 @@ class Trainer:
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
-            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"])
+            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"],
+                                                 edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
             self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"],
                                        reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
-        if self.entry.get("experts"):  # expert gradients: summed over edp, averaged over dp
+        if self.entry.get("experts") and self.pp == 1:  # expert gradients: summed over edp, averaged over dp
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
@@ -173,10 +174,9 @@ class Trainer:
     def _entry_of(self, rank: int) -> dict:
         """Rank `rank`'s program entry; with pp, every stage program of the rank, one state list in stage order."""
         plan = self.art.plan
-        if self.pp > 1:
-            return pipeline.merged_entry(plan, rank)
+        entry = pipeline.merged_entry(plan, rank) if self.pp > 1 else plan["programs"][plan["ranks"][rank]["program"]]
         # an ep rank's expert entries name its own experts (runtime/expert_parallel.py)
-        return expert_parallel.localize(plan["programs"][plan["ranks"][rank]["program"]], plan["ranks"][rank].get("ep", 0))
+        return expert_parallel.localize(entry, plan["ranks"][rank].get("ep", 0))
 
     def _groups(self) -> list[dict]:
         return param_groups.torch_groups([(p, self.decay_of[n]) for n, p in self.params.items()])

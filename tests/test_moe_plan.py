@@ -80,8 +80,7 @@ def test_untested_compositions_refused_at_their_token():
     with pytest.raises(ParcError) as info:
         support.check(parse(text, "t.par"))
     got = [(d.message.split(":")[0], d.span.line, d.span.col) for d in info.value.diagnostics]
-    assert got == [("expert parallelism (mesh ep 2) with pp 2", 1, 14),
-                   ("expert parallelism (mesh ep 2) with zero stage=2", 3, 12),
+    assert got == [("expert parallelism (mesh ep 2) with zero stage=2", 3, 12),
                    ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
                    ("expert parallelism (mesh ep 2) with clip", 5, 22)]
     support.check(parse(EP))  # dp × ep in fp32: proven by tests/test_moe.py

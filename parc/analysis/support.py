@@ -12,6 +12,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
+  expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -59,17 +60,15 @@ def check(plan: Plan) -> None:
 
 
 def _expert_parallel(plan: Plan, refuse) -> None:
-    """mesh ep > 1 is proven with dp (tests/test_moe.py) and tp (tests/test_moe_tp.py): each other feature is
-    refused, with why."""
-    m = plan.mesh
+    """mesh ep > 1 is proven with dp (tests/test_moe.py), tp (tests/test_moe_tp.py) and pp (1F1B, GPipe:
+    tests/test_moe_pp.py): each other feature is refused, with why."""
+    m, pipe = plan.mesh, plan.pipeline
     if m.ep == 1:
         return
     why = {
         "tensor_parallel": (m.tp > 1 and plan.tensor_parallel.sequence_parallel, "sequence_parallel: the "
                             "dispatch and combine would read sequence-sharded tokens, which no test proves",
                             "drop sequence_parallel with ep (tp without it is proven: tests/test_moe_tp.py)"),
-        "mesh.pp": (m.pp > 1, f"pp {m.pp}: the pipeline executor's stage buckets do not reduce expert gradients over "
-                    "the expert-data-parallel group", "use pp=1 with ep"),
         "zero.stage": (plan.zero.stage > 0, f"zero stage={plan.zero.stage}: ZeRO partitions gradients over all of dp, "
                        "but expert gradients belong to the expert-data-parallel group (dp / ep ranks)",
                        "drop `zero` with ep"),
@@ -79,9 +78,14 @@ def _expert_parallel(plan: Plan, refuse) -> None:
                            "ep rank's experts once per rank, not sum them over the ep group", "drop clip= with ep"),
         "recompute.patterns[0]": (bool(plan.recompute.patterns), "recompute: a recomputed region would issue the "
                                   "experts' all-to-all again in backward, which no test proves", "drop `recompute`"),
+        "pipeline.schedule": (pipe is not None and m.pp > 1 and (pipe.schedule not in ("1f1b", "gpipe") or
+                                                                pipe.virtual > 1),
+                              f"pipeline schedule={pipe and pipe.schedule} virtual={pipe and pipe.virtual}: only "
+                              "1f1b and gpipe with one stage per pp rank are proven with ep (tests/test_moe_pp.py)",
+                              "use pipeline schedule=1f1b (or gpipe) with ep"),
     }
-    nodes = {"tensor_parallel": plan.tensor_parallel, "mesh.pp": m, "zero.stage": plan.zero, "precision": None,
-             "optimizer.clip": plan.optimizer, "recompute.patterns[0]": plan.recompute}
+    nodes = {"tensor_parallel": plan.tensor_parallel, "zero.stage": plan.zero, "precision": None,
+             "optimizer.clip": plan.optimizer, "recompute.patterns[0]": plan.recompute, "pipeline.schedule": pipe}
     for key, (bad, reason, hint) in why.items():
         if bad:
             refuse(f"expert parallelism (mesh ep {m.ep}) with {reason}", key, nodes[key], hint)
