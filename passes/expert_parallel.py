@@ -199,5 +199,6 @@ def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:
         return {}
     return {"buckets": assign(gm, [s for s in state if s.name not in slots]),
             "expert_buckets": assign(gm, [s for s in state if s.name in slots]),
-            "experts": sorted(slots)}
+            "experts": sorted(slots),
+            "expert_zero": ctx.notes.get("zero_experts")}  # ZeRO: the experts' table, cut over edp (passes/zero.py)
 

@@ -84,7 +84,12 @@ def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, d
 def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     if plan.zero.stage == 0:
         return gm
-    ctx.notes["zero"] = partition(gm, ctx.traced.state, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/expert_parallel.py)
+    dense = [s for s in ctx.traced.state if s.name not in experts]
+    ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    if experts:
+        ctx.notes["zero_experts"] = partition(gm, [s for s in ctx.traced.state if s.name in experts], ctx.shards,
+                                              plan.zero.stage, plan.mesh.dp // plan.mesh.ep)
     ctx.count("zero", len(ctx.notes["zero"]["buckets"]))
     if plan.zero.stage == 3:
         _insert_unshard(gm, ctx.notes["zero"])

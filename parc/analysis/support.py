@@ -11,6 +11,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-3 with tp                                                 test_zero_combos
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
+  ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -58,7 +59,8 @@ def check(plan: Plan) -> None:
 
 
 def _expert_parallel(plan: Plan, refuse) -> None:
-    """mesh ep > 1 is proven with dp only (tests/test_moe.py): each other feature is refused, with why."""
+    """mesh ep > 1 is proven with dp (tests/test_moe.py), ZeRO-1/2 and clip= (tests/test_moe_zero.py):
+    each other feature is refused, with why."""
     m = plan.mesh
     if m.ep == 1:
         return
@@ -67,18 +69,13 @@ def _expert_parallel(plan: Plan, refuse) -> None:
                     "composed by the pass (it runs on whole experts) nor proven by a test", "use tp=1 with ep"),
         "mesh.pp": (m.pp > 1, f"pp {m.pp}: the pipeline executor's stage buckets do not reduce expert gradients over "
                     "the expert-data-parallel group", "use pp=1 with ep"),
-        "zero.stage": (plan.zero.stage > 0, f"zero stage={plan.zero.stage}: ZeRO partitions gradients over all of dp, "
-                       "but expert gradients belong to the expert-data-parallel group (dp / ep ranks)",
-                       "drop `zero` with ep"),
-        "precision": (plan.precision != "fp32", f"precision {plan.precision}: no test proves expert parallelism "
-                      "under autocast", "use fp32 with ep"),
-        "optimizer.clip": (plan.optimizer.grad_clip is not None, "clip: the global gradient norm would count each "
-                           "ep rank's experts once per rank, not sum them over the ep group", "drop clip= with ep"),
+        "zero.stage": (plan.zero.stage == 3, "zero stage=3: its per-layer gather is cut over all of dp, but an "
+                       "expert's weights live on its expert-data-parallel group (dp / ep ranks) only, and no test "
+                       "proves a gather over that group", "use zero stage=1 or 2 with ep"),
         "recompute.patterns[0]": (bool(plan.recompute.patterns), "recompute: a recomputed region would issue the "
                                   "experts' all-to-all again in backward, which no test proves", "drop `recompute`"),
     }
-    nodes = {"mesh.tp": m, "mesh.pp": m, "zero.stage": plan.zero, "precision": None,
-             "optimizer.clip": plan.optimizer, "recompute.patterns[0]": plan.recompute}
+    nodes = {"mesh.tp": m, "mesh.pp": m, "zero.stage": plan.zero, "recompute.patterns[0]": plan.recompute}
     for key, (bad, reason, hint) in why.items():
         if bad:
             refuse(f"expert parallelism (mesh ep {m.ep}) with {reason}", key, nodes[key], hint)
