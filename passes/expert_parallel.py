@@ -192,7 +192,8 @@ def slot_note(name: str, ctx) -> str:
 
 def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:
     """plan.json fields of a program with experts: dense and expert gradient buckets apart (the
-    runtime reduces them over different groups), and `experts`: slot placeholder → FQNs per ep rank.
+    runtime reduces them over different groups), `experts`: the slot placeholders, and under ZeRO
+    `expert_zero`: their partition table over edp (passes/zero.py).
     `assign` is passes/grad_buckets.assign."""
     slots = ctx.notes.get("expert_parallel") or {}
     if not slots:

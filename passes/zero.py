@@ -15,7 +15,10 @@ and back to back. The bucket's numel is padded so that it splits into dp equal
 ranges of a multiple of `ALIGN` elements each: dp rank r owns
 [r·shard, (r+1)·shard). Equal ranges are what reduce-scatter and all-gather
 into one flat tensor need; ranges may cut through a parameter (as FSDP's flat
-parameter does). The graph is returned unchanged.
+parameter does). With expert parallelism the expert slots are left out of that
+table and cut into their own, `ctx.notes["zero_experts"]`, over the edp group
+(dp / ep ranks: those holding the same experts; runtime/expert_parallel.py
+`ExpertZero`). The graph is returned unchanged.
 """
 
 from __future__ import annotations

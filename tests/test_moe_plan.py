@@ -82,10 +82,11 @@ def test_untested_compositions_refused_at_their_token():
     got = [(d.message.split(":")[0], d.span.line, d.span.col) for d in info.value.diagnostics]
     assert got == [("expert parallelism (mesh ep 2) with tp 2", 1, 19),
                    ("expert parallelism (mesh ep 2) with pp 2", 1, 14),
-                   ("expert parallelism (mesh ep 2) with zero stage=2", 3, 12),
-                   ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
-                   ("expert parallelism (mesh ep 2) with clip", 5, 22)]
+                   ]  # zero stage=2, bf16 and clip= with ep: proven by tests/test_moe_zero.py
     support.check(parse(EP))  # dp × ep in fp32: proven by tests/test_moe.py
+    support.check(parse(EP + "zero stage=2\nprecision bf16\noptimizer adamw clip=1.0\n"))
+    with pytest.raises(ParcError, match=r"mesh ep 2\) with zero stage=3: its per-layer gather"):
+        support.check(parse(EP + "zero stage=3\n"))
 
 
 def test_hf_mixtral_refused_at_the_rule():
