@@ -192,7 +192,8 @@ def slot_note(name: str, ctx) -> str:
 
 def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:
     """plan.json fields of a program with experts: dense and expert gradient buckets apart (the
-    runtime reduces them over different groups), and `experts`: slot placeholder → FQNs per ep rank.
+    runtime reduces them over different groups), `experts`: the slot placeholders, and under ZeRO
+    `expert_zero`: their partition table over edp (passes/zero.py).
     `assign` is passes/grad_buckets.assign."""
     names = {s.name for s in state}  # with pp: only this stage's slots (the notes hold every stage's)
     slots = {k for k in ctx.notes.get("expert_parallel") or {} if k in names}
@@ -200,5 +201,6 @@ def program_fields(gm: fx.GraphModule, state: list, ctx, assign) -> dict:
         return {}
     return {"buckets": assign(gm, [s for s in state if s.name not in slots]),
             "expert_buckets": assign(gm, [s for s in state if s.name in slots]),
-            "experts": sorted(slots)}
+            "experts": sorted(slots),
+            "expert_zero": ctx.notes.get("zero_experts")}  # ZeRO: the experts' table, cut over edp (passes/zero.py)
 

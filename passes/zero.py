@@ -15,7 +15,10 @@ and back to back. The bucket's numel is padded so that it splits into dp equal
 ranges of a multiple of `ALIGN` elements each: dp rank r owns
 [r·shard, (r+1)·shard). Equal ranges are what reduce-scatter and all-gather
 into one flat tensor need; ranges may cut through a parameter (as FSDP's flat
-parameter does). The graph is returned unchanged.
+parameter does). With expert parallelism the expert slots are left out of that
+table and cut into their own, `ctx.notes["zero_experts"]`, over the edp group
+(dp / ep ranks: those holding the same experts; runtime/expert_parallel.py
+`ExpertZero`). The graph is returned unchanged.
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, d
 def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     if plan.zero.stage == 0:
         return gm
-    ctx.notes["zero"] = partition(gm, ctx.traced.state, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/expert_parallel.py)
+    dense = [s for s in ctx.traced.state if s.name not in experts]
+    ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    if experts:
+        ctx.notes["zero_experts"] = partition(gm, [s for s in ctx.traced.state if s.name in experts], ctx.shards,
+                                              plan.zero.stage, plan.mesh.dp // plan.mesh.ep)
     ctx.count("zero", len(ctx.notes["zero"]["buckets"]))
     if plan.zero.stage == 3:
         _insert_unshard(gm, ctx.notes["zero"])

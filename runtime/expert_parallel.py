@@ -8,6 +8,9 @@ each MoE layer's experts. The rest serves the Trainer (runtime/train.py):
 - `ExpertBuckets`: the dense gradients are averaged over dp as always; an expert's gradient
   already sums the losses of its whole ep group (the all-to-all's backward brought them), so
   it is summed over the edp group (the ranks holding the same experts) and divided by dp.
+- `ExpertZero` (ZeRO 1–2): the dense parameters partitioned over dp as without ep, the experts
+  over their edp group (DeepSpeed's layout), each by its own `ZeroOptimizer`, driven as one.
+- `ep_norm_piece`: without ZeRO, the experts' share of the global gradient norm, summed over ep.
 - `gather_experts`: the full model's experts for `gathered_state`, from every ep rank (and tp rank).
 
 Recording. `with traffic() as log:` appends `(phase, bytes)` for every all-to-all issued,
@@ -17,7 +20,8 @@ Recording. `with traffic() as log:` appends `(phase, bytes)` for every all-to-al
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,7 @@ from torch import Tensor
 from parc.runtime import ops
 from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.state import unshard
+from parc.runtime.zero import ZeroOptimizer
 
 _TRAFFIC: list | None = None
 
@@ -108,6 +113,85 @@ class ExpertBuckets:
     def zero(self) -> None:
         self.dense.zero()
         self.experts.zero()
+
+
+def dense_params(params: dict[str, Tensor], entry: dict) -> dict[str, Tensor]:
+    """`params` without the expert slots: what the dp group reduces and partitions."""
+    experts = set(entry.get("experts") or ())
+    return {n: p for n, p in params.items() if n not in experts}
+
+
+class ExpertZero:
+    """ZeRO 1–2 with expert parallelism: `dense` (a ZeroOptimizer over dp, of `dense_params`) and a
+    second ZeroOptimizer of the expert slots cut over the edp group (plan.json `expert_zero`): the
+    ranks holding the same experts split their optimizer state (and, stage 2, gradients) and
+    reduce-scatter the experts' gradients among themselves, divided by dp (see `ExpertBuckets`).
+    Every update is elementwise, so two optimizers update as one. Offers what the Trainer uses of
+    a ZeroOptimizer; `grad_ranges` covers both, so a sum over dp counts each expert element once
+    (its edp rank of its ep rank owns it) and each dense element once.
+    Assumes: stage 1 or 2 (ZeRO-3 with ep is refused in parc/analysis/support.py)."""
+
+    def __init__(self, dense: ZeroOptimizer, params: dict[str, Tensor], entry: dict, ctx, make_opt,
+                 decay_of: dict[str, bool], compute_dtype, reduce_dtype):
+        ranks = ctx.group_ranks.get("edp", [ctx.rank])
+        experts = {n: params[n] for n in entry["experts"] if n in params}
+        self.dense = dense
+        self.experts = ZeroOptimizer(experts, entry["expert_zero"], ctx.groups.get("edp"), len(ranks),
+                                     ranks.index(ctx.rank), make_opt, decay_of, compute_dtype=compute_dtype,
+                                     reduce_dtype=reduce_dtype, divisor=ctx.degree["dp"])
+        self.parts = (dense, self.experts)
+        self.stage = dense.stage
+        # one view of both optimizers' groups: schedule_lr.set_lr sets the lr of each
+        self.optimizer = SimpleNamespace(param_groups=dense.optimizer.param_groups +
+                                         self.experts.optimizer.param_groups)
+
+    def start_micro_batch(self, sync: bool) -> None:
+        for z in self.parts:
+            z.start_micro_batch(sync)
+
+    def finish(self) -> None:
+        for z in self.parts:
+            z.finish()
+
+    def grad_ranges(self) -> dict[str, tuple[Tensor, int, int]]:
+        return {**self.dense.grad_ranges(), **self.experts.grad_ranges()}
+
+    def master_grads(self) -> list[Tensor]:
+        return self.dense.master_grads() + self.experts.master_grads()
+
+    def step(self, found: Tensor | None = None) -> None:
+        for z in self.parts:
+            z.step(found)
+
+    def zero(self) -> None:
+        for z in self.parts:
+            z.zero()
+
+    @contextmanager
+    def active(self):
+        with ExitStack() as stack:
+            for z in self.parts:
+                stack.enter_context(z.active())
+            yield
+
+    def full_params(self) -> dict[str, Tensor]:
+        """This rank's parameters whole, by placeholder name (its ep rank's experts: `gather_experts`)."""
+        return {**self.dense.full_params(), **self.experts.full_params()}
+
+    def held(self) -> dict[str, list[Tensor]]:
+        parts = [z.held() for z in self.parts]
+        return {k: [t for h in parts for t in h[k]] for k in parts[0]}
+
+
+def ep_norm_piece(grads: list[Tensor], ctx) -> Tensor:
+    """Without ZeRO: a 0-dim tensor whose square is the sum of squares of the expert gradients of the
+    whole ep group (each ep rank's `grads`, its experts'; edp replicas are equal after their sync, so
+    they are not summed). `parc.runtime.grad_norm.global_norm` squares it with the dense pieces."""
+    local = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    for g in grads:
+        local += g.detach().double().square().sum()
+    sq = ops.all_reduce(local.float(), "ep", "step")  # one fp32 scalar, as global_norm sends per axis
+    return sq.sqrt()
 
 
 def gather_experts(entry: dict, state: list[Tensor], ctx) -> dict[str, Tensor]:

@@ -128,11 +128,15 @@ class Trainer:
         self.decay_of = {e["name"]: decay.get(e["fqn"], True) for e in self.entry["state"] if e["name"] in self.params}
         self.zero = None
         if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.zero)
-            self.zero = ZeroOptimizer(self.params, self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
+            self.zero = ZeroOptimizer(expert_parallel.dense_params(self.params, self.entry), self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
                                       ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
                                       self.decay_of,
                                       pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None,
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]))
+            if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/expert_parallel.py)
+                self.zero = expert_parallel.ExpertZero(self.zero, self.params, self.entry, ctx,
+                                                       lambda shards: make_optimizer(shards, self.opt_cfg), self.decay_of,
+                                                       low, precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
             self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"],
@@ -142,7 +146,7 @@ class Trainer:
             self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"],
                                        reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
-        if self.entry.get("experts") and self.pp == 1:  # expert gradients: summed over edp, averaged over dp
+        if self.entry.get("experts") and self.pp == 1 and not self.zero:  # expert gradients: summed over edp, averaged over dp
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
@@ -300,7 +304,11 @@ class Trainer:
             owned = [ranges[n][0] for n in sorted(names) if n in ranges]
             return owned, self.zero.master_grads(), ("dp", "tp", "pp")
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        return grad_norm.owned_pieces(self.params, names), grads, ("tp", "pp")
+        experts = set(self.entry.get("experts") or ())
+        owned = grad_norm.owned_pieces(self.params, names - experts)
+        if experts:  # each ep rank's experts differ: their squares are summed over ep (runtime/expert_parallel.py)
+            owned.append(expert_parallel.ep_norm_piece(grad_norm.owned_pieces(self.params, names & experts), self.ctx))
+        return owned, grads, ("tp", "pp")
 
     def global_losses(self, local: list[torch.Tensor]) -> list[float]:
         """Mean over the dp group of each step's loss: the loss of the global batch."""

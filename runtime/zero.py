@@ -68,12 +68,15 @@ class ZeroOptimizer:
 
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
                  decay_of: dict[str, bool] | None = None, read_range=None,
-                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 divisor: int | None = None):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
-        wire dtype of the gradient reduction; None is the masters' fp32."""
+        wire dtype of the gradient reduction; None is the masters' fp32. `divisor` (default dp): the sum
+        over `group` is divided by it; expert parallelism's experts sum over edp, divided by all of dp."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
+        self.divisor = divisor or dp
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # None: the masters' fp32
         self.table = table
         self.params = params
@@ -190,8 +193,8 @@ class ZeroOptimizer:
 
     def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
         flat = flat.float()  # stage 3 under bf16: the bf16 bucket gradient (else a no-op)
-        if self.dp > 1:
-            flat.div_(self.dp)  # average: pre-divide in fp32, as DDP does, to keep sums in range
+        if self.divisor > 1:
+            flat.div_(self.divisor)  # average: pre-divide in fp32, as DDP does, to keep sums in range
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)  # `reduce=bf16`: half the bytes on the wire
         out = torch.empty(self.buckets[b]["shard"], dtype=flat.dtype, device=flat.device)

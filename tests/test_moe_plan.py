@@ -84,6 +84,9 @@ def test_untested_compositions_refused_at_their_token():
                    ("expert parallelism (mesh ep 2) with precision bf16", 4, 11),
                    ("expert parallelism (mesh ep 2) with clip", 5, 22)]
     support.check(parse(EP))  # dp × ep in fp32: proven by tests/test_moe.py
+    support.check(parse(EP + "zero stage=2\nprecision bf16\noptimizer adamw clip=1.0\n"))
+    with pytest.raises(ParcError, match=r"mesh ep 2\) with zero stage=3: its per-layer gather"):
+        support.check(parse(EP + "zero stage=3\n"))
 
 
 def test_hf_mixtral_refused_at_the_rule():

@@ -13,6 +13,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
+  ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -60,22 +61,27 @@ def check(plan: Plan) -> None:
 
 
 def _expert_parallel(plan: Plan, refuse) -> None:
-    """mesh ep > 1 is proven with dp (tests/test_moe.py), tp (tests/test_moe_tp.py) and pp (1F1B, GPipe:
-    tests/test_moe_pp.py): each other feature is refused, with why."""
+    """mesh ep > 1 is proven with dp (tests/test_moe.py), tp (tests/test_moe_tp.py), pp (1F1B, GPipe:
+    tests/test_moe_pp.py), and ZeRO-1/2, bf16 and clip= (tests/test_moe_zero.py, with tp 1 and pp 1):
+    each other feature is refused, with why."""
     m, pipe = plan.mesh, plan.pipeline
     if m.ep == 1:
         return
+    sharded = m.tp > 1 or m.pp > 1  # ZeRO, bf16 and clip= are proven with ep at tp 1 and pp 1 only
+    unproven = f"with tp {m.tp} and pp {m.pp} no test proves it with ep (tests/test_moe_zero.py runs tp 1, pp 1)"
     why = {
         "tensor_parallel": (m.tp > 1 and plan.tensor_parallel.sequence_parallel, "sequence_parallel: the "
                             "dispatch and combine would read sequence-sharded tokens, which no test proves",
                             "drop sequence_parallel with ep (tp without it is proven: tests/test_moe_tp.py)"),
-        "zero.stage": (plan.zero.stage > 0, f"zero stage={plan.zero.stage}: ZeRO partitions gradients over all of dp, "
-                       "but expert gradients belong to the expert-data-parallel group (dp / ep ranks)",
-                       "drop `zero` with ep"),
-        "precision": (plan.precision != "fp32", f"precision {plan.precision}: no test proves expert parallelism "
-                      "under autocast", "use fp32 with ep"),
-        "optimizer.clip": (plan.optimizer.grad_clip is not None, "clip: the global gradient norm would count each "
-                           "ep rank's experts once per rank, not sum them over the ep group", "drop clip= with ep"),
+        "zero.stage": (plan.zero.stage == 3 or (plan.zero.stage > 0 and sharded),
+                       f"zero stage={plan.zero.stage}: " + ("its per-layer gather is cut over all of dp, but an "
+                       "expert's weights live on its expert-data-parallel group (dp / ep ranks) only, and no test "
+                       "proves a gather over that group" if plan.zero.stage == 3 else unproven),
+                       "use zero stage=1 or 2 with ep, at tp 1 and pp 1"),
+        "precision": (plan.precision != "fp32" and sharded, f"precision {plan.precision}: {unproven}",
+                      "use fp32, or tp 1 and pp 1, with ep"),
+        "optimizer.clip": (plan.optimizer.grad_clip is not None and sharded, f"clip: {unproven}",
+                           "drop clip=, or use tp 1 and pp 1, with ep"),
         "recompute.patterns[0]": (bool(plan.recompute.patterns), "recompute: a recomputed region would issue the "
                                   "experts' all-to-all again in backward, which no test proves", "drop `recompute`"),
         "pipeline.schedule": (pipe is not None and m.pp > 1 and (pipe.schedule not in ("1f1b", "gpipe") or
