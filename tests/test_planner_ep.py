@@ -66,3 +66,8 @@ def test_best_ep_plan_checks_and_reports_the_priced_volume(searched, tmp_path, c
     (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "ep"]
     priced = _ep_row(best.est.comms)
     assert (row["bytes_per_rank"], row["intra_bytes"]) == (round(priced.bytes), round(priced.intra))
+    # one GPU per node: every ep peer is on another node, so the whole volume goes inter-node, slower
+    spread = tmp_path / "moe_ep_nodes.par"
+    spread.write_text(text.replace("topology preset=h100 gpus_per_node=4", "topology preset=h100 nodes=4 gpus_per_node=1"))
+    (far,) = [r for r in report.build(model=MOE, plan=spread)["communication"]["rows"] if r["axis"] == "ep"]
+    assert (far["inter_bytes"], far["intra_bytes"]) == (row["bytes_per_rank"], 0) and far["seconds"] > row["seconds"]

@@ -143,7 +143,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
                      "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
                      "gpus_per_node": hw.gpus_per_node, "allreduce": allreduce or "ring"},
-        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world_size": m.world_size,
+        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
                  "zero": plan_obj.zero.stage, "recompute": list(plan_obj.recompute.patterns),
@@ -175,7 +175,8 @@ def render(rep: dict, console=None) -> None:
     # there, lines are never wrapped and tables get the width their contents need.
     console = console or (Console() if sys.stdout.isatty() else Console(width=240, soft_wrap=True))
     p, hw = rep["plan"], rep["hardware"]
-    console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks, "
+    console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks"
+                  + (f" (ep {p['ep']} inside dp)" if p.get("ep", 1) > 1 else "") + ", "
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "
                   f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}, schedule {p['schedule'] or '-'}, "
                   f"recompute {', '.join(p['recompute']) or 'none'}")
