@@ -49,21 +49,31 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     rules = plan.expert_parallel.patterns
     if ep == 1 or not rules:
         return gm
-    paths = ctx.traced.module_paths
     fqn_of = {s.name: s.fqn for s in ctx.traced.state}
     notes: dict[str, list[str]] = ctx.notes.setdefault("expert_parallel", {})
-    for i, pattern in enumerate(rules):
+    for layer in layers(gm, plan, ctx.traced.module_paths):
+        ctx.notes.setdefault("expert_layers", []).append(describe(layer))  # for `parc report` (analysis/experts.py)
+        notes.update(layer.rewrite(ep, fqn_of))
+        ctx.count("expert_parallel")
+    gm.recompile()
+    return gm
+
+
+def layers(gm: fx.GraphModule, plan, paths: list[str]) -> list[_Layer]:
+    """Every ModuleList of experts the plan's globs match, checked against the form (nothing rewritten)."""
+    out = []
+    for i, pattern in enumerate(plan.expert_parallel.patterns):
         span = plan.spans.get(f"expert_parallel.patterns[{i}]") or plan.expert_parallel.span
         for path in [p for p in paths if fnmatchcase(p, pattern)]:
             n = len([p for p in paths if p.startswith(path + ".") and p[len(path) + 1:].isdigit()])
-            layer = _Layer(gm, path, n, span)
-            dtype = str(layer.x.meta["val"].dtype).removeprefix("torch.")
-            ctx.notes.setdefault("expert_layers", []).append(  # for `parc report` (parc/analysis/experts.py)
-                {"path": path, "experts": n, "slots": list(_shape(layer.x)), "dtype": dtype})
-            notes.update(layer.rewrite(ep, fqn_of))
-            ctx.count("expert_parallel")
-    gm.recompile()
-    return gm
+            out.append(_Layer(gm, path, n, span))
+    return out
+
+
+def describe(layer: _Layer) -> dict:
+    """What `parc report` needs of a layer: its path, expert count, (E, cap, C) slots and their dtype."""
+    dtype = str(layer.x.meta["val"].dtype).removeprefix("torch.")
+    return {"path": layer.path, "experts": layer.n, "slots": list(_shape(layer.x)), "dtype": dtype}
 
 
 def _state(node: fx.Node) -> bool:

@@ -138,5 +138,15 @@ def test_ep2_matches_serial(dp, mode, tmp_path):
     assert all(r["a2a"] == calls and r["sent"] == volume for r in results), (calls, volume, results[0]["sent"])
     (row,) = [r for r in report.build(out)["communication"]["rows"] if r["axis"] == "ep"]
     assert (row["collective"], row["bytes_per_rank"], row["inter_bytes"]) == ("all-to-all", volume // STEPS, 0)  # per step, one node
+    # the same figure analytically, from --model --plan (the pass's matcher on the traced graph, nothing
+    # compiled): the same row, its time on the step, and memory holding each rank's 1/ep of the experts
+    (tmp_path / "moe.par").write_text(text)
+    rep = report.build(model=model, plan=tmp_path / "moe.par")
+    (analytic,) = [r for r in rep["communication"]["rows"] if r["axis"] == "ep"]
+    assert analytic == row, (analytic, row)
+    compiled_rep = report.build(out)
+    assert rep["memory"]["per_pp_rank"][0]["params_count"] == compiled_rep["memory"]["per_pp_rank"][0]["params_count"]
+    assert rep["experts"] == compiled_rep["experts"]
+    assert rep["communication"]["exposed_seconds"] >= row["seconds"]
     dot = viz.mesh_graph(art.plan).source  # parc viz: each ep group's ranks joined by an "ep" edge
     assert dot.count("label=ep") == dp // ep and "tp 0 ep 1" in dot

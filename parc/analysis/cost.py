@@ -265,6 +265,7 @@ class Estimate:
     optimizer_seconds: float = 0.0      # the optimizer step, clipping, casts (memory-bound, per step)
     p2p_exposed_seconds: float = 0.0    # what P2P time adds to the pipeline over free communication
     tp_seconds: float = 0.0             # tp collectives on the busiest rank's critical path
+    ep_seconds: float = 0.0             # the experts' all-to-alls (parc/analysis/experts.py), never overlapped
 
     @property
     def comm_seconds(self) -> float:
@@ -275,7 +276,8 @@ class Estimate:
     def exposed_comm_seconds(self) -> float:
         """The part of the step communication takes: tp on the critical path, P2P beyond the schedule's
         own bubble, dp not hidden behind backward. A part of the step, so at most the step."""
-        return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds, self.step_seconds)
+        return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds + self.ep_seconds,
+                   self.step_seconds)
 
 
 def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int, int]:

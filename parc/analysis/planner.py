@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parc.analysis import cost
+from parc.analysis import cost, plan_experts
 from parc.analysis.report import _size
 from parc.errors import ParcError
 from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
@@ -296,7 +296,7 @@ class Candidate:
 
     def describe(self) -> str:
         p, m = self.plan, self.plan.mesh
-        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}"]
+        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")]
         if m.pp > 1:
             v = p.pipeline.virtual
             parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
@@ -453,8 +453,9 @@ def _shared_schedules():
 
 
 class _Search:
-    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int):
+    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int, moe: dict | None = None):
         self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
+        self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
 
     def _groups(self, mesh: Mesh) -> dict:
@@ -478,7 +479,9 @@ class _Search:
         variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
-        return cost.estimate(plan, stats, self.hw, groups=self._groups(m))
+        est = cost.estimate(plan, stats, self.hw, groups=self._groups(m),
+                            params_per_rank=plan_experts.params_per_rank(plan, self.moe))
+        return plan_experts.price(est, plan, self.moe, self.hw)
 
     def _fits(self, c: Candidate, est) -> bool:
         c.peak = max(r["total"] for r in est.memory)
@@ -570,6 +573,8 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     prefix = _layer_prefix(traced.module_paths, traced.num_layers)
     dropped: list[Candidate] = []
     plans = _plans(traced, layout, gpus, topo, global_batch, precision, dropped)
+    moe = plan_experts.find(traced, prefix)
+    plans += plan_experts.variants(plans, moe)
     early = len(dropped)  # mesh shapes refused before their plans were built
     log.info("%d plans built, %.1f s CPU", len(plans), time.process_time() - c0)
     cands = []
@@ -584,7 +589,7 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
     stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
     with _shared_schedules():
-        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top)).run(cands)
+        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
     dropped += [c for c in cands if c.reason]
     notes = []
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
@@ -698,7 +703,7 @@ def summary(result: Result, top: int) -> list[str]:
 
 def _mesh(c: Candidate) -> str:
     m = c.plan.mesh
-    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}"
+    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")
 
 
 def to_json(result: Result, top: int) -> str:

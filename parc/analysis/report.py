@@ -52,6 +52,8 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
         if stats is None:  # an artifact from before plan.json carried the statistics
             notes.append("plan.json has no costs.graph: traced model/model.py again")
             stats = _trace_stats(compiled / "model" / "model.py", plan)
+        if plan.mesh.ep > 1:
+            stats = dict(stats, experts=experts.from_artifact(pj))
         return plan, stats, notes, _artifact_params(pj)
     if model is None or plan_path is None:
         raise ParcError("parc report needs a compiled/ directory, or both --model and --plan",
@@ -70,7 +72,10 @@ def _trace_stats(model: Path, plan) -> dict:
     traced = trace(load_user_module(model), plan.micro_batch)
     virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
     assign_stages(traced, plan, plan.mesh.pp * virtual)
-    return cost.graph_stats(traced, plan)
+    stats = cost.graph_stats(traced, plan)
+    if plan.mesh.ep > 1:  # the MoE layers, as the expert_parallel pass would find them
+        stats["experts"] = experts.layers_of(traced, plan)
+    return stats
 
 
 def _artifact_params(pj: dict) -> list[int]:
@@ -100,7 +105,12 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     if name is None:
         notes.append("no hardware preset in the plan's topology: assumed h100 (use --preset)")
     hw = cost.hardware(name, topo)
-    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=art_params)
+    ep_info = stats.get("experts")
+    held = art_params if art_params is not None or ep_info is None else experts.params_per_rank(ep_info, plan_obj.mesh.ep)
+    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held)
+    ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
+    if ep is not None:
+        est = experts.charge(est, ep["row"])
     if art_params is not None:
         notes.append("parameters per rank: counted from the compiled programs' state (their shard shapes)")
     notes += est.notes
@@ -122,13 +132,10 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
              "intra_bytes": round(c.intra), "inter_bytes": round(c.inter), "seconds": c.seconds}
             for c in est.comms]
     tokens = plan_obj.global_batch * stats.get("tokens_per_sample", 0)
-    ep = experts.section(compiled, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
     if ep is not None:
-        comm.append(ep["row"])
-        notes.append("ep all-to-all: its row is not in the estimated step time; dp's all-reduce counts every "
-                     "parameter of a rank, experts included, though experts reduce over dp / ep ranks")
-    elif plan_obj.mesh.ep > 1:
-        notes.append("ep: the all-to-all volume and expert state are reported from a compiled/ directory only")
+        notes.append("ep all-to-all: its time is on the step, not overlapped (the experts wait for their tokens); "
+                     "each rank's memory holds 1/ep of the experts; dp's all-reduce counts every parameter a rank "
+                     "holds over dp, though experts reduce over dp / ep ranks")
     rep = {
         "source": "compiled" if compiled is not None else "analytic",
         "notes": notes,
@@ -136,7 +143,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
                      "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
                      "gpus_per_node": hw.gpus_per_node, "allreduce": allreduce or "ring"},
-        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world_size": m.world_size,
+        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
                  "zero": plan_obj.zero.stage, "recompute": list(plan_obj.recompute.patterns),
@@ -168,7 +175,8 @@ def render(rep: dict, console=None) -> None:
     # there, lines are never wrapped and tables get the width their contents need.
     console = console or (Console() if sys.stdout.isatty() else Console(width=240, soft_wrap=True))
     p, hw = rep["plan"], rep["hardware"]
-    console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks, "
+    console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks"
+                  + (f" (ep {p['ep']} inside dp)" if p.get("ep", 1) > 1 else "") + ", "
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "
                   f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}, schedule {p['schedule'] or '-'}, "
                   f"recompute {', '.join(p['recompute']) or 'none'}")
