@@ -331,7 +331,7 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None) -> Co
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
-             dp_bytes: int | None = None, overlap_dp: bool = True) -> Estimate:
+             dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None) -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -339,12 +339,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     from every tp rank, the default. `dp_bytes`: bytes per gradient element on the dp wire (default:
     the precision layout's gradient bytes). `overlap_dp=False`: plain dp's all-reduce waits for the
     whole backward (a system without parc's bucketed overlap; the published-results script's).
+    `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
+    by default each estimate builds and simulates its own.
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
-    from parc.passes.schedule import build_schedule
-    from parc.passes.simulate import simulate
+    from parc.analysis.schedules import Schedules
 
+    memo = schedules if schedules is not None else Schedules()
+    build_schedule, simulate = memo.build, memo.simulate
     m, notes = plan.mesh, []
     dp, pp, tp = m.dp, m.pp, m.tp
     acc = plan.accumulation  # the stats are of one micro-batch already (traced at plan.micro_batch)
