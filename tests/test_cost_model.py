@@ -242,10 +242,11 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 64, 64), (256, 256, 256)])
     monkeypatch.setattr(calibrate, "CPU_ATTN", [(32, 16)])
-    monkeypatch.setattr(calibrate, "_gloo", lambda world: (1e-4, 1e9))
+    monkeypatch.setattr(calibrate, "_gloo", lambda world: (1e-4, 2e-4, 1e9))
     out = tmp_path / "cpu.json"
     data = calibrate.calibrate("cpu", out, log=lambda *_: None)
     hw = cost.hardware(str(out))
     assert hw.name == data["name"] and not hw.async_launch and hw.cores >= 1
     assert max(e for *_, e in hw.matmul) == pytest.approx(1.0)   # efficiencies against the best measured
     assert hw.mem_bw > 0 and hw.op_overhead > 0 and len(hw.attention) == 1
+    assert (hw.latency_intra, hw.collective_overhead) == (1e-4, 2e-4)   # per ring step, per call

@@ -16,7 +16,9 @@ preset name is (report, check, plan); `read_preset` reads it back.
   what dispatch costs when there is no work.
 - CPU only: a gloo all-reduce among `--ranks` processes on this host (as many
   as the plans will run: on a CPU they share the cores, which is part of the
-  latency), small and large, for latency and bandwidth; `cores`, the cores
+  latency), small and large, for latency and bandwidth, and small among
+  concurrent pairs (as tp=2 groups issue them), which with the whole world's
+  separates a fixed cost per call from the cost per ring step; `cores`, the cores
   the ranks will share.
 
 Every figure is the median of repeats: the machine may be shared.
@@ -138,13 +140,27 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
                 dist.all_reduce(x)
             samples.append((time.perf_counter() - t0) / 5)
         res[size] = statistics.median(samples)
+    # a small all-reduce as tp issues it: every pair of ranks in its own group, all pairs at once
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)] if world >= 4 else []
+    if pairs and rank < 2 * len(pairs):
+        x, group = torch.ones(256), pairs[rank // 2]
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dist.all_reduce(x, group=group)
+            samples.append((time.perf_counter() - t0) / 5)
+        res["pair"] = statistics.median(samples)
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
 
 
-def _gloo(world: int) -> tuple[float, float]:
-    """(latency per ring step, bandwidth bytes/s) of a `world`-process gloo all-reduce on this host."""
+def _gloo(world: int) -> tuple[float, float, float]:
+    """(latency per ring step, fixed cost per collective call, bandwidth bytes/s) of gloo all-reduces
+    among `world` processes on this host. A small all-reduce costs a + 2(n - 1)·l on a ring of n: with
+    concurrent pairs (n = 2) and the whole world measured, a and l are fitted from the two (one ring
+    size only: a = 0)."""
     import torch.multiprocessing as mp
 
     from parc.runtime.launch import free_port
@@ -160,7 +176,11 @@ def _gloo(world: int) -> tuple[float, float]:
         p.join()
     small, big = res[1024], res[2 ** 22]
     steps, share = 2 * (world - 1), 2 * (world - 1) / world   # a ring's latency steps and volume per rank
-    return small / steps, share * 2 ** 22 / max(big - small, 1e-9)
+    bw = share * 2 ** 22 / max(big - small, 1e-9)
+    if "pair" not in res:
+        return small / steps, 0.0, bw
+    step = max((small - res["pair"]) / (steps - 2), 0.0)
+    return step, max(res["pair"] - 2 * step, 0.0), bw
 
 
 def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks: int = 2, log=print) -> dict:
@@ -195,9 +215,11 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
         "source": f"parc calibrate --device {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
     }
     if device == "cpu":
-        lat, bw = _gloo(ranks)
-        log(f"gloo all-reduce over {ranks} processes: latency {lat * 1e6:.0f} µs per ring step, {bw / 1e9:.2f} GB/s")
-        preset.update(intra_bw=bw, inter_bw=bw, latency_intra=lat, latency_inter=lat, gpus_per_node=1024,
+        lat, call, bw = _gloo(ranks)
+        log(f"gloo all-reduce over {ranks} processes: {call * 1e6:.0f} µs per call + {lat * 1e6:.0f} µs per ring "
+            f"step, {bw / 1e9:.2f} GB/s")
+        preset.update(intra_bw=bw, inter_bw=bw, latency_intra=lat, latency_inter=lat, collective_overhead=call,
+                      gpus_per_node=1024,
                       cores=len(os.sched_getaffinity(0)))
     else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
         preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)

@@ -207,3 +207,33 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         mem[key] = mem.get(key, 0) + 1
     return {"mm": [[*k, c] for k, c in mm.items()], "attn": [[*k, c] for k, c in attn.items()],
             "mem": [[*k, c] for k, c in mem.items()]}
+
+
+def merge_ops(tables: list[dict]) -> dict:
+    """The ops of several stages run as one (the planner's groups of per-layer stages): counts of
+    identical rows add."""
+    out = {}
+    for kind in ("mm", "attn", "mem"):
+        rows: dict = {}
+        for t in tables:
+            for *key, count in t.get(kind, ()):
+                rows[tuple(key)] = rows.get(tuple(key), 0) + count
+        out[kind] = [[*k, c] for k, c in rows.items()]
+    return out
+
+
+def scale_ops(ops: dict, micro: int) -> dict:
+    """`ops` traced at ONE sample per micro-batch, as they are at `micro` samples.
+
+    Assumes the sample is the leading dimension of every activation (parc traces inputs (B, ...)):
+    a matmul's batch (bmm, attention's b·heads) grows by `micro` when it is over 1, else its m (a
+    linear's rows B·T; a 3-d matmul of one sample by a weight, which the runtime runs as one mm of
+    B·T rows); memory-bound bytes grow by `micro`. Rows whose shape grows alike merge.
+    """
+    if micro == 1:
+        return ops
+    mm = [[b * micro, m, n, k, *rest] if b > 1 else [b, m * micro, n, k, *rest]
+          for b, m, n, k, *rest in ops.get("mm", ())]
+    attn = [[bh * micro, *rest] for bh, *rest in ops.get("attn", ())]
+    mem = [[nbytes * micro, *rest] for nbytes, *rest in ops.get("mem", ())]
+    return merge_ops([{"mm": mm, "attn": attn, "mem": mem}])

@@ -61,6 +61,7 @@ class Hardware:
     async_launch: bool = True      # the host runs ahead (GPU): a kernel costs max(work, overhead)
     nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU
     cores: int = 0                 # CPU: cores the ranks of a host share; 0: one device per rank
+    collective_overhead: float = 0.0  # seconds per collective call beyond its ring steps (calibrated gloo)
     source: str = ""               # where the figures come from
 
 
@@ -307,12 +308,13 @@ def _span(group: list[int], per_node: int) -> tuple[int, int]:
     return len(count), max(count.values(), default=0)
 
 
-def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None) -> Comm:
+def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1) -> Comm:
     """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table.
 
     A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
     node runs NCCL's parallel rings (channels) over min(r, NICs per node) network links at once,
     each at `inter_bw`, and no faster than NVLink: the bandwidth is min(intra, links × inter).
+    `calls` collectives of the group (`size` their total) each cost `hw.collective_overhead` too.
     """
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
               "send/recv": 1.0}[name]
@@ -328,12 +330,13 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None) -> Co
         bw, lat = hw.intra_bw, hw.latency_intra
     steps = latency_steps if latency_steps is not None else \
         (2 * math.ceil(math.log2(max(n, 2))) if algo == "tree" else 2 * (n - 1))
-    return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing, volume / bw + steps * lat)
+    return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing,
+                volume / bw + steps * lat + calls * hw.collective_overhead)
 
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
-             dp_bytes: int | None = None, overlap_dp: bool = True) -> Estimate:
+             dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None) -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -341,12 +344,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     from every tp rank, the default. `dp_bytes`: bytes per gradient element on the dp wire (default:
     the precision layout's gradient bytes). `overlap_dp=False`: plain dp's all-reduce waits for the
     whole backward (a system without parc's bucketed overlap; the published-results script's).
+    `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
+    by default each estimate builds and simulates its own.
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
-    from parc.passes.schedule import build_schedule
-    from parc.passes.simulate import simulate
+    from parc.analysis.schedules import Schedules
 
+    memo = schedules if schedules is not None else Schedules()
+    build_schedule, simulate = memo.build, memo.simulate
     m, notes = plan.mesh, []
     dp, pp, tp = m.dp, m.pp, m.tp
     acc = plan.accumulation  # the stats are of one micro-batch already (traced at plan.micro_batch)
@@ -368,8 +374,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
 
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
+        calls = max(d.get("tp_ops", 1), 1)
         tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
-                           latency_steps=2 * (tp - 1) * max(d.get("tp_ops", 1), 1))
+                           latency_steps=2 * (tp - 1) * calls, calls=calls)
         tp_t = tp_c.seconds if tp > 1 else 0.0
         if compute.has_model(hw, d):
             f, b = compute.stage_seconds(d["ops"], hw, dtype, tp)

@@ -36,11 +36,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parc.analysis import cost, plan_experts
+from parc.analysis import compute, cost, plan_experts
+from parc.analysis.schedules import Schedules
 from parc.analysis.report import _size
 from parc.errors import ParcError
 from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
@@ -172,9 +172,9 @@ ADDITIVE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharde
 PER_SAMPLE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
               "tp_bytes", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
               "recompute_peak_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
-# Not assembled: the per-operation tables (`ops`, parc/analysis/compute.py) hold shapes, whose efficiency
-# does not scale with the micro-batch as a count does; assembled stages leave them out, so the search
-# prices compute by FLOPs at the preset's one efficiency (compute.fallback). docs/planner.md says so.
+# The per-operation tables (`ops`, parc/analysis/compute.py) hold shapes: a group's are its units' merged,
+# scaled to the micro-batch by growing each row's sample dimension (compute.scale_ops), so matmul
+# efficiency is looked up at the micro-batch's shapes, as `parc report` prices them.
 
 
 class _Stats:
@@ -241,6 +241,8 @@ class _Stats:
                     d[k] -= (len(g) - 1) * inner[k]
             for k in ("recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"):
                 d[k] = max(units[u][k] for u in g)
+            if all("ops" in units[u] for u in g):
+                d["ops"] = compute.scale_ops(compute.merge_ops([units[u]["ops"] for u in g]), micro)
             stages_out.append(d)
         for d in stages_out:
             for k in PER_SAMPLE:
@@ -414,49 +416,12 @@ def _refusal(plan: Plan, traced) -> str | None:
 
 # ---------------------------------------------------------------- the search
 
-@contextmanager
-def _shared_schedules():
-    """Within the search, build each schedule (name, pp, micro-batches, virtual) once and simulate it once
-    per set of costs: candidates that differ only in what the pipeline does not see (ZeRO stage, the
-    probe of the same shape) share them. `cost.estimate` imports both functions when it runs, so it
-    finds these; the originals are back on exit, whatever happens."""
-    from parc.passes import schedule, simulate
-
-    build, run = schedule.build_schedule, simulate.simulate
-    built: dict = {}
-    ran: dict = {}
-
-    def frozen(v):  # per-stage costs arrive as lists: the cache key needs them hashable
-        if isinstance(v, (list, tuple)):
-            return tuple(frozen(x) for x in v)
-        if isinstance(v, dict):
-            return tuple(sorted((k, frozen(x)) for k, x in v.items()))
-        return v
-
-    def build_once(*args, **kwargs):
-        key = (frozen(args), frozen(kwargs))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    def simulate_once(sched, *args, **kwargs):
-        key = (id(sched), frozen(args), frozen(kwargs))
-        if key not in ran:
-            ran[key] = (sched, run(sched, *args, **kwargs))  # holding `sched` keeps its id unique
-        return ran[key][1]
-
-    schedule.build_schedule, simulate.simulate = build_once, simulate_once
-    try:
-        yield
-    finally:
-        schedule.build_schedule, simulate.simulate = build, run
-
-
 class _Search:
     def __init__(self, traced, stats: _Stats, hw, top: int, budget: int, moe: dict | None = None):
         self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
         self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
+        self.schedules = Schedules()  # each schedule built once, simulated once per set of costs
 
     def _groups(self, mesh: Mesh) -> dict:
         from parc import mesh as meshlib
@@ -479,7 +444,7 @@ class _Search:
         variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
-        est = cost.estimate(plan, stats, self.hw, groups=self._groups(m),
+        est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
                             params_per_rank=plan_experts.params_per_rank(plan, self.moe))
         return plan_experts.price(est, plan, self.moe, self.hw)
 
@@ -588,8 +553,7 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
                         hint="a global batch that is a multiple of the GPUs always has a data-parallel plan")
     log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
     stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
-    with _shared_schedules():
-        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
+    ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
     dropped += [c for c in cands if c.reason]
     notes = []
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
