@@ -39,8 +39,8 @@ def test_ep_candidates_found_priced_and_refused_by_support(searched):
     # what support.check refuses with ep is dropped with its message, not ranked
     reasons = [c.reason for c in searched.dropped if c.plan.mesh.ep > 1]
     assert any("expert parallelism (mesh ep 2) with zero stage=1" in r for r in reasons)
-    assert any("expert parallelism (mesh ep 2) with pp 2" in r for r in reasons)
-    assert all(c.plan.zero.stage == 0 and c.plan.mesh.pp == c.plan.mesh.tp == 1 for c in eps)
+    # ZeRO with ep is proven at tp 1 only; pipelined ep is not a candidate (plan_experts.variants)
+    assert all(c.plan.mesh.pp == 1 and (c.plan.zero.stage == 0 or c.plan.mesh.tp == 1) for c in eps)
     for c in eps:  # the all-to-all is on the step, and nothing overlaps it
         row = _ep_row(c.est.comms)
         assert row.bytes > 0 and c.est.ep_seconds == row.seconds > 0
