@@ -11,8 +11,10 @@ writes (GShard's static-shape dispatch, docs/moe.md):
 and rewrites it so that ep rank r computes only its experts r·L … r·L+L-1 (L = E/ep):
 
     A = parc.alltoall_alltoall(X, "ep")   chunk s: source rank s's slots of this rank's L experts
-    slot j, source s: expert j's region on select(A, 0, s·L + j)   (a copy of the region per source)
-    Y = parc.alltoall_alltoall(stack([... s·L + j ...]), "ep")     every expert's outputs, back home
+    slot j: expert j's region once on A.view(ep, L, cap, C)[:, j] as (ep·cap, C) rows, every source's
+            slots together (batched: a row-wise expert, below), or else once per source on
+            select(A, 0, s·L + j)
+    Y = parc.alltoall_alltoall(<outputs in s·L + j order>, "ep")   every expert's outputs, back home
 
 Experts L … E-1 and their parameters leave the program. Slot j keeps expert j's parameter
 placeholders; `ctx.notes["expert_parallel"]` maps each to the FQNs it stands for on ep ranks
@@ -20,8 +22,13 @@ placeholders; `ctx.notes["expert_parallel"]` maps each to the FQNs it stands for
 
 Exactness. The router, the capacity rule and the combine stay on the rank, as in the serial
 model run on that rank's micro-batch: the same tokens compete for the same slots, so the same
-ones are dropped. Each expert runs once per source on that source's (cap, C) slots, the shape
-the serial model gives it, so its arithmetic is the serial model's.
+ones are dropped. An expert whose every op maps row i of its input to row i of its output
+(linears, activations, row norms, elementwise ops with parameters that broadcast over rows, tp's
+all-reduces: `_row_wise`) runs once on the ep·cap rows of all sources, as hand-written
+expert-parallel layers do: each output row is the serial model's row, and its weight gradient
+sums the same rows in one matmul instead of one per source, a reordering of an fp32 sum. Any
+other expert runs once per source on that source's (cap, C) slots, the shape the serial model
+gives it.
 
 Assumes: tensor_parallel ran (its f/g of an expert's linears belong to the expert's region), dropout has not
 (no expert may draw random numbers: refused). Guarantees: the program's loss is unchanged on
@@ -37,11 +44,22 @@ import torch
 import torch.fx as fx
 
 import parc.runtime.expert_parallel  # noqa: F401 — registers torch.ops.parc.alltoall_alltoall
+import parc.runtime.ops  # noqa: F401 — registers tp's torch.ops.parc ops, which an expert may hold
 from parc.errors import ParcError
 from parc.traced import module_path
 
 A2A = torch.ops.parc.alltoall_alltoall.default
 RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial")  # ops whose draws a copy would repeat
+aten = torch.ops.aten
+NORMS = {aten.layer_norm.default, aten.rms_norm.default}  # args[1]: the normalised trailing shape
+# ops that map row i of their first operand to row i of their result (the region's other tensor
+# operands, parameters, must broadcast over rows: `_Layer._row_wise`); tp's all-reduces sum each
+# element over ranks
+ROW_WISE = {aten.linear.default, aten.gelu.default, aten.relu.default, aten.silu.default, aten.sigmoid.default,
+            aten.tanh.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar,
+            aten.add.Scalar, aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default, *NORMS,
+            torch.ops.parc.identity_allreduce.default, torch.ops.parc.allreduce_identity.default}
+WEIGHTED = {aten.linear.default, *NORMS}  # operands after the first are weights (and shapes), not rows
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
@@ -154,29 +172,20 @@ class _Layer:
         with g.inserting_after(self.x):
             a = g.call_function(A2A, (self.x, "ep"))
         a.meta["val"] = self.x.meta.get("val")
-        outs: dict[int, fx.Node] = {}
-        for j in range(local):  # source 0's slots of expert j are row j of A: reuse the region
-            self.inputs[j].args = (a, 0, j)
-            outs[j] = self.outputs[j]
-        with g.inserting_before(self.stack):
-            for s in range(1, ep):
-                for j in range(local):
-                    outs[s * local + j] = self._copy(j, g.call_function(torch.ops.aten.select.int, (a, 0, s * local + j)))
-            y = g.call_function(torch.ops.aten.stack.default, ([outs[k] for k in range(n)], 0))
-            back = g.call_function(A2A, (y, "ep"))
-        y.meta["val"] = back.meta["val"] = self.stack.meta.get("val")
-        for node in (y, back):
-            node.meta["nn_module_stack"] = self.stack.meta.get("nn_module_stack", {})
         a.meta["nn_module_stack"] = self.x.meta.get("nn_module_stack", {})
+        with g.inserting_before(self.stack):
+            y = self._batched(a, ep, local) if self._row_wise() else self._per_source(a, ep, local)
+            back = g.call_function(A2A, (y, "ep"))
+        back.meta["val"] = self.stack.meta.get("val")
+        back.meta["nn_module_stack"] = self.stack.meta.get("nn_module_stack", {})
         self.stack.replace_all_uses_with(back)
         g.erase_node(self.stack)
-        params: dict[int, list[fx.Node]] = {}
-        for e in range(n):
-            params[e] = [p for node in self.regions[e] for p in node.all_input_nodes if _state(p)]
-        for e in range(local, n):  # other ranks' experts: gone, with their parameters
+        params = {e: [p for node in self.regions[e] for p in node.all_input_nodes if _state(p)] for e in range(n)}
+        for e in range(n):  # the traced regions: replaced by the copies above, their parameters kept for slots
             for node in reversed(self.regions[e]):
                 g.erase_node(node)
             g.erase_node(self.inputs[e])
+        for e in range(local, n):  # other ranks' experts: gone, with their parameters
             for p in dict.fromkeys(params[e]):
                 if not p.users:
                     g.erase_node(p)
@@ -186,11 +195,65 @@ class _Layer:
                 slots[p.name] = [fqn_of[params[r * local + j][k].name] for r in range(ep)]
         return slots
 
-    def _copy(self, j: int, inp: fx.Node) -> fx.Node:
-        """A copy of expert j's region reading `inp`; returns the copy of its output."""
+    def _per_source(self, a: fx.Node, ep: int, local: int) -> fx.Node:
+        """Expert j once per source s on its (cap, C) slots, row s·L + j of A; the outputs stacked."""
+        outs = [self._copy(j, self._node(torch.ops.aten.select.int, (a, 0, s * local + j), self.inputs[j]))
+                for s in range(ep) for j in range(local)]
+        return self._node(torch.ops.aten.stack.default, (outs, 0), self.stack)
+
+    def _batched(self, a: fx.Node, ep: int, local: int) -> fx.Node:
+        """Expert j once on every source's slots: A (ep·L, cap, C) → (ep, L, cap, C)[:, j] → (ep·cap, C)
+        rows; its (ep·cap, C') output back to (ep, cap, C'); stacked at dim 1 → (ep·L, cap, C')."""
+        n, cap, c = _shape(self.x)
+        (_, c_out) = _shape(self.outputs[0])
+        grid = self._node(torch.ops.aten.view.default, (a, [ep, local, cap, c]), None, (ep, local, cap, c))
+        outs = []
+        for j in range(local):
+            rows = self._node(torch.ops.aten.select.int, (grid, 1, j), None, (ep, cap, c))
+            rows = self._node(torch.ops.aten.reshape.default, (rows, [ep * cap, c]), None, (ep * cap, c))
+            y = self._copy(j, rows, rows=ep * cap)
+            outs.append(self._node(torch.ops.aten.view.default, (y, [ep, cap, c_out]), None, (ep, cap, c_out)))
+        y = self._node(torch.ops.aten.stack.default, (outs, 1), None, (ep, local, cap, c_out))
+        return self._node(torch.ops.aten.view.default, (y, [n, cap, c_out]), self.stack)
+
+    def _row_wise(self) -> bool:
+        """Does every expert map row i of its (cap, C) input to row i of its output, so that one run on
+        rows from several sources computes each source's rows as a run on its own would?"""
+        cap = _shape(self.x)[1]
+        if len(_shape(self.x)) != 3 or len(_shape(self.outputs[0])) != 2:
+            return False
+        for node in self.regions[0]:
+            if node.target not in ROW_WISE or node.kwargs.keys() - {"dtype", "device", "layout"} or \
+                    len(_shape(node)) < 2 or _shape(node)[0] != cap:
+                return False
+            inside = {self.inputs[0], *self.regions[0]}
+            operands = node.args[:1] if node.target in WEIGHTED else node.args  # a linear's weight is no row
+            for arg in operands:  # an operand from outside the expert must broadcast over the rows
+                if isinstance(arg, fx.Node) and arg not in inside and len(_shape(arg)) >= len(_shape(node)):
+                    return False
+            if node.target in NORMS and len(node.args[1]) >= len(_shape(node)):
+                return False  # normalised over the rows too
+        return True
+
+    def _node(self, target, args, like: fx.Node | None, shape: tuple | None = None) -> fx.Node:
+        """A new node; meta from `like`, or a value of `shape` in the dispatched tokens' dtype."""
+        node = self.gm.graph.call_function(target, args)
+        node.meta["nn_module_stack"] = (like or self.stack).meta.get("nn_module_stack", {})
+        val = (like or self.x).meta.get("val")
+        if shape is not None and isinstance(val, torch.Tensor):
+            val = val.new_empty(shape)
+        node.meta["val"] = val
+        return node
+
+    def _copy(self, j: int, inp: fx.Node, rows: int | None = None) -> fx.Node:
+        """A copy of expert j's region reading `inp`; returns the copy of its output. `rows`: the
+        copy's row count where it differs from the traced region's (a row-wise expert, batched)."""
         env = {self.inputs[j]: inp}
         for node in self.regions[j]:
-            env[node] = self.gm.graph.node_copy(node, lambda a: env.get(a, a))
+            env[node] = copy = self.gm.graph.node_copy(node, lambda a: env.get(a, a))
+            val = node.meta.get("val")
+            if rows is not None and isinstance(val, torch.Tensor):
+                copy.meta["val"] = val.new_empty((rows, *val.shape[1:]))
         return env[self.outputs[j]]
 
 

@@ -58,6 +58,27 @@ def loss_fn(model, idx, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) + CONFIG.aux_weight * aux
 '''
 
+# An expert whose traced graph holds a view with its row count (the (cap, 2, 4C/2) grouping), which
+# the pass cannot prove row-wise: it runs once per source rank (passes/expert_parallel.py `_per_source`)
+PER_SOURCE = '''
+
+class Grouped(moe.Expert):
+    def forward(self, x):
+        h = self.fc(x)
+        return self.proj(F.gelu(h.view(h.shape[0], 2, -1)).flatten(1))
+
+
+_build = build_model
+
+
+def build_model():
+    model = _build()
+    for m in model.modules():
+        if type(m) is moe.Expert:
+            m.__class__ = Grouped
+    return model
+'''
+
 STEPS = 2
 MICRO = 2
 # dp → the (top_k, capacity_factor) of blocks 1 and 3: cf 0.5 leaves slots for half the choices (tokens
@@ -102,12 +123,16 @@ def _dropped(user, global_batch: int) -> list[int]:
     return [drops[m] for m in layers]
 
 
-@pytest.mark.parametrize("dp, mode", [(dp, "none") for dp in RUNS] + [(2, "aot_eager")])
-def test_ep2_matches_serial(dp, mode, tmp_path):
-    """`mode`: the plan's `compile` (aot_eager: the all-to-all and its backward captured, runtime/compiled.py)."""
+@pytest.mark.parametrize("dp, mode, expert", [(dp, "none", "row-wise") for dp in RUNS]
+                         + [(2, "aot_eager", "row-wise"), (2, "none", "per-source")])
+def test_ep2_matches_serial(dp, mode, expert, tmp_path):
+    """`mode`: the plan's `compile` (aot_eager: the all-to-all and its backward captured, runtime/compiled.py).
+    `expert`: examples/moe.py's expert, which the pass runs once on every source's slots (batched), or
+    PER_SOURCE's, which it runs once per source."""
     (k1, cf1), (k3, cf3) = RUNS[dp]
     model = tmp_path / f"moe_dp{dp}.py"
-    model.write_text(MODEL.format(k1=k1, cf1=cf1, k3=k3, cf3=cf3, examples=str(ROOT / "examples")))
+    model.write_text(MODEL.format(k1=k1, cf1=cf1, k3=k3, cf3=cf3, examples=str(ROOT / "examples"))
+                     + (PER_SOURCE if expert == "per-source" else ""))
     text = (f'mesh dp={dp} ep=2\nbatch global={2 * dp * MICRO} micro={MICRO}\n'
             'expert_parallel {\n    "blocks.*.moe.experts"\n}\noptimizer adamw lr=1e-2\n'
             + (f"compile {mode}\n" if mode != "none" else ""))
@@ -119,12 +144,15 @@ def test_ep2_matches_serial(dp, mode, tmp_path):
     assert program.count("torch.ops.parc.alltoall_alltoall.default(") == 4
     assert "experts_1_fc_weight" in program and "experts_2_" not in program and "experts_3_" not in program
     assert "ep slot: ep 0: blocks.1.moe.experts.1.fc.weight, ep 1: blocks.1.moe.experts.3.fc.weight" in program
+    # each local expert's region: once per MoE layer batched (2 experts × 2 layers), or once per source
+    assert program.count("aten.gelu.default(") - 2 == (8 if expert == "per-source" else 4)  # 2: the dense MLPs
     results = spawn(art.world_size, _body, str(out))
     user = load_user_module(art.root / "model" / "model.py")
     drops = _dropped(user, art.plan["plan"]["batch"]["global"])
     assert drops[0] > 0 and drops[1] == 0, drops  # block 1 drops tokens, block 3 keeps them all
     serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS)
-    # fp32: the experts see the serial model's (cap, C) slots, so only the dp reduction's order differs
+    # fp32: every token's row meets the serial model's arithmetic; only the order of fp32 sums differs (the
+    # dp reduction, and a batched expert's weight gradient summing its sources' rows in one matmul)
     verdict = compare(results[0]["losses"], serial_losses, results[0]["state"], serial_state)
     assert verdict.ok, verdict.render()
 
