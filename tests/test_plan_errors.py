@@ -382,8 +382,8 @@ def test_over_long_lines_and_files_are_refused_before_parsing():
     ("mesh pp=2\nbatch global=20000000 micro=1\n",
      ("batch global 20000000 / (micro 1 × dp 1) = 20000000 micro-batches per step > 65536, "
       "the most parc schedules", 2, 14)),
-    ("mesh pp=8\nbatch global=1024 micro=1\n",
-     ("pipeline schedule of pp 8 × virtual 1 × 1024 micro-batches = 8192 slots > 4096, the most parc "
+    ("mesh pp=128\nbatch global=1024 micro=1\n",
+     ("pipeline schedule of pp 128 × virtual 1 × 1024 micro-batches = 131072 slots > 65536, the most parc "
       "schedules in one step", 2, 14)),
     ("mesh pp=2\npipeline schedule=interleaved_1f1b virtual=2000\n",
      ("pipeline virtual 2000 > 1024, the most parc schedules", 2, 44)),

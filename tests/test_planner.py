@@ -58,6 +58,16 @@ def test_infeasible_candidates_carry_their_reason(tiny):
     assert any(r.startswith("bounded out: its step is at least") for r in reasons)
 
 
+def test_the_search_prices_schedules_up_to_its_own_bound():
+    """parc compiles schedules up to 65536 slots (grammar/validate.py); the search simulates one per
+    candidate, so it stops at SEARCH_SLOTS and says so rather than spending minutes on deep pipelines."""
+    deep = parse(f"mesh pp=8\nbatch global={8 * 1024} micro=8\n", "t.par")  # 8 × 1024 slots: compiles
+    assert 8 * 1024 > planner.SEARCH_SLOTS
+    assert planner._too_long(deep).startswith("pipeline schedule of 8192 slots (pp × virtual × micro-batches) > 4096")
+    assert planner._too_long(parse("mesh pp=8\nbatch global=64 micro=1\n", "t.par")) is None
+    assert planner._too_long(parse(f"mesh dp=8\nbatch global={8 * 1024} micro=1\n", "t.par")) is None
+
+
 def test_tp_rules_derived_from_the_model(tiny):
     derived = {(r.pattern, r.style) for r in tiny.layout.rules if r.style != "replicate"}
     expected = {(r.pattern, r.style) for r in parse("mesh tp=2\n" + gpt_tp_rules()).tensor_parallel.rules}

@@ -52,6 +52,8 @@ VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interle
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
 FULL_ESTIMATES = 40              # pipelined plans estimated in full (each simulates its whole schedule)
+SEARCH_SLOTS = 4096              # the largest schedule (pp × virtual × micro-batches) a candidate may have:
+                                 # each slot costs ~0.1 ms to simulate, per candidate (compile takes 16× more)
 
 
 # ---------------------------------------------------------------- tensor-parallel rules from the graph
@@ -394,6 +396,17 @@ def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: in
     return out
 
 
+def _too_long(plan: Plan) -> str | None:
+    """Why the search does not price `plan`'s schedule (parc would compile it), or None."""
+    if plan.mesh.pp == 1:
+        return None
+    slots = plan.mesh.pp * (plan.pipeline.virtual if plan.pipeline else 1) * plan.accumulation
+    if slots <= SEARCH_SLOTS:
+        return None
+    return (f"pipeline schedule of {slots} slots (pp × virtual × micro-batches) > {SEARCH_SLOTS}, the most the "
+            "search simulates per candidate (parc compiles up to 65536: write such a plan by hand)")
+
+
 def _refusal(plan: Plan, traced) -> str | None:
     """What parc check / compile would refuse in `plan`, as one line; None if nothing."""
     from parc.analysis import support
@@ -544,7 +557,7 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     log.info("%d plans built, %.1f s CPU", len(plans), time.process_time() - c0)
     cands = []
     for plan in plans:
-        c = Candidate(plan, _refusal(plan, traced))
+        c = Candidate(plan, _too_long(plan) or _refusal(plan, traced))
         (dropped if c.reason else cands).append(c)
     if not cands:
         why = sorted({c.reason for c in dropped})
