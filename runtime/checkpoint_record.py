@@ -45,7 +45,9 @@ def model_params(plan_json: dict) -> dict[str, list[int]]:
             shape = list(e["shape"])
             if e["shard"] is not None:
                 shape[e["shard"]["dim"]] *= e["shard"]["parts"]
-            out[e["fqn"]] = shape
+            # an expert slot (expert parallelism): a program names ep rank 0's expert, `ep_fqns` every ep rank's
+            for fqn in e.get("ep_fqns") or [e["fqn"]]:
+                out[fqn] = shape
     return dict(sorted(out.items()))
 
 
