@@ -144,6 +144,9 @@ def differences(info: dict, plan_json: dict, world_size: int, optim_loaded: bool
         now = {"mesh": {a: now["mesh"][a] for a in ("dp", "pp", "tp")}, "zero": now["zero"]}
     a = {k: v for k, v in _flat(saved).items() if k not in _NOT_SETTINGS}
     b = {k: v for k, v in _flat(now).items() if k not in _NOT_SETTINGS}
+    if "mesh ep" in a or "mesh ep" in b:  # recorded only for mesh ep > 1 (parc/compiler.py): absent is ep 1
+        a.setdefault("mesh ep", 1)
+        b.setdefault("mesh ep", 1)
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             out.append(f"{k} {_show(a.get(k, '-'))} → {_show(b.get(k, '-'))}")

@@ -86,10 +86,11 @@ def _cross(ctx, compiled: dict[str, str], whole: str) -> dict:
     out = {}
     for src, dst in CROSS:
         trainer = Trainer.load(compiled[dst], 0)
-        assert checkpoint.load(trainer, f"{whole}/{src}/step_{EVERY}") == EVERY
+        first, line = checkpoint.resume(trainer, f"{whole}/{src}/step_{EVERY}")
+        assert first == EVERY
         loaded = {k: v.clone() for k, v in trainer.gathered_state().items()}
         local = [trainer.step(s).loss for s in range(EVERY, STEPS)]
-        out[(src, dst)] = {"loaded": loaded, "losses": trainer.global_losses(local),
+        out[(src, dst)] = {"line": line, "loaded": loaded, "losses": trainer.global_losses(local),
                            "final": trainer.gathered_state()}
         if ctx.rank:
             out[(src, dst)] = None
@@ -141,6 +142,11 @@ def test_ep_checkpoints_resume_exactly_and_reshard(tmp_path):
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
     crossed = spawn(2, _cross, compiled, str(whole))[0]
+    said = {pair: crossed[pair]["line"] for pair in CROSS}  # --resume's line names what changed
+    print(*said.values(), sep="\n")
+    assert said[("ep", "dense")].endswith(": expert_parallel blocks.*.moe.experts → -; mesh ep 2 → 1"), said
+    assert said[("ep", "ep_zero2_dp2")].endswith(": zero 0 → 2"), said
+    assert "mesh dp 4 → 2" in said[("ep_zero2", "ep")] and "zero 2 → 0" in said[("ep_zero2", "ep")], said
     for src, dst in CROSS:
         r, ref = crossed[(src, dst)], got[src]
         saved = ref["states"][EVERY]
