@@ -155,3 +155,38 @@ def test_ep_checkpoints_resume_exactly_and_reshard(tmp_path):
         verdict = compare(r["losses"], ref["losses"][EVERY:], r["final"], ref["states"][STEPS], DEFAULT_TOLERANCE)
         print(f"{src} → {dst}: {verdict.render()}")  # the measured figures, with -s
         assert verdict.ok, f"{src} → {dst}: {verdict.render()}"
+
+
+def test_parc_run_saves_and_resumes_an_ep_plan(tmp_path):
+    """The command line: `parc.run --save-every` of `mesh dp=2 ep=2` (refused at launch before issue 15),
+    killed after its step_2 (the copy below), `--resume`d to step 4: bitwise the uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+
+    from parc.export import load_model_state
+    from parc.runtime.launch import free_port
+
+    model = tmp_path / "moe_tiny.py"
+    model.write_text(MODEL.format(k1=1, cf1=0.5, k3=2, cf3=2.0, examples=str(ROOT / "examples")))
+    compiled = compile_text(PLANS["ep"][1] + COMMON, tmp_path / "c", model).root
+
+    def run(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "parc.run", str(compiled), "--steps", str(STEPS),
+               "--log-every", str(STEPS), "--save-every", str(EVERY), *extra]
+        out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run("--checkpoint-dir", str(whole))
+    shutil.copytree(whole / f"step_{EVERY}", cut / f"step_{EVERY}")
+    (cut / checkpoint.LATEST).write_text(f"step_{EVERY}\n")
+    said = run("--resume", str(cut), "--checkpoint-dir", str(cut))
+    assert f"resumed from step {EVERY} of {cut / f'step_{EVERY}'}" in said, said
+    want, got = load_model_state(whole), load_model_state(cut)
+    assert checkpoint.resolve(cut).name == f"step_{STEPS}" and want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert not _differ(whole / f"step_{STEPS}", cut / f"step_{STEPS}")
