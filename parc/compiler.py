@@ -231,6 +231,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         plan_json["groups"].update(ep_groups)
         plan_json["mesh"]["ep"] = m.ep
         plan_json["plan"]["expert_parallel"] = list(plan.expert_parallel.patterns)
+        plan_json["plan"]["mesh"]["ep"] = m.ep  # a checkpoint's record lists it; `--resume` says when it changes
         plan_json["expert_parallel"] = {"ep": m.ep, "layers": ctx.notes.get("expert_layers", [])}
         for entry in plan_json["ranks"]:
             entry["ep"] = meshlib.ep_rank(m, entry["rank"])

@@ -157,10 +157,6 @@ def run(args: argparse.Namespace) -> int:
                           hint="trace a pipelined plan, or profile this one with torch.profiler")
     if args.verify and (why := verifier.dropout_refusal(art.plan)):  # before training, not after it
         raise LaunchError(why)
-    if (args.save_every or args.resume) and art.plan["mesh"].get("ep", 1) > 1:  # docs/moe.md
-        raise LaunchError("checkpoints of expert-parallel plans (mesh ep > 1) are not supported: each ep rank holds "
-                          "other experts, and the checkpoint layout stores a tensor sharded over all of dp",
-                          hint="drop --save-every / --resume, or train with ep=1")
     _check_eval_args(args, art.plan)
     from parc.runtime import checkpoint_dir
 

@@ -14,7 +14,12 @@ dp and tp shards over tp (with their shard spec, fused qkv blocks included),
 so the stored layout depends only on the tensor — never on the plan — and
 DCP reshards on load: each rank reads whole exactly the tensors its programs
 hold and keeps its tp slice / ZeRO range. Tested: dp=4 ZeRO-3 → dp=2 ZeRO-1,
-dp=4 ZeRO-3 → dp=2 tp=2, pp=2 → dp=2. Scalars (`optim.step`, the data
+dp=4 ZeRO-3 → dp=2 tp=2, pp=2 → dp=2. Expert parallelism (docs/moe.md): an expert lives
+on the ranks of one ep coordinate only, so it is stored whole under its serial-model FQN (the
+`ep_fqns` of its slot) on a second (pp, ep, edp·tp) mesh: Replicate over pp and ep (only its
+holders have the key), Shard(0) over the edp·tp ranks holding it, after gathering its ZeRO
+ranges over edp; so an ep checkpoint is read by any plan, ep or not (tests/test_moe_checkpoint.py).
+Scalars (`optim.step`, the data
 position `meta.step`) are replicated; each rank's CPU RNG state is
 `rng.rank<r>`, restored only when the world size is unchanged. Every
 collective walks names and optimizer keys in plan or sorted order, never a
@@ -82,16 +87,49 @@ def _mesh(trainer):
     return mesh
 
 
+def _expert_mesh(trainer):
+    """Expert parallelism: a (pp, ep, edp·tp) device mesh, entry [j, e, b·tp + t] the rank of pp coordinate j,
+    ep coordinate e (dp % ep: which experts it holds), edp coordinate b (dp // ep) and tp coordinate t. An
+    expert's tensors are Replicate over pp and ep (only the ranks holding it have its key, as only a stage's
+    ranks have its tensors) and Shard(0) over the edp·tp ranks that hold it: each expert written once, its
+    rows spread over its holders as a dense tensor's are over dp·tp. parc/mesh.py expert_groups: ep groups
+    are runs of ep consecutive dp coordinates, edp groups the dp coordinates equal modulo ep."""
+    mesh = getattr(trainer, "_checkpoint_expert_mesh", None)
+    if mesh is None:
+        ctx, ep = trainer.ctx, trainer.art.plan["mesh"]["ep"]
+        d = ctx.degree
+        ranks = torch.empty(d["pp"], ep, d["dp"] // ep * d["tp"], dtype=torch.int64)
+        for r, me in enumerate(trainer.art.plan["ranks"]):
+            ranks[me["pp"], me["dp"] % ep, me["dp"] // ep * d["tp"] + me["tp"]] = r
+        mesh = trainer._checkpoint_expert_mesh = DeviceMesh(ctx.device.type, ranks,
+                                                            mesh_dim_names=("pp", "ep", "shard"))
+    return mesh
+
+
+def _layouts(trainer) -> tuple[tuple, tuple | None]:
+    """(mesh, placements, shards, this rank's shard) for dense tensors, and for expert slots (None without ep)."""
+    ctx = trainer.ctx
+    d, c = ctx.degree, ctx.coord
+    dense = (_mesh(trainer), [Replicate(), Shard(0)], d["dp"] * d["tp"], c["dp"] * d["tp"] + c["tp"])
+    if not trainer.entry.get("experts"):
+        return dense, None
+    ep = trainer.art.plan["mesh"]["ep"]
+    return dense, (_expert_mesh(trainer), [Replicate(), Replicate(), Shard(0)], d["dp"] // ep * d["tp"],
+                   c["dp"] // ep * d["tp"] + c["tp"])
+
+
 def _rows(t: torch.Tensor, n: int, r: int) -> torch.Tensor:
     """Shard r's rows of `t` in DTensor's Shard(0) layout over n shards (possibly none)."""
     c = math.ceil(t.shape[0] / n)
     return t[r * c:(r + 1) * c]
 
 
-def _sharded(full: torch.Tensor, mesh, n: int, r: int):
+def _sharded(full: torch.Tensor, layout: tuple):
+    """`full` as the DTensor this rank writes: its rows of shard r of n on `mesh` (see `_layouts`)."""
+    mesh, placements, n, r = layout
     if full.dim() == 0:
         return full.detach().clone()
-    return DTensor.from_local(_rows(full.detach(), n, r).contiguous().clone(), mesh, [Replicate(), Shard(0)],
+    return DTensor.from_local(_rows(full.detach(), n, r).contiguous().clone(), mesh, placements,
                               run_check=False, shape=full.shape, stride=full.contiguous().stride())
 
 
@@ -141,15 +179,16 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     `replace` (the first save of a run started with --overwrite-checkpoints): first delete the step_<N>
     beyond the step the run started from, and let `latest` move back to this one.
     """
-    _refuse_experts(trainer)
     root = Path(root)
     ctx = trainer.ctx
     final = root / f"step_{step}"
     if final.exists() and not replace:  # every rank sees the same directory: all refuse together
         raise LaunchError(f"{final} exists already; refusing to overwrite a checkpoint (start with "
                           f"--overwrite-checkpoints to replace an earlier run's)")
-    mesh = _mesh(trainer)
-    n_shards, r = ctx.degree["dp"] * ctx.degree["tp"], ctx.coord["dp"] * ctx.degree["tp"] + ctx.coord["tp"]
+    dense, expert = _layouts(trainer)
+    experts = set(trainer.entry.get("experts") or ())
+    layout = {n: expert if n in experts else dense for n in (e["name"] for e in trainer.entry["state"])}
+    # an expert slot's FQN is this ep rank's expert (runtime/expert_parallel.py localize): its serial-model name
     fqn = {e["name"]: e["fqn"] for e in trainer.entry["state"]}
     params, optim, scalars = _full_state(trainer)
     # a diverged run must not replace a good checkpoint: every rank checks what it writes, all decide alike
@@ -157,9 +196,9 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
         raise Divergence(f"after step {step} the parameters or optimizer state hold nan/inf; not saved to {final} "
                          f"(a gradient went non-finite under a finite loss between log points; the run checks the "
                          f"gradient norm at every log point, and every step's with `clip=` in the plan)")
-    sd = {f"model.{fqn[n]}": _sharded(t, mesh, n_shards, r) for n, t in params.items()}
+    sd = {f"model.{fqn[n]}": _sharded(t, layout[n]) for n, t in params.items()}
     for n, per in optim.items():
-        sd.update({f"optim.{fqn[n]}.{k}": _sharded(v, mesh, n_shards, r) for k, v in per.items()})
+        sd.update({f"optim.{fqn[n]}.{k}": _sharded(v, layout[n]) for k, v in per.items()})
     sd.update({f"optim.{k}": v for k, v in scalars.items()})
     sd["meta.step"] = torch.tensor(step, dtype=torch.int64)
     sd[f"rng.rank{ctx.rank}"] = torch.get_rng_state()
@@ -227,14 +266,6 @@ def _one(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _refuse_experts(trainer) -> None:
-    """Expert parallelism (docs/moe.md): an ep rank's expert slots name other FQNs than its dp peers', which
-    the layout above (one tensor sharded over all of dp) cannot store. parc.run refuses it at launch too."""
-    if trainer.entry.get("experts"):
-        raise LaunchError("checkpoints of expert-parallel plans (mesh ep > 1) are not supported",
-                          hint="train with ep=1 to checkpoint, or without --save-every / --resume")
-
-
 def load(trainer, path: str | Path) -> int:
     """`resume`, for callers that want only the number of steps the checkpoint holds."""
     return resume(trainer, path)[0]
@@ -248,7 +279,6 @@ def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]
     alike. Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
     whichever ranks wrote the rows) and keeps its tp slice and ZeRO range.
     """
-    _refuse_experts(trainer)
     saved = open_checkpoint(path, what, shards=False)  # a shard damaged after all: DCP's read fails on every rank
     plan_json, ctx = trainer.art.plan, trainer.ctx
     meta, info = saved.meta.state_dict_metadata, saved.info

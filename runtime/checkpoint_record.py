@@ -45,7 +45,9 @@ def model_params(plan_json: dict) -> dict[str, list[int]]:
             shape = list(e["shape"])
             if e["shard"] is not None:
                 shape[e["shard"]["dim"]] *= e["shard"]["parts"]
-            out[e["fqn"]] = shape
+            # an expert slot (expert parallelism): a program names ep rank 0's expert, `ep_fqns` every ep rank's
+            for fqn in e.get("ep_fqns") or [e["fqn"]]:
+                out[fqn] = shape
     return dict(sorted(out.items()))
 
 
@@ -142,6 +144,9 @@ def differences(info: dict, plan_json: dict, world_size: int, optim_loaded: bool
         now = {"mesh": {a: now["mesh"][a] for a in ("dp", "pp", "tp")}, "zero": now["zero"]}
     a = {k: v for k, v in _flat(saved).items() if k not in _NOT_SETTINGS}
     b = {k: v for k, v in _flat(now).items() if k not in _NOT_SETTINGS}
+    if "mesh ep" in a or "mesh ep" in b:  # recorded only for mesh ep > 1 (parc/compiler.py): absent is ep 1
+        a.setdefault("mesh ep", 1)
+        b.setdefault("mesh ep", 1)
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             out.append(f"{k} {_show(a.get(k, '-'))} → {_show(b.get(k, '-'))}")

@@ -13,6 +13,10 @@ each MoE layer's experts. The rest serves the Trainer (runtime/train.py):
 - `ep_norm_piece`: without ZeRO, the experts' share of the global gradient norm, summed over ep.
 - `gather_experts`: the full model's experts for `gathered_state`, from every ep rank (and tp rank).
 
+Checkpoints (runtime/checkpoint.py) store each expert under its serial-model FQN, written by the
+ranks of its ep coordinate; `ExpertZero.full_optimizer_state` / `load_full` serve them as
+ZeroOptimizer's do.
+
 Recording. `with traffic() as log:` appends `(phase, bytes)` for every all-to-all issued,
 `bytes` being what this rank sends to the other ranks of its ep group (its own chunk stays);
 `tests/test_moe.py` holds it to the analytic volume of docs/moe.md.
@@ -29,6 +33,7 @@ from torch import Tensor
 
 from parc.runtime import ops
 from parc.runtime.data_parallel import GradBuckets
+from parc.runtime.optim_step import _fused
 from parc.runtime.state import unshard
 from parc.runtime.zero import ZeroOptimizer
 
@@ -141,9 +146,12 @@ class ExpertZero:
                                      reduce_dtype=reduce_dtype, divisor=ctx.degree["dp"])
         self.parts = (dense, self.experts)
         self.stage = dense.stage
-        # one view of both optimizers' groups: schedule_lr.set_lr sets the lr of each
+        # one view of both optimizers' groups: schedule_lr.set_lr sets the lr of each; and whether they are
+        # fused (both or neither: one make_opt over fp32 masters on one device), which says where a resume
+        # puts their step counts (runtime/optim_step.py step_device)
         self.optimizer = SimpleNamespace(param_groups=dense.optimizer.param_groups +
-                                         self.experts.optimizer.param_groups)
+                                         self.experts.optimizer.param_groups,
+                                         _step_supports_amp_scaling=_fused(dense.optimizer))
 
     def start_micro_batch(self, sync: bool) -> None:
         for z in self.parts:
@@ -177,6 +185,20 @@ class ExpertZero:
     def full_params(self) -> dict[str, Tensor]:
         """This rank's parameters whole, by placeholder name (its ep rank's experts: `gather_experts`)."""
         return {**self.dense.full_params(), **self.experts.full_params()}
+
+    def full_optimizer_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
+        """(per-parameter state whole, by placeholder name; scalar state), as ZeroOptimizer's: the dense
+        ranges gathered over dp, then the experts' over edp (the same order on every rank). The two
+        optimizers step together, so their scalars (Adam's `step`) are equal: the dense one's stand."""
+        per, scalars = self.dense.full_optimizer_state()
+        expert_per, expert_scalars = self.experts.full_optimizer_state()
+        return {**per, **expert_per}, {**expert_scalars, **scalars}
+
+    def load_full(self, params: dict[str, Tensor], optim: dict[str, dict[str, Tensor]],
+                  scalars: dict[str, Tensor]) -> None:
+        """Whole parameters and state by placeholder name; each part keeps its own names' ranges."""
+        for z in self.parts:
+            z.load_full(params, optim, scalars)
 
     def held(self) -> dict[str, list[Tensor]]:
         parts = [z.held() for z in self.parts]

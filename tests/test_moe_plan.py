@@ -165,18 +165,6 @@ def test_pass_refuses_another_form_at_the_rule(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_checkpoints_of_ep_plans_refused():
-    from types import SimpleNamespace
-
-    from parc.errors import LaunchError
-    from parc.runtime import checkpoint
-
-    trainer = SimpleNamespace(entry={"experts": ["p_model_blocks_1_moe_experts_0_fc_weight"]})
-    for call in (lambda: checkpoint.save(trainer, "unused", 1), lambda: checkpoint.resume(trainer, "unused")):
-        with pytest.raises(LaunchError, match="checkpoints of expert-parallel plans"):
-            call()
-
-
 def test_pass_is_a_no_op_without_ep():
     import torch
     import torch.fx as fx
