@@ -88,7 +88,7 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
     from parc import compiler
     from parc.analysis import support
     from parc.analysis.review import review
-    from parc.runtime import compiled, precision
+    from parc.runtime import precision
 
     out: list[Diagnostic] = []
 
@@ -103,7 +103,6 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
         return None
 
     attempt(precision.check_supported, plan)
-    attempt(compiled.check_supported, plan)
     attempt(support.check, plan)
     stats = None
     if traced is not None:

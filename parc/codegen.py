@@ -43,6 +43,8 @@ def program_source(gm: fx.GraphModule, *, stage: int, tp_rank: int, tp: int, mod
         imports += "import parc.runtime.expert_parallel  # noqa: F401 — registers the ep all-to-all (passes/expert_parallel.py)\n"
     if "torch.utils.checkpoint." in body:
         imports += "import torch.utils.checkpoint  # recomputed regions (passes/recompute.py)\n"
+    if "context_fn=parc.runtime.checkpoint_policy." in body:
+        imports += "import parc.runtime.checkpoint_policy  # selective recompute under `compile`\n"
     header = HEADER.format(imports=imports, stage=stage, tp_rank=tp_rank, tp=tp, model=model, plan=plan,
                            state="\n".join("    " + s for s in state_lines) or "    (none)",
                            inputs=", ".join(inputs),
@@ -66,11 +68,19 @@ def _regions(names: dict) -> list[str]:
         region = getattr(fn, "parc_region", None)
         if region is None:
             continue
-        inst, body = region
+        inst, body, selective = region
         inner = f"_{name}"
-        out.append(f"def {name}(*args):\n"
-                   f'    """{inst}: keeps only its inputs in forward and runs again in backward."""\n'
-                   f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False)")
+        if selective:  # under `compile`: its collectives' outputs are kept, not recomputed
+            from parc.passes.recompute import POLICY
+            out.append(f"def {name}(*args):\n"
+                       f'    """{inst}: keeps its inputs and its collectives\' outputs in forward; the rest runs '
+                       f'again in backward."""\n'
+                       f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False, "
+                       f"context_fn={POLICY})")
+        else:
+            out.append(f"def {name}(*args):\n"
+                       f'    """{inst}: keeps only its inputs in forward and runs again in backward."""\n'
+                       f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False)")
         out.append(_flat(body.python_code(root_module="self").src, inner))
     return out
 

@@ -23,7 +23,7 @@ from parc.errors import Diagnostic, ParcError, PlanError, TraceError
 from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
-from parc.runtime import compiled, precision
+from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
 from parc.grammar.validate import validate
 
@@ -154,7 +154,6 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     artifact.check_output(Path(out_dir), force)
     validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
     precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
-    compiled.check_supported(plan)  # `compile inductor` with collectives in recomputed regions
     support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
     if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
         raise PlanError(diagnostics=[unknown])

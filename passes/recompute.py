@@ -18,6 +18,13 @@ Megatron's full recompute does. Dropout draws the same masks the second time:
 checkpoint restores the default generators' state, and parc's tensor-parallel
 dropout streams are a function of that state (runtime/ops.py).
 
+Under `compile inductor | aot_eager` a region that holds a forward collective is
+recomputed selectively instead: its checkpoint call passes
+`context_fn=parc.runtime.checkpoint_policy.save_collectives`, which keeps the
+collectives' outputs and recomputes the rest, because torch's inductor cannot
+compile an ordered op recomputed in backward (runtime/checkpoint_policy.py says
+why). `compile none` keeps full recompute.
+
 Assumes: runs last, on one program's graph (after tensor_parallel,
 pipeline_split and zero); nodes carry `nn_module_stack` (parc.traced.module_path).
 Guarantees: the program computes the same values; each region's nodes are
@@ -39,6 +46,7 @@ from parc.traced import module_path
 
 NAME = "recompute"
 REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body fx.Graph)}
+POLICY = "parc.runtime.checkpoint_policy.save_collectives"  # the context_fn of a selective region
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
@@ -51,30 +59,45 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
             if inst is not None:
                 regions.setdefault(inst, []).append(n)
     gm.meta[REGIONS] = {}
+    compiled = getattr(plan, "compile", "none") != "none"
     for inst, nodes in regions.items():
-        _cut_out(gm, inst, nodes)
+        _cut_out(gm, inst, nodes, selective=compiled and any(_communicates(n) for n in nodes))
         ctx.count(NAME)
     ctx.notes["recompute"] = list(regions)  # graph order
     return gm  # run_passes lints it
 
 
-def region_function(inst: str, body: fx.Graph):
+def region_function(inst: str, body: fx.Graph, selective: bool = False):
     """The callable a region's call node targets: checkpoint(body). FX prints it as `recompute_<inst>`.
     The runtime runs the generated program's text; in-process, the body's module is built on first call
-    (building one per region eagerly costs a recompile each, seconds for a GPT-3-sized plan)."""
+    (building one per region eagerly costs a recompile each, seconds for a GPT-3-sized plan).
+    `selective`: keep the outputs of the region's collectives (runtime/checkpoint_policy.py)."""
     module = []
+    extra = {}
+    if selective:
+        from parc.runtime.checkpoint_policy import save_collectives
+        extra["context_fn"] = save_collectives
 
     def fn(*args):
         if not module:
             module.append(fx.GraphModule(torch.nn.Module(), body))
-        return checkpoint(module[0], *args, use_reentrant=False)
+        return checkpoint(module[0], *args, use_reentrant=False, **extra)
     fn.__name__ = fn.__qualname__ = inst.replace(".", "_")
     fn.__module__ = "recompute"
-    fn.parc_region = (inst, body)  # parc/codegen.py writes the same call
+    fn.parc_region = (inst, body, selective)  # parc/codegen.py writes the same call
     return fn
 
 
-def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node]) -> None:
+def _communicates(n: fx.Node) -> bool:
+    """Does node `n` call one of parc's collectives (an ordered effect, runtime/ops.py)?"""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None:
+        return False
+    from parc.runtime.checkpoint_policy import communicates
+    return communicates(schema.name)
+
+
+def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node], selective: bool) -> None:
     graph, inside = gm.graph, set(nodes)
     # Nodes between the region's first and last that are not in it: those independent of the
     # region move before it; those that consume it go after it, and must not feed it.
@@ -103,7 +126,7 @@ def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node]) -> None:
     for n in nodes:
         env[n] = body.node_copy(n, lambda x: env[x])
     body.output(tuple(env[o] for o in outputs))
-    fn = region_function(inst, body)
+    fn = region_function(inst, body, selective)
 
     with graph.inserting_before(first):
         call = graph.call_function(fn, tuple(inputs))

@@ -17,6 +17,8 @@ that communicates calls an opaque op (runtime/ops.py `bwd_*`, runtime/zero.py
 `zero_reduce_grad`), never torch.distributed directly; ops that communicate are registered
 ORDERED effects, so the compiled graph keeps the program's order of collectives on every
 rank. Keyed dropout reads its key when the op runs (runtime/dropout.py), never at trace time.
+A recomputed region that holds a collective keeps the collective's output instead of running it
+again in backward (runtime/checkpoint_policy.py): inductor cannot compile an ordered op recomputed.
 
 Compile time is paid once, before step 0: `warm_up` runs one forward and backward of every
 program on this rank and returns the seconds it took (parc.run prints them). It leaves no
@@ -38,18 +40,6 @@ import torch
 from parc.errors import ParcError
 
 MODES = ("none", "inductor", "aot_eager")
-
-
-def check_supported(plan) -> None:
-    """Compile-time refusal of what `compile` cannot run (`plan` is a parc.grammar.plan.Plan)."""
-    if plan.compile == "inductor" and plan.recompute.patterns and plan.mesh.tp > 1:
-        # torch 2.13: inductor's partitioner fails ("forward num_erased_outs:3 != expected 1") when a
-        # checkpointed region holds ORDERED ops; with tp > 1 every block's region holds tp collectives
-        raise ParcError(f"compile inductor with recompute and tp {plan.mesh.tp}: torch's inductor cannot yet "
-                        "compile a recomputed region that holds collectives (the tp all-reduces and gathers "
-                        "of each recomputed block)", plan.spans.get("compile"),
-                        hint="drop `recompute`, or use `compile none` (or `compile aot_eager`, which captures "
-                             "it but runs eager kernels)")
 
 
 def program(forward, mode: str):

@@ -12,6 +12,11 @@ gradients, optimizer) and the step's batch (a micro-batch is a slice of it, so
 a target that the loss saves would keep the whole batch alive). A weak reference dies exactly when the tensor is freed:
 PyTorch keeps a tensor's Python object alive while C++ (a saved variable) holds it.
 
+A compiled program (`compile inductor | aot_eager`) is measured by the saved-tensor hook
+alone (`saved_only`): dynamo does not capture a program run inside a dispatch mode, and
+what a compiled graph keeps for backward is exactly what its autograd function saves
+(on an uncompiled tp plan the two ways differ by the 4-byte loss).
+
 `held_state` counts the state the same way, from the tensors themselves.
 """
 
@@ -38,9 +43,10 @@ def storage_bytes(tensors, exclude: frozenset[int] = frozenset()) -> int:
 class ActivationProbe(TorchDispatchMode):
     """Peak bytes of live forward-created tensors, sampled after each forward (`sample`)."""
 
-    def __init__(self, state: list[torch.Tensor]):
+    def __init__(self, state: list[torch.Tensor], saved_only: bool = False):
         super().__init__()
         self._state = state
+        self._saved_only = saved_only  # a compiled program: the saved-tensor hook only (module docstring)
         self._inputs: set[int] = set()
         self._refs: list[weakref.ref] = []
         self.peak = 0
@@ -61,7 +67,8 @@ class ActivationProbe(TorchDispatchMode):
     @contextlib.contextmanager
     def tracking(self):
         """Around one forward: track what it creates and what autograd saves."""
-        with torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t), self:
+        with torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t), \
+                contextlib.nullcontext() if self._saved_only else self:
             yield
 
     def sample(self) -> int:

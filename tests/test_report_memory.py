@@ -43,7 +43,11 @@ PP_BF16 = "mesh pp=2\nbatch global=16 micro=2\npipeline schedule=1f1b\nprecision
 # examples/gpt.py on one rank, micro 8, fp32 and bf16 (issue 13): bf16 keeps bf16 activations
 MICRO8 = {name: f"mesh dp=1\nbatch global=8 micro=8\nprecision {name.removeprefix('micro8_')}\n"
           for name in ("micro8_fp32", "micro8_bf16")}
-TEXTS = {"pp_bf16": PP_BF16, **MICRO8}
+# tp 2 with recompute under `compile`: each recomputed block keeps its collectives' outputs
+# (runtime/checkpoint_policy.py), which the report counts (parc/analysis/activations.py); measured on the
+# compiled program by the saved-tensor hook (runtime/memory.py `saved_only`)
+TP_RECOMPUTE_COMPILED = (ROOT / "examples" / "tp.par").read_text() + 'recompute "blocks.*"\ncompile aot_eager\n'
+TEXTS = {"pp_bf16": PP_BF16, **MICRO8, "tp_recompute_compiled": TP_RECOMPUTE_COMPILED}
 PLANS = (*EXAMPLES, *TEXTS)
 # The cost model sizes what each op saves from its traced shapes and dtypes; what
 # it leaves out is small (int64 position ids, a 0-dim loss). Across the examples
@@ -57,7 +61,8 @@ def _measure_many(ctx, compiled: list[str]) -> list[list[dict]] | None:
     for root in compiled:
         trainer = Trainer.load(root, 0)
         local = [trainer.step(0).loss]  # every gradient and optimizer buffer now exists
-        trainer.probe = ActivationProbe(trainer.state)
+        trainer.probe = ActivationProbe(trainer.state,
+                                        saved_only=trainer.art.plan["plan"].get("compile", "none") != "none")
         local.append(trainer.step(1).loss)
         mine = {"rank": ctx.rank, "pp": trainer.ctx.coord["pp"], "activations": trainer.probe.peak, **held_state(trainer)}
         ranks = [None] * dist.get_world_size()

@@ -29,7 +29,13 @@ holds the result to what a run keeps, measured by runtime/memory.py.
 
 Under `recompute`, what a recomputed module's nodes keep for each other is not
 kept: it is that module's working set, rebuilt in backward; the largest one per
-stage is reported as the recompute peak.
+stage is reported as the recompute peak. Under `compile inductor | aot_eager` with
+tp > 1 (`keep_collectives`), a recomputed region keeps the outputs of its forward
+collectives instead of running them again (runtime/checkpoint_policy.py): the
+all-gathered input of a column layer under sequence parallelism, and the output of a
+row layer's all-reduce (reduce-scatter under sequence parallelism) when the backward
+needs it: when an op of the region saves it, or rebuilds from it what the backward
+needs (`_rebuilt`). Those copies are kept, not part of the working set.
 """
 
 from __future__ import annotations
@@ -122,20 +128,29 @@ def _aux(n: fx.Node) -> int:
 
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
-               bf16: bool, n_stages: int) -> list[dict]:
+               bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False) -> list[dict]:
     """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
     Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
-    for all tp ranks together (a rank holds 1/tp of it).
+    for all tp ranks together (a rank holds 1/tp of it). `row_outputs`: the nodes whose value a
+    forward collective reduces (a row layer's output); `keep_collectives`: recomputed regions keep
+    their collectives' outputs (see the module docstring).
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     size = _dtype_sizes(gm, nodes, bf16)
     out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"), 0)
            for _ in range(n_stages)]
     working: dict[tuple[str, int], list[int]] = {}  # (recompute instance, stage) -> [sharded, replicated]
+    keep_collectives = keep_collectives and tp > 1
+    sp = tp > 1 and sequence_parallel
 
     def own_scale(n) -> str:
-        return "sharded" if sharded_of.get(n) or (tp > 1 and sequence_parallel) else "replicated"
+        return "sharded" if sharded_of.get(n) or sp else "replicated"
+
+    def gathered(n, c) -> bool:  # sequence parallelism all-gathers n before the column layer c
+        return sp and bool(sharded_of.get(c)) and not sharded_of.get(n)
+
+    rebuilt = _rebuilt(nodes, instance_of, row_outputs, gathered) if keep_collectives else set()
 
     for n in nodes:
         if is_alias(n) or not _numel(n):
@@ -158,6 +173,13 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
             if cinst is not None and cinst != inst:
                 copies.add((cs, own_scale(n), seen, "own"))        # a checkpoint holds its inputs
                 continue
+            if keep_collectives and inst is not None and cinst == inst:  # a collective's kept output
+                if n in row_outputs and (c in rebuilt or _saves(c, n)):  # all-reduced (SP: reduce-scattered)
+                    copies.add((cs, "sharded" if sp else "replicated", seen, "collective"))
+                    continue
+                if gathered(n, c) and _saves(c, n):                      # the full sequence
+                    copies.add((cs, "replicated", seen, "collective"))
+                    continue
             if not _saves(c, n):
                 continue
             if inst is not None and cinst == inst:
@@ -181,6 +203,25 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
     for (_, s), (sh, rep) in working.items():
         if sh / tp + rep > out[s]["peak_sharded"] / tp + out[s]["peak_replicated"]:
             out[s]["peak_sharded"], out[s]["peak_replicated"] = sh, rep
+    return out
+
+
+def _rebuilt(nodes: list[fx.Node], instance_of, row_outputs, gathered) -> set[fx.Node]:
+    """The nodes of recomputed regions that backward runs again when the regions keep their collectives'
+    outputs: a node whose output the backward needs (it saves it itself, or keeps something besides its
+    inputs, or an op of its region saves it or is run again from it), apart from what a collective reads:
+    a row output's consumers read the all-reduced copy, a column layer under sequence parallelism the
+    all-gathered one, and both copies are kept."""
+    out: set[fx.Node] = set()
+    for n in reversed(nodes):
+        inst = instance_of(n)
+        if inst is None or is_alias(n):
+            continue
+        if _is(n, SAVES_OUTPUT) or _aux(n):
+            out.add(n)
+        elif n not in row_outputs and any(
+                instance_of(c) == inst and not gathered(n, c) and (c in out or _saves(c, n)) for c in _consumers(n)):
+            out.add(n)
     return out
 
 

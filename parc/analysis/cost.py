@@ -18,7 +18,8 @@ Memory follows docs/design.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ;
 optimizer, ZeRO-2 the grads too, ZeRO-3 the masters too, and keeps no whole copy).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
-values while it is recomputed; the logits' gradient is a transient peak on the
+values while it is recomputed (under `compile` with tp, also the module's collectives'
+outputs: parc/analysis/activations.py); the logits' gradient is a transient peak on the
 loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
 tables by matmul shape and for attention, memory-bound bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
@@ -183,7 +184,9 @@ def graph_stats(traced, plan) -> dict:
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
         instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
-        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32")
+        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
+        row_outputs=frozenset(last[key] for key in tp_outputs),
+        keep_collectives=getattr(plan, "compile", "none") != "none")  # runtime/checkpoint_policy.py
     _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of)
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
@@ -489,6 +492,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
     notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
                  f"dp gradients on the wire {wire}, activations {act_b}")
+    if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:
+        notes.append(f"recompute under compile {plan.compile}: each recomputed region keeps its tp collectives' "
+                     "outputs rather than communicating again in backward (runtime/checkpoint_policy.py); they are "
+                     "counted in the kept activations")
     notes.append("compute: " + ("per operation (matmul and attention efficiency tables, memory-bound ops at "
                                 f"{hw.mem_bw / 1e9:.0f} GB/s)" if any(compute.has_model(hw, d) for d in stages)
                                 else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
