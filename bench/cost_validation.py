@@ -42,7 +42,10 @@ PLANS = {
     "pp4-gpipe": "mesh pp=4\nbatch global=32 micro=4\npipeline schedule=gpipe stages=4\n" + OPT,
     "pp4-1f1b-micro1": "mesh pp=4\nbatch global=32 micro=1\npipeline schedule=1f1b stages=4\n" + OPT,
 }
-STEPS, WARMUP = 12, 4
+# parc.run logs every LOG steps: a log point reads the global loss and gradient norm (scalar all-reduces over
+# dp and pp, a few ms each on gloo here), which are not part of a training step; a metrics row is the mean
+# step time of its LOG steps, so the log point's cost is 1/LOG of it. Rows after the first WARMUP steps count.
+STEPS, WARMUP, LOG = 24, 8, 8
 
 
 def _compile(name: str, text: str, work: Path) -> Path:
@@ -57,11 +60,12 @@ def _compile(name: str, text: str, work: Path) -> Path:
 def _run(compiled: Path, work: Path) -> list[float]:
     metrics = work / f"{compiled.name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    metrics.unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "parc.run",
-                    str(compiled), "--steps", str(STEPS), "--metrics", str(metrics)],
+                    str(compiled), "--steps", str(STEPS), "--log-every", str(LOG), "--metrics", str(metrics)],
                    check=True, capture_output=True, text=True, env=env)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["step_time_s"] for r in rows if r["step"] > WARMUP]
+    return [r["step_time_s"] for r in rows if r["step"] >= WARMUP]
 
 
 def measure(out: Path, rounds: int) -> None:
@@ -72,7 +76,7 @@ def measure(out: Path, rounds: int) -> None:
             compiled[name] = _compile(name, text, work)
         except subprocess.CalledProcessError as e:
             print(f"{name}: does not compile: {e.stderr[-2000:]}", flush=True)
-    result = {"plans": PLANS, "steps": STEPS, "warmup": WARMUP, "rounds": [], "load": []}
+    result = {"plans": PLANS, "steps": STEPS, "warmup": WARMUP, "log_every": LOG, "rounds": [], "load": []}
     for r in range(rounds):
         row = {}
         for name, path in compiled.items():
@@ -82,7 +86,8 @@ def measure(out: Path, rounds: int) -> None:
                 print(f"round {r} {name}: failed: {e.stderr[-2000:]}", flush=True)
                 continue
             row[name] = statistics.median(times)
-            print(f"round {r} {name:<16} {row[name] * 1e3:8.2f} ms/step (median of {len(times)})", flush=True)
+            print(f"round {r} {name:<16} {row[name] * 1e3:8.2f} ms/step (median of {len(times)} windows of {LOG})",
+                  flush=True)
         result["rounds"].append(row)
         result["load"].append(os.getloadavg()[0])
         out.parent.mkdir(parents=True, exist_ok=True)
