@@ -13,13 +13,26 @@ preset name is (report, check, plan); `read_preset` reads it back.
 - memory bandwidth: an elementwise add over tensors far larger than the caches
   (bytes read and written / time).
 - op overhead: a chain of tiny autograd ops, forward and backward, per kernel:
-  what dispatch costs when there is no work.
-- CPU only: a gloo all-reduce among `--ranks` processes on this host (as many
-  as the plans will run: on a CPU they share the cores, which is part of the
-  latency), small and large, for latency and bandwidth, and small among
-  concurrent pairs (as tp=2 groups issue them), which with the whole world's
-  separates a fixed cost per call from the cost per ring step; `cores`, the cores
-  the ranks will share.
+  what dispatch costs when there is no work. CPU: also per kind of op
+  (`op_overheads`: a linear, an attention, elementwise/norm ops, views, forward
+  and backward apart, at a size where the work is nothing), which is what a
+  rank of a small model spends most of its compute on; and the optimizer's
+  per-tensor loop (`optimizer_per_tensor`, AdamW over small tensors).
+- CPU only, among `--ranks` processes on this host (as many as the plans will
+  run: they share the cores), all measured with every process at once:
+  - a gloo all-reduce, small and large, for latency and bandwidth, and small
+    among concurrent pairs (as tp=2 groups issue them), which with the whole
+    world's separates a fixed cost per call from the cost per ring step (the
+    fallback for group sizes the table lacks);
+  - `collectives`: seconds per call of all-reduce, all-gather, reduce-scatter
+    (groups of 2, 4, … ranks, all groups at once) and a pipeline send/recv, at
+    three sizes, each measured *under load*: every rank computes a probe between
+    calls (a few ops' worth, and a whole step's worth), and what a call adds over
+    the same loop without it is its cost. On shared cores a peer a collective
+    waits for is often not running, so a call costs several times what it costs
+    with every rank idle inside the collective;
+  - `contention`: the probe's slowdown with every rank computing at once, over
+    ranks / cores (what core sharing alone explains); `cores`.
 
 Every figure is the median of repeats: the machine may be shared.
 """
