@@ -94,9 +94,9 @@ def _op(hw, kind: str, fwd_work: float, bwd_work: list[float]) -> tuple[float, f
     """(forward, backward) seconds of one op: its work, and its dispatch overhead. With the preset's
     per-kind overheads (calibrated CPU) the two add, the backward's kernels under one figure; without,
     each kernel is `_kernel` (GPU: max(work, overhead))."""
-    table = dict((r[0], r[1:]) for r in hw.op_overheads)
-    if kind in table:
-        return fwd_work + table[kind][0], sum(bwd_work) + table[kind][1]
+    for row in hw.op_overheads:   # a handful of rows, none on the GPU presets
+        if row[0] == kind:
+            return fwd_work + row[1], sum(bwd_work) + row[2]
     return _kernel(hw, fwd_work), sum(_kernel(hw, w) for w in bwd_work)
 
 
