@@ -90,6 +90,7 @@ def test_zero3_prices_a_call_per_bucket_per_micro_batch(traced):
     hw = _cpu()
     est = cost.estimate(plan, stats, hw)
     rs, ag = est.comms
+    assert any(n.startswith("collectives: each call priced as calibrated") for n in est.notes)
     acc, per_call = 2, s["params_replicated"] * 4 / 8     # fp32: 4 bytes a parameter, 8 buckets
     # the step's compute over its 3 × acc × 8 calls: under the shortest measured gap
     assert est.compute_seconds / (3 * acc * 8) < 1e-3

@@ -564,6 +564,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                 else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
                                 "statistics)") + (f"; {min(m.world_size, hw.gpus_per_node)} ranks share "
                                                   f"{hw.cores} cores (×{slow:.2g})" if slow > 1 else ""))
+    if hw.collectives:
+        notes.append("collectives: each call priced as calibrated on this host (per kind, group size, size, and "
+                     "the compute between calls), not by the ring formula")
     est = Estimate(hw, memory, comms, step, compute_s, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu,
                    notes)
     est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s
