@@ -144,3 +144,30 @@ def test_contention_beyond_core_sharing(traced):
     contended = cost.estimate(plan, stats, _cpu(cores=2, contention=1.5)).compute_seconds
     assert shared == pytest.approx(2 * own)          # ranks / cores
     assert contended == pytest.approx(3 * own)       # × the measured contention, only when cores are shared
+
+
+def test_pipeline_posts_on_the_posters_timeline():
+    """A calibrated `p2p_post`: each F and B of a pipeline stage pays one post (the executor batches a run of
+    sends/receives per action), and the measured hop gives up the sender's post it held."""
+    plan = parse("mesh pp=2\nbatch global=8 micro=1\npipeline schedule=1f1b\n")
+    stats = {"stages": [dict.fromkeys(("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded",
+                                       "act_replicated", "kept_bytes_sharded", "kept_bytes_replicated",
+                                       "params_sharded", "params_replicated", "tp_bytes", "tp_ops",
+                                       "recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"), 0)
+                        for _ in range(2)],
+             "send_elements": [250], "param_count": 0, "tokens_per_sample": 8}
+    for d in stats["stages"]:
+        d["flops_replicated"] = 1e9
+    hw = replace(cost.hardware("h100"), gpus_per_node=1024, async_launch=False,
+                 collectives=(("send/recv", 2, 1000, 1e-3, 3e-3),))
+    base = cost.estimate(plan, stats, hw)
+    posted = cost.estimate(plan, stats, replace(hw, p2p_post=1e-3))
+    from parc.passes.schedule import build_schedule
+    from parc.passes.simulate import simulate
+
+    f = 1e9 / (hw.flops["fp32"] * hw.achievable)
+    sched = build_schedule("1f1b", 2, 8)
+    assert base.step_seconds - base.optimizer_seconds == pytest.approx(
+        simulate(sched, cost_f=f, cost_b=2 * f, cost_comm=3e-3).makespan)
+    assert posted.step_seconds - posted.optimizer_seconds == pytest.approx(
+        simulate(sched, cost_f=f + 1e-3, cost_b=2 * f + 1e-3, cost_comm=2e-3).makespan)

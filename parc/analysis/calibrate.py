@@ -294,13 +294,17 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
         n *= 2
     # a pipeline's send/recv: pairs (0→1, 2→3, …) at once, one way = half a round trip, as the
     # executor posts them (batch_isend_irecv, waited)
+    posts: list[float] = []
     if world >= 2:
         peer = rank + 1 if rank % 2 == 0 else rank - 1
         for size in COLLECTIVE_BYTES:
             buf = torch.ones(size // 4)
 
             def post(op):   # as runtime/pipeline.py posts a send or a receive
-                for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                t0 = time.perf_counter()
+                works = dist.batch_isend_irecv([dist.P2POp(op, buf, peer)])
+                posts.append(time.perf_counter() - t0)   # the poster's own time, before any wait
+                for work in works:
                     work.wait()
 
             def ping():
@@ -312,6 +316,10 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
             for between in BETWEEN:
                 gap, call = _per_call(ping, probe, between)
                 table.append(("send/recv", 2, size, gap, call / 2))
+    # a post's time on its rank's own timeline (the median over every post above, averaged over the ranks)
+    mine = torch.tensor([statistics.median(posts) if posts else 0.0], dtype=torch.float64)
+    dist.all_reduce(mine)
+    res["post"] = float(mine) / world
     res["table"] = table
     # compute as the ranks run it, every process at once on the cores they share: the probe's time in the
     # loops without calls above (their median over every row: many samples, spread over the whole run)
@@ -349,7 +357,7 @@ def _gloo(world: int) -> dict:
     small, big = res[1024], res[2 ** 22]
     steps, share = 2 * (world - 1), 2 * (world - 1) / world   # a ring's latency steps and volume per rank
     bw = share * 2 ** 22 / max(big - small, 1e-9)
-    out = {"bw": bw, "table": res["table"], "probe": res["probe"]}
+    out = {"bw": bw, "table": res["table"], "probe": res["probe"], "post": res["post"]}
     if "pair" not in res:
         return {**out, "latency": small / steps, "call": 0.0}
     step = max((small - res["pair"]) / (steps - 2), 0.0)
@@ -408,7 +416,8 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
         preset.update(intra_bw=bw, inter_bw=bw, latency_intra=lat, latency_inter=lat, collective_overhead=call,
                       gpus_per_node=1024, cores=cores, contention=contention,
                       collectives=[list(row) for row in g["table"]],
-                      optimizer_per_tensor=_optimizer_per_tensor())
+                      optimizer_per_tensor=_optimizer_per_tensor(), p2p_post=g["post"])
+        log(f"posting a send or receive (batch_isend_irecv), on the poster's timeline: {g['post'] * 1e3:.2f} ms")
         log(f"optimizer (AdamW, per parameter tensor): {preset['optimizer_per_tensor'] * 1e6:.1f} µs")
     else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
         preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)

@@ -67,6 +67,7 @@ class Hardware:
     collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured
     optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of the optimizer step beyond its bytes
     op_overheads: tuple = ()       # (kind: mm/attn/mem/view, forward s, backward s) per op at no work (compute.py)
+    p2p_post: float = 0.0          # seconds a pipeline rank spends posting a send/receive, on its own timeline
     source: str = ""               # where the figures come from
 
 
@@ -450,6 +451,13 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1,
                           gap=action)
         p2p_t = p2p.seconds
+        if hw.p2p_post:
+            # the executor posts about one batch of sends/receives per action (runtime/pipeline.py batches
+            # adjacent ones; a --trace shows 15–17 posts for 16 actions): the poster's time goes on its own
+            # timeline, each F and B. The measured hop (half a round trip) holds the sender's post: taken off
+            cost_f = [c + hw.p2p_post for c in cost_f]
+            cost_b = [c + hw.p2p_post for c in cost_b]
+            p2p_t = max(p2p_t - hw.p2p_post, 0.0)
         if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
             p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
         split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
