@@ -316,8 +316,9 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
             for between in BETWEEN:
                 gap, call = _per_call(ping, probe, between)
                 table.append(("send/recv", 2, size, gap, call / 2))
-    # a post's time on its rank's own timeline (the median over every post above, averaged over the ranks)
-    mine = torch.tensor([statistics.median(posts) if posts else 0.0], dtype=torch.float64)
+    # a post's time on its rank's own timeline: the mean over every post above (a post the scheduler
+    # interrupts costs its rank that time too; the median would drop it), averaged over the ranks
+    mine = torch.tensor([statistics.fmean(posts) if posts else 0.0], dtype=torch.float64)
     dist.all_reduce(mine)
     res["post"] = float(mine) / world
     res["table"] = table
