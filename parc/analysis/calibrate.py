@@ -303,7 +303,8 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
             def post(op):   # as runtime/pipeline.py posts a send or a receive
                 t0 = time.perf_counter()
                 works = dist.batch_isend_irecv([dist.P2POp(op, buf, peer)])
-                posts.append(time.perf_counter() - t0)   # the poster's own time, before any wait
+                if size == COLLECTIVE_BYTES[0]:   # the set-up, not a large message's copy (in the hop)
+                    posts.append(time.perf_counter() - t0)   # the poster's own time, before any wait
                 for work in works:
                     work.wait()
 
@@ -316,8 +317,8 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
             for between in BETWEEN:
                 gap, call = _per_call(ping, probe, between)
                 table.append(("send/recv", 2, size, gap, call / 2))
-    # a post's time on its rank's own timeline: the mean over every post above (a post the scheduler
-    # interrupts costs its rank that time too; the median would drop it), averaged over the ranks
+    # a post's time on its rank's own timeline: the mean over the smallest messages' posts above (a post the
+    # scheduler interrupts costs its rank that time too; the median would drop it), averaged over the ranks
     mine = torch.tensor([statistics.fmean(posts) if posts else 0.0], dtype=torch.float64)
     dist.all_reduce(mine)
     res["post"] = float(mine) / world
