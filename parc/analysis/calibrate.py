@@ -32,7 +32,9 @@ preset name is (report, check, plan); `read_preset` reads it back.
     waits for is often not running, so a call costs several times what it costs
     with every rank idle inside the collective;
   - `contention`: the probe's slowdown with every rank computing at once, over
-    ranks / cores (what core sharing alone explains); `cores`.
+    ranks / cores (what core sharing alone explains); `cores`;
+  - `p2p_post`: the mean time a rank spends posting a send or receive
+    (`batch_isend_irecv`, small messages) in those loops, on its own timeline.
 
 Every figure is the median of repeats: the machine may be shared.
 """
