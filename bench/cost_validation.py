@@ -1,17 +1,20 @@
 """Does the cost model order real plans? examples/gpt.py on 4 CPU ranks (issue 14, 4a).
 
-    python bench/cost_validation.py measure -o bench/results/cpu_measured.json [--rounds 3]
-    parc calibrate --device cpu -o bench/results/cpu_preset.json
+    flock /work/cpu.lock sh -c 'parc calibrate --device cpu --ranks 4 -o bench/results/cpu_preset.json &&
+        python bench/cost_validation.py measure -o bench/results/cpu_measured.json --rounds 3'
     python bench/cost_validation.py compare bench/results/cpu_measured.json --preset bench/results/cpu_preset.json
 
+Calibrate and measure back to back, on a quiet machine: both see the same conditions.
 `measure` compiles each plan below, runs it with `torchrun --nproc-per-node 4 -m
-parc.run` for a few steps, and keeps the median step time after the warm-up steps;
+parc.run` for STEPS steps logging every LOG, and keeps the median of the metrics
+rows after the warm-up steps (each row the mean step time of its LOG steps);
 it goes round the plans `--rounds` times (interleaved, so a busy spell on this
 shared machine hits every plan alike) and records every round, so the spread
 between rounds is the noise figure. `compare` predicts each plan with
 `parc.analysis.cost.estimate` under the calibrated preset (4 ranks on this
-machine's cores: `cpu_share` in the preset) and prints measured against
-predicted, the error of each, and the Spearman rank correlation.
+machine's cores) and prints measured against predicted, the error of each, the
+prediction's parts (compute with the pipeline bubble, exposed communication, optimizer, in ms) and the
+Spearman rank correlation.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ PLANS = {
     "pp4-gpipe": "mesh pp=4\nbatch global=32 micro=4\npipeline schedule=gpipe stages=4\n" + OPT,
     "pp4-1f1b-micro1": "mesh pp=4\nbatch global=32 micro=1\npipeline schedule=1f1b stages=4\n" + OPT,
 }
-STEPS, WARMUP = 12, 4
+# parc.run logs every LOG steps: a log point reads the global loss and gradient norm (scalar all-reduces over
+# dp and pp, a few ms each on gloo here), which are not part of a training step; a metrics row is the mean
+# step time of its LOG steps, so the log point's cost is 1/LOG of it. Rows after the first WARMUP steps count.
+STEPS, WARMUP, LOG = 24, 8, 8
 
 
 def _compile(name: str, text: str, work: Path) -> Path:
@@ -57,11 +63,12 @@ def _compile(name: str, text: str, work: Path) -> Path:
 def _run(compiled: Path, work: Path) -> list[float]:
     metrics = work / f"{compiled.name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    metrics.unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "parc.run",
-                    str(compiled), "--steps", str(STEPS), "--metrics", str(metrics)],
+                    str(compiled), "--steps", str(STEPS), "--log-every", str(LOG), "--metrics", str(metrics)],
                    check=True, capture_output=True, text=True, env=env)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["step_time_s"] for r in rows if r["step"] > WARMUP]
+    return [r["step_time_s"] for r in rows if r["step"] >= WARMUP]
 
 
 def measure(out: Path, rounds: int) -> None:
@@ -72,7 +79,7 @@ def measure(out: Path, rounds: int) -> None:
             compiled[name] = _compile(name, text, work)
         except subprocess.CalledProcessError as e:
             print(f"{name}: does not compile: {e.stderr[-2000:]}", flush=True)
-    result = {"plans": PLANS, "steps": STEPS, "warmup": WARMUP, "rounds": [], "load": []}
+    result = {"plans": PLANS, "steps": STEPS, "warmup": WARMUP, "log_every": LOG, "rounds": [], "load": []}
     for r in range(rounds):
         row = {}
         for name, path in compiled.items():
@@ -82,7 +89,8 @@ def measure(out: Path, rounds: int) -> None:
                 print(f"round {r} {name}: failed: {e.stderr[-2000:]}", flush=True)
                 continue
             row[name] = statistics.median(times)
-            print(f"round {r} {name:<16} {row[name] * 1e3:8.2f} ms/step (median of {len(times)})", flush=True)
+            print(f"round {r} {name:<16} {row[name] * 1e3:8.2f} ms/step (median of {len(times)} windows of {LOG})",
+                  flush=True)
         result["rounds"].append(row)
         result["load"].append(os.getloadavg()[0])
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +109,15 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def predict(text: str, preset: str) -> float:
+def predict(text: str, preset: str):
+    """The estimate (`parc.analysis.cost.Estimate`) of plan `text` under `preset`."""
     from parc.analysis import cost
     from parc.analysis.report import _trace_stats
     from parc.grammar.parser import parse
 
     plan = parse(text, file="bench.par")
     stats = _trace_stats(GPT, plan)
-    return cost.estimate(plan, stats, cost.hardware(preset, plan.topology)).step_seconds
+    return cost.estimate(plan, stats, cost.hardware(preset, plan.topology))
 
 
 def compare(measured: Path, preset: str) -> int:
@@ -116,13 +125,19 @@ def compare(measured: Path, preset: str) -> int:
     names = list(data["plans"])
     med = {n: statistics.median(r[n] for r in data["rounds"]) for n in names}
     spread = {n: (max(r[n] for r in data["rounds"]) - min(r[n] for r in data["rounds"])) / med[n] for n in names}
-    pred = {n: predict(data["plans"][n], preset) for n in names}
-    print("| plan | measured ms (median of rounds) | round spread | predicted ms | error |\n|---|---|---|---|---|")
+    est = {n: predict(data["plans"][n], preset) for n in names}
+    pred = {n: e.step_seconds for n, e in est.items()}
+    print("| plan | measured ms (median of rounds) | round spread | predicted ms | error | predicted: compute and bubble / "
+          "communication / optimizer ms |\n|---|---|---|---|---|---|")
     worst = 0.0
     for n in names:
         err = pred[n] / med[n] - 1
         worst = max(worst, abs(err))
-        print(f"| {n} | {med[n] * 1e3:.0f} | {spread[n]:.0%} | {pred[n] * 1e3:.0f} | {err:+.0%} |")
+        e = est[n]
+        comm = e.exposed_comm_seconds
+        print(f"| {n} | {med[n] * 1e3:.0f} | {spread[n]:.0%} | {pred[n] * 1e3:.0f} | {err:+.0%} | "
+              f"{(e.step_seconds - comm - e.optimizer_seconds) * 1e3:.0f} / {comm * 1e3:.0f} / "
+              f"{e.optimizer_seconds * 1e3:.0f} |")
     rho = spearman([med[n] for n in names], [pred[n] for n in names])
     within = sum(abs(pred[n] / med[n] - 1) <= 0.25 for n in names)
     print(f"\nSpearman {rho:.3f} over {len(names)} plans; {within} of {len(names)} within 25%, worst error {worst:.0%}; "

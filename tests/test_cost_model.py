@@ -242,11 +242,17 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 64, 64), (256, 256, 256)])
     monkeypatch.setattr(calibrate, "CPU_ATTN", [(32, 16)])
-    monkeypatch.setattr(calibrate, "_gloo", lambda world: (1e-4, 2e-4, 1e9))
+    table = [("all-reduce", 2, 1024, 1e-3, 2e-3), ("all-reduce", 2, 1024, 2e-2, 4e-3)]
+    monkeypatch.setattr(calibrate, "_gloo", lambda world: {"latency": 1e-4, "call": 2e-4, "bw": 1e9, "table": table,
+                                                          "probe": 2 * calibrate._probe_alone(), "post": 5e-4})
     out = tmp_path / "cpu.json"
-    data = calibrate.calibrate("cpu", out, log=lambda *_: None)
+    data = calibrate.calibrate("cpu", out, ranks=4, log=lambda *_: None)
     hw = cost.hardware(str(out))
     assert hw.name == data["name"] and not hw.async_launch and hw.cores >= 1
     assert max(e for *_, e in hw.matmul) == pytest.approx(1.0)   # efficiencies against the best measured
     assert hw.mem_bw > 0 and hw.op_overhead > 0 and len(hw.attention) == 1
     assert (hw.latency_intra, hw.collective_overhead) == (1e-4, 2e-4)   # per ring step, per call
+    assert hw.collectives == tuple(table) and hw.optimizer_per_tensor > 0 and hw.p2p_post == 5e-4
+    assert {r[0] for r in hw.op_overheads} == {"mm", "attn", "mem", "view"}
+    assert all(f > 0 and b >= 0 for _, f, b in hw.op_overheads)
+    assert hw.contention > 0   # the probe at 4 ranks over (ranks / cores) × alone

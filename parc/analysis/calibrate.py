@@ -13,13 +13,28 @@ preset name is (report, check, plan); `read_preset` reads it back.
 - memory bandwidth: an elementwise add over tensors far larger than the caches
   (bytes read and written / time).
 - op overhead: a chain of tiny autograd ops, forward and backward, per kernel:
-  what dispatch costs when there is no work.
-- CPU only: a gloo all-reduce among `--ranks` processes on this host (as many
-  as the plans will run: on a CPU they share the cores, which is part of the
-  latency), small and large, for latency and bandwidth, and small among
-  concurrent pairs (as tp=2 groups issue them), which with the whole world's
-  separates a fixed cost per call from the cost per ring step; `cores`, the cores
-  the ranks will share.
+  what dispatch costs when there is no work. CPU: also per kind of op
+  (`op_overheads`: a linear, an attention, elementwise/norm ops, views, forward
+  and backward apart, at a size where the work is nothing), which is what a
+  rank of a small model spends most of its compute on; and the optimizer's
+  per-tensor loop (`optimizer_per_tensor`, AdamW over small tensors).
+- CPU only, among `--ranks` processes on this host (as many as the plans will
+  run: they share the cores), all measured with every process at once:
+  - a gloo all-reduce, small and large, for latency and bandwidth, and small
+    among concurrent pairs (as tp=2 groups issue them), which with the whole
+    world's separates a fixed cost per call from the cost per ring step (the
+    fallback for group sizes the table lacks);
+  - `collectives`: seconds per call of all-reduce, all-gather, reduce-scatter
+    (groups of 2, 4, … ranks, all groups at once) and a pipeline send/recv, at
+    three sizes, each measured *under load*: every rank computes a probe between
+    calls (a few ops' worth, and a whole step's worth), and what a call adds over
+    the same loop without it is its cost. On shared cores a peer a collective
+    waits for is often not running, so a call costs several times what it costs
+    with every rank idle inside the collective;
+  - `contention`: the probe's slowdown with every rank computing at once, over
+    ranks / cores (what core sharing alone explains); `cores`;
+  - `p2p_post`: the mean time a rank spends posting a send or receive
+    (`batch_isend_irecv`, small messages) in those loops, on its own timeline.
 
 Every figure is the median of repeats: the machine may be shared.
 """
@@ -122,6 +137,117 @@ def _overhead(device: str, timed) -> float:
     return timed(chain) / (50 * 3)  # 50 forward kernels, about 2 per op in backward
 
 
+def _probe_step():
+    """The compute probe whose slowdown under `--ranks` concurrent processes is measured: a small MLP's
+    forward and backward (matmuls, an elementwise op, a norm; dispatch and cache as a rank's step has them)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(256, 64)
+    w1 = torch.randn(256, 64, requires_grad=True)
+    w2 = torch.randn(64, 256, requires_grad=True)
+
+    def step():
+        F.layer_norm(F.linear(F.gelu(F.linear(x, w1)), w2), (64,)).sum().backward()
+    return step
+
+
+def _probe_alone() -> float:
+    import torch
+
+    torch.set_num_threads(1)   # as every rank runs (OMP_NUM_THREADS=1)
+    return _timer("cpu")(_probe_step(), budget=0.1, repeats=7)
+
+
+# one message per call, bytes of the whole tensor: the all-reduce's buffer, the all-gather's output, the
+# reduce-scatter's input (what parc.analysis.cost._collective calls `size`); a send/recv's message
+COLLECTIVE_BYTES = (1024, 2 ** 18, 2 ** 22)
+
+
+# compute between two collective calls in the loaded measurement, in probe steps (about 0.6 ms each alone):
+# a few ops (tp's all-reduces, ZeRO-3's gathers, a pipeline's sends) and a whole step's (dp's all-reduce)
+BETWEEN = (1, 16)
+
+
+def _per_call(fn, probe, between: int, samples: int = 5) -> tuple[float, float]:
+    """(compute between calls, seconds one call of the collective `fn` adds to a rank's step), measured as
+    ranks run it: every process computes `between` probe steps, then calls `fn`, over and over, and the
+    same loop without the call is timed in alternation; the difference per call, averaged over the ranks.
+    The compute between is the loop without calls (wall seconds, the cores shared as in a step). On cores
+    the ranks share, a peer a collective waits for is often not running (another rank's compute is), and
+    the longer ranks compute between calls the further apart they arrive: in isolation (every rank
+    inside the collective, the cores idle) a call is several times cheaper than this."""
+    import torch
+    import torch.distributed as dist
+
+    loops = max(2, 32 // between)
+
+    def loop(call: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            for _ in range(between):
+                probe()
+            if call:
+                fn()
+        return (time.perf_counter() - t0) / loops
+
+    loop(True)
+    with_call, without = [], []
+    for _ in range(samples):
+        with_call.append(loop(True))
+        without.append(loop(False))
+    mine = torch.tensor([statistics.median(without), statistics.median(with_call) - statistics.median(without)],
+                        dtype=torch.float64)
+    dist.all_reduce(mine)
+    gap, call = (float(v) / dist.get_world_size() for v in mine)
+    return gap, max(call, 0.0)
+
+
+def _optimizer_per_tensor(tensors: int = 64, numel: int = 256) -> float:
+    """Seconds per parameter tensor of an AdamW step over small tensors, where the bytes cost nothing: the
+    per-tensor loop torch runs on a CPU (a dozen kernels a tensor), which a model of many small
+    parameters pays. The per-tensor loop is what runtime/optim_step.py runs on CPU (no fused kernel)."""
+    import torch
+
+    torch.set_num_threads(1)
+    params = [torch.zeros(numel, requires_grad=True) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.ones(numel)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _timer("cpu")(opt.step, budget=0.1, repeats=7) / tensors
+
+
+def _op_overheads(timed) -> list[tuple[str, float, float]]:
+    """(kind, forward s, backward s) of one op at a size where its work is nothing: what dispatch, autograd
+    and the op's own bookkeeping cost, per kind parc.analysis.compute prices (a linear's forward is a
+    transpose and an addmm, its backward two matmuls and a sum; an elementwise op a kernel or two). `mem` is
+    the mean of an add, a GELU and a layer norm; `view` of a view and a transpose. The backward is timed as
+    the op's output summed and back-propagated, less the same for its input alone."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    w, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    q = torch.randn(1, 2, 4, 4, requires_grad=True)
+    ones, zeros = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    kinds = {"mm": [lambda: F.linear(x, w, b)],
+             "attn": [lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)],
+             "mem": [lambda: x + x, lambda: F.gelu(x), lambda: F.layer_norm(x, (8,), ones, zeros)],
+             "view": [lambda: x.view(2, 32), lambda: x.transpose(1, 2)]}
+    base = timed(lambda: x.sum().backward(), budget=0.05, repeats=9)
+    rows = []
+    for kind, fns in kinds.items():
+        fwd = bwd = 0.0
+        for fn in fns:
+            f = timed(fn, budget=0.05, repeats=9)
+            both = timed(lambda: fn().sum().backward(), budget=0.05, repeats=9)
+            fwd, bwd = fwd + f / len(fns), bwd + max(both - f - base, 0.0) / len(fns)
+        rows.append((kind, fwd, bwd))
+    return rows
+
+
 def _gloo_worker(rank: int, port: int, out, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -129,6 +255,7 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res = {}
+    probe = _probe_step()
     for size in (1024, 2 ** 22):
         x = torch.ones(size // 4)
         for _ in range(3):
@@ -151,16 +278,73 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
                 dist.all_reduce(x, group=group)
             samples.append((time.perf_counter() - t0) / 5)
         res["pair"] = statistics.median(samples)
+    # seconds per call of each collective kind, per group size n (world // n groups of consecutive ranks,
+    # all at once: as a mesh axis's groups run), per message size, per compute between calls
+    table, n = [], 2
+    while n <= world:
+        groups = [dist.new_group(list(range(g, g + n))) if n < world else None for g in range(0, world - n + 1, n)]
+        if world % n == 0:
+            group = groups[rank // n]
+            for size in COLLECTIVE_BYTES:
+                full, part = torch.ones(size // 4), torch.ones(size // 4 // n)
+                calls = {"all-reduce": lambda: dist.all_reduce(full, group=group),
+                         "all-gather": lambda: dist.all_gather_into_tensor(full, part, group=group),
+                         "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group)}
+                for kind, fn in calls.items():
+                    for between in BETWEEN:
+                        table.append((kind, n, size, *_per_call(fn, probe, between)))
+        n *= 2
+    # a pipeline's send/recv: pairs (0→1, 2→3, …) at once, one way = half a round trip, as the
+    # executor posts them (batch_isend_irecv, waited)
+    posts: list[float] = []
+    if world >= 2:
+        peer = rank + 1 if rank % 2 == 0 else rank - 1
+        for size in COLLECTIVE_BYTES:
+            buf = torch.ones(size // 4)
+
+            def post(op):   # as runtime/pipeline.py posts a send or a receive
+                t0 = time.perf_counter()
+                works = dist.batch_isend_irecv([dist.P2POp(op, buf, peer)])
+                if size == COLLECTIVE_BYTES[0]:   # the set-up, not a large message's copy (in the hop)
+                    posts.append(time.perf_counter() - t0)   # the poster's own time, before any wait
+                for work in works:
+                    work.wait()
+
+            def ping():
+                if peer >= world:   # an odd world's last rank computes alone
+                    return
+                first, then = (dist.isend, dist.irecv) if rank % 2 == 0 else (dist.irecv, dist.isend)
+                post(first)
+                post(then)
+            for between in BETWEEN:
+                gap, call = _per_call(ping, probe, between)
+                table.append(("send/recv", 2, size, gap, call / 2))
+    # a post's time on its rank's own timeline: the mean over the smallest messages' posts above (a post the
+    # scheduler interrupts costs its rank that time too; the median would drop it), averaged over the ranks
+    mine = torch.tensor([statistics.fmean(posts) if posts else 0.0], dtype=torch.float64)
+    dist.all_reduce(mine)
+    res["post"] = float(mine) / world
+    res["table"] = table
+    # compute as the ranks run it, every process at once on the cores they share: the probe's time in the
+    # loops without calls above (their median over every row: many samples, spread over the whole run)
+    res["probe"] = statistics.median(gap / b for (*_, gap, _), b in zip(table, _betweens(table)))
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
 
 
-def _gloo(world: int) -> tuple[float, float, float]:
-    """(latency per ring step, fixed cost per collective call, bandwidth bytes/s) of gloo all-reduces
-    among `world` processes on this host. A small all-reduce costs a + 2(n - 1)·l on a ring of n: with
-    concurrent pairs (n = 2) and the whole world measured, a and l are fitted from the two (one ring
-    size only: a = 0)."""
+def _betweens(table: list) -> list[int]:
+    """The probe steps between calls of each row of the worker's table (rows come in BETWEEN order)."""
+    return [BETWEEN[i % len(BETWEEN)] for i in range(len(table))]
+
+
+def _gloo(world: int) -> dict:
+    """Gloo among `world` processes on this host, every process at once: `latency` per ring step, `call`
+    (fixed cost per collective call), `bw` (bytes/s), `table` (kind, group size, bytes, compute between
+    calls, seconds per call)
+    and `probe` (seconds of the compute probe while every process runs it). A small all-reduce costs
+    a + 2(n - 1)·l on a ring of n: with concurrent pairs (n = 2) and the whole world measured, a and l are
+    fitted from the two (one ring size only: a = 0)."""
     import torch.multiprocessing as mp
 
     from parc.runtime.launch import free_port
@@ -171,16 +355,17 @@ def _gloo(world: int) -> tuple[float, float, float]:
     procs = [ctx.Process(target=_gloo_worker, args=(r, port, q, world)) for r in range(world)]
     for p in procs:
         p.start()
-    res = q.get(timeout=300)
+    res = q.get(timeout=600)
     for p in procs:
         p.join()
     small, big = res[1024], res[2 ** 22]
     steps, share = 2 * (world - 1), 2 * (world - 1) / world   # a ring's latency steps and volume per rank
     bw = share * 2 ** 22 / max(big - small, 1e-9)
+    out = {"bw": bw, "table": res["table"], "probe": res["probe"], "post": res["post"]}
     if "pair" not in res:
-        return small / steps, 0.0, bw
+        return {**out, "latency": small / steps, "call": 0.0}
     step = max((small - res["pair"]) / (steps - 2), 0.0)
-    return step, max(res["pair"] - 2 * step, 0.0), bw
+    return {**out, "latency": step, "call": max(res["pair"] - 2 * step, 0.0)}
 
 
 def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks: int = 2, log=print) -> dict:
@@ -208,19 +393,36 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
     log(f"memory bandwidth {mem_bw / 1e9:.1f} GB/s")
     overhead = _overhead(device, timed)
     log(f"op overhead {overhead * 1e6:.1f} µs")
+    per_kind = _op_overheads(timed) if device == "cpu" else []   # the GPU presets: max(work, launch) per kernel
+    for kind, f, b in per_kind:
+        log(f"  {kind:<5} forward {f * 1e6:.1f} µs, backward {b * 1e6:.1f} µs per op")
     preset = {
         "name": f"{device}:{_device_name(device)}", "memory": _memory(device), "flops": flops,
         "achievable": statistics.median(e for *_, e in table), "mem_bw": mem_bw, "matmul": table,
         "attention": attention, "op_overhead": overhead, "async_launch": device == "cuda",
+        **({"op_overheads": [list(r) for r in per_kind]} if per_kind else {}),
         "source": f"parc calibrate --device {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
     }
     if device == "cpu":
-        lat, call, bw = _gloo(ranks)
+        cores = len(os.sched_getaffinity(0))
+        alone = _probe_alone()
+        g = _gloo(ranks)
+        lat, call, bw = g["latency"], g["call"], g["bw"]
         log(f"gloo all-reduce over {ranks} processes: {call * 1e6:.0f} µs per call + {lat * 1e6:.0f} µs per ring "
             f"step, {bw / 1e9:.2f} GB/s")
+        for kind, n, size, gap, sec in g["table"]:
+            log(f"  {kind:<14} n={n} {size:>8} B, {gap * 1e3:5.1f} ms compute between: {sec * 1e3:.2f} ms per call")
+        # the probe's slowdown with every rank computing at once, beyond sharing the cores (ranks / cores)
+        share = max(1.0, ranks / cores)
+        contention = g["probe"] / alone / share
+        log(f"compute probe {alone * 1e3:.2f} ms alone, {g['probe'] * 1e3:.2f} ms with {ranks} processes at once "
+            f"on {cores} cores: ×{g['probe'] / alone:.2f} (×{share:.2g} sharing, ×{contention:.2f} contention)")
         preset.update(intra_bw=bw, inter_bw=bw, latency_intra=lat, latency_inter=lat, collective_overhead=call,
-                      gpus_per_node=1024,
-                      cores=len(os.sched_getaffinity(0)))
+                      gpus_per_node=1024, cores=cores, contention=contention,
+                      collectives=[list(row) for row in g["table"]],
+                      optimizer_per_tensor=_optimizer_per_tensor(), p2p_post=g["post"])
+        log(f"posting a send or receive (batch_isend_irecv), on the poster's timeline: {g['post'] * 1e3:.2f} ms")
+        log(f"optimizer (AdamW, per parameter tensor): {preset['optimizer_per_tensor'] * 1e6:.1f} µs")
     else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
         preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +466,6 @@ def read_preset(path: str, known: set[str]) -> dict:
         raise ParcError(f"preset file {path}: unknown field(s) {', '.join(sorted(unknown))}",
                         hint="valid: " + ", ".join(sorted(known)))
     data.setdefault("achievable", 0.5)
-    for key in ("matmul", "attention"):
+    for key in ("matmul", "attention", "collectives", "op_overheads"):
         data[key] = tuple(tuple(r) for r in data.get(key, ()))
     return data

@@ -23,6 +23,12 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
 Every kernel also costs the preset's `op_overhead` (launch and dispatch): on a
 GPU the host runs ahead (`async_launch`), so a kernel costs max(work, overhead);
 on a CPU the two add. The backward is taken as 2 kernels per forward kernel.
+A calibrated CPU preset measures the overhead per kind of op instead
+(`op_overheads`: seconds of a linear, an attention, an elementwise or norm op, a
+view, forward and backward apart, each at a size where the work is nothing):
+there an op costs its work plus its kind's overhead, and the views (`views`: the
+count of view/reshape/split/getitem nodes, which move no bytes but are
+dispatched and have autograd nodes) cost the view overhead each.
 Recomputed ops run their forward again inside the backward.
 
 A preset without tables (or statistics without `ops`, e.g. an artifact compiled
@@ -75,9 +81,23 @@ def _kernel(hw, work: float) -> float:
     return max(work, hw.op_overhead) if hw.async_launch else work + hw.op_overhead
 
 
-def _mm_time(hw, dtype, b, m, n, k) -> float:
+def _mm_work(hw, dtype, b, m, n, k) -> float:
     flops = 2 * b * m * n * k
-    return _kernel(hw, flops / (_peak(hw, dtype) * matmul_efficiency(hw, dtype, m, n, k))) if flops else 0.0
+    return flops / (_peak(hw, dtype) * matmul_efficiency(hw, dtype, m, n, k)) if flops else 0.0
+
+
+def _mm_time(hw, dtype, b, m, n, k) -> float:
+    return _kernel(hw, _mm_work(hw, dtype, b, m, n, k)) if b * m * n * k else 0.0
+
+
+def _op(hw, kind: str, fwd_work: float, bwd_work: list[float]) -> tuple[float, float]:
+    """(forward, backward) seconds of one op: its work, and its dispatch overhead. With the preset's
+    per-kind overheads (calibrated CPU) the two add, the backward's kernels under one figure; without,
+    each kernel is `_kernel` (GPU: max(work, overhead))."""
+    for row in hw.op_overheads:   # a handful of rows, none on the GPU presets
+        if row[0] == kind:
+            return fwd_work + row[1], sum(bwd_work) + row[2]
+    return _kernel(hw, fwd_work), sum(_kernel(hw, w) for w in bwd_work)
 
 
 def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
@@ -86,24 +106,34 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
     for b, m, n, k, split, rec, count in ops.get("mm", ()):
         if tp > 1 and split:
             b, n, k = (b / tp if split == 3 else b), (n / tp if split == 1 else n), (k / tp if split == 2 else k)
-        f = _mm_time(hw, dtype, b, m, n, k)
+        if not b * m * n * k:
+            continue
+        f, bk = _op(hw, "mm", _mm_work(hw, dtype, b, m, n, k),
+                    [_mm_work(hw, dtype, b, m, k, n), _mm_work(hw, dtype, b, n, k, m)])
         fwd += count * f
-        bwd += count * (_mm_time(hw, dtype, b, m, k, n) + _mm_time(hw, dtype, b, n, k, m) + (f if rec else 0.0))
+        bwd += count * (bk + (f if rec else 0.0))
     for bh, t, hs, causal, split, rec, count in ops.get("attn", ()):
         if tp > 1 and split:
             bh = bh / tp
         flops = 4 * bh * t * t * hs * (0.5 if causal else 1.0)
-        f = _kernel(hw, flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)))
+        f, bk = _op(hw, "attn", flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
+                    [2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
         fwd += count * f
-        bwd += count * (_kernel(hw, 2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True)))
-                        + (f if rec else 0.0))
+        bwd += count * (bk + (f if rec else 0.0))
     bw = hw.mem_bw
     for nbytes, sharded, rec, count in ops.get("mem", ()):
         if tp > 1 and sharded:
             nbytes = nbytes / tp
-        f = _kernel(hw, nbytes / bw) if bw else 0.0
+        work = nbytes / bw if bw else 0.0
+        f, bk = _op(hw, "mem", work, [work, work])
+        if not bw and not hw.op_overheads:
+            f = bk = 0.0
         fwd += count * f
-        bwd += count * (2 * (_kernel(hw, nbytes / bw) if bw else 0.0) + (f if rec else 0.0))
+        bwd += count * (bk + (f if rec else 0.0))
+    views = dict((r[0], r[1:]) for r in hw.op_overheads).get("view")
+    if views:   # only a calibrated per-kind table prices them: elsewhere a view is free
+        fwd += ops.get("views", 0) * views[0]
+        bwd += ops.get("views", 0) * views[1]
     return fwd, bwd
 
 
@@ -118,19 +148,21 @@ def fallback(hw, dtype: str, flops: float, recomputed: float) -> tuple[float, fl
     return flops / peak, (2 * flops + recomputed) / peak
 
 
-def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batches: int) -> float:
+def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batches: int, tensors: int = 0) -> float:
     """Per-step memory-bound work outside the micro-batches, per rank: the optimizer update over the
     parameters this rank updates (`params_local`), grad clipping, gradient accumulation, bf16 casts.
 
     Bytes per parameter: AdamW reads param, grad and two moments and writes param and moments
     (16 + 12); SGD 8 + 4; clipping reads the grads for their norm and scales them (4 + 8);
     accumulating a micro-batch's grads into .grad reads and writes them (8 per extra micro);
-    bf16 casts each weight once per step (4 read + 2 written).
+    bf16 casts each weight once per step (4 read + 2 written). `tensors`: parameter tensors the optimizer
+    loops over, each at the preset's `optimizer_per_tensor` (a CPU's per-tensor loop, calibrated; 0 on
+    the GPU presets, whose fused optimizer is one kernel).
     """
     if not hw.mem_bw:
         return 0.0
     per = {"sgd": 12}.get(optimizer, 28) + 12 + 8 * max(micro_batches - 1, 0) + (6 if dtype != "fp32" else 0)
-    return params_local * per / hw.mem_bw + 4 * hw.op_overhead
+    return params_local * per / hw.mem_bw + 4 * hw.op_overhead + tensors * hw.optimizer_per_tensor
 
 
 # ---------------------------------------------------------------- from the traced graph
@@ -171,9 +203,12 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
     """
     from parc.analysis.activations import LOWERED, _is, is_alias
 
-    mm, attn, mem = {}, {}, {}
+    mm, attn, mem, views = {}, {}, {}, 0
     for n in nodes:
-        if n.op != "call_function" or is_alias(n) or _shape(n) is None:
+        if n.op == "call_function" and is_alias(n) and not str(n.target).startswith("parc."):
+            views += 1   # no bytes, but dispatched (and an autograd node): `views`, priced by the view overhead
+            continue
+        if n.op != "call_function" or _shape(n) is None:
             continue
         name, rec = str(n.target), int(bool(recomputed_of(n)))
         if name.startswith("parc."):   # collectives: timed by the communication model
@@ -206,7 +241,7 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         key = (int(nbytes), int(bool(sharded_of(n))), rec)
         mem[key] = mem.get(key, 0) + 1
     return {"mm": [[*k, c] for k, c in mm.items()], "attn": [[*k, c] for k, c in attn.items()],
-            "mem": [[*k, c] for k, c in mem.items()]}
+            "mem": [[*k, c] for k, c in mem.items()], "views": views}
 
 
 def merge_ops(tables: list[dict]) -> dict:
@@ -219,6 +254,7 @@ def merge_ops(tables: list[dict]) -> dict:
             for *key, count in t.get(kind, ()):
                 rows[tuple(key)] = rows.get(tuple(key), 0) + count
         out[kind] = [[*k, c] for k, c in rows.items()]
+    out["views"] = sum(t.get("views", 0) for t in tables)
     return out
 
 
@@ -236,4 +272,4 @@ def scale_ops(ops: dict, micro: int) -> dict:
           for b, m, n, k, *rest in ops.get("mm", ())]
     attn = [[bh * micro, *rest] for bh, *rest in ops.get("attn", ())]
     mem = [[nbytes * micro, *rest] for nbytes, *rest in ops.get("mem", ())]
-    return merge_ops([{"mm": mm, "attn": attn, "mem": mem}])
+    return merge_ops([{"mm": mm, "attn": attn, "mem": mem, "views": ops.get("views", 0)}])

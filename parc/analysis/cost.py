@@ -63,6 +63,12 @@ class Hardware:
     nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU
     cores: int = 0                 # CPU: cores the ranks of a host share; 0: one device per rank
     collective_overhead: float = 0.0  # seconds per collective call beyond its ring steps (calibrated gloo)
+    # calibrated on a CPU host (parc calibrate), empty/neutral for the shipped GPU presets:
+    contention: float = 1.0        # compute's slowdown beyond ranks / cores when more ranks than cores compute
+    collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured
+    optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of the optimizer step beyond its bytes
+    op_overheads: tuple = ()       # (kind: mm/attn/mem/view, forward s, backward s) per op at no work (compute.py)
+    p2p_post: float = 0.0          # seconds a pipeline rank spends posting a send/receive, on its own timeline
     source: str = ""               # where the figures come from
 
 
@@ -135,7 +141,7 @@ def graph_stats(traced, plan) -> dict:
     n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "logits_elements_sharded",
-            "logits_elements_replicated")
+            "logits_elements_replicated", "param_tensors", "zero_units")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -191,6 +197,9 @@ def graph_stats(traced, plan) -> dict:
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
+    from parc.passes.zero import unit_of
+
+    units: list[set] = [set() for _ in range(n_stages)]
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -202,6 +211,10 @@ def graph_stats(traced, plan) -> dict:
         for s in used or [0]:
             stages[s]["params_sharded" if style in ("column", "row", "vocab") else "params_replicated"] += \
                 math.prod(spec.shape)
+            stages[s]["param_tensors"] += 1          # the optimizer's per-tensor loop (CPU)
+            units[s].add(unit_of(spec.fqn))           # ZeRO's buckets: one per layer or top-level module
+    for d, u in zip(stages, units):
+        d["zero_units"] = len(u)
     sends = [sum(_elements(v.meta.get("val")) for v in cut) for cut in crossing(gm, n_stages)] \
         if n_stages > 1 else []
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
@@ -311,13 +324,15 @@ def _span(group: list[int], per_node: int) -> tuple[int, int]:
     return len(count), max(count.values(), default=0)
 
 
-def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1) -> Comm:
+def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1, gap=0.0) -> Comm:
     """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table.
 
     A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
     node runs NCCL's parallel rings (channels) over min(r, NICs per node) network links at once,
     each at `inter_bw`, and no faster than NVLink: the bandwidth is min(intra, links × inter).
     `calls` collectives of the group (`size` their total) each cost `hw.collective_overhead` too.
+    A preset with measured `collectives` (parc calibrate, CPU) prices each call as measured at this kind and
+    group size, for its share of `size` and `gap`, the rank's compute (seconds) between two calls.
     """
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
               "send/recv": 1.0}[name]
@@ -333,8 +348,45 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
         bw, lat = hw.intra_bw, hw.latency_intra
     steps = latency_steps if latency_steps is not None else \
         (2 * math.ceil(math.log2(max(n, 2))) if algo == "tree" else 2 * (n - 1))
-    return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing,
-                volume / bw + steps * lat + calls * hw.collective_overhead)
+    rows = [r[2:] for r in hw.collectives if r[0] == name and r[1] == n] if not crossing else []
+    if rows and calls >= 1:   # measured per call at this group size (parc calibrate): each call priced as measured
+        seconds = calls * measured_call(rows, size / calls, gap)
+    else:
+        seconds = volume / bw + steps * lat + calls * hw.collective_overhead
+    return Comm(axis, name, n, volume, volume * (1 - crossing), volume * crossing, seconds)
+
+
+def measured_call(rows: list[tuple], size: float, gap: float = 0.0) -> float:
+    """Seconds of one call of `size` bytes, `gap` seconds of compute after the previous one, from measured
+    (bytes, gap, seconds) rows: every size is measured at the same few gaps (calibrate's BETWEEN: the i-th
+    smallest gap of each size is one level, at their mean gap). At each level, by size (`_by_size`);
+    between two levels, linear in the gap; outside them, the nearest level's (no extrapolation)."""
+    by_size: dict = {}
+    for b, g, t in rows:
+        by_size.setdefault(b, []).append((g, t))
+    for v in by_size.values():
+        v.sort()
+    levels = min(len(v) for v in by_size.values())
+    gaps = [sum(v[i][0] for v in by_size.values()) / len(by_size) for i in range(levels)]
+    at = [_by_size(sorted((b, v[i][1]) for b, v in by_size.items()), size) for i in range(levels)]
+    if gap <= gaps[0]:
+        return at[0]
+    if gap >= gaps[-1]:
+        return at[-1]
+    i = max(j for j in range(levels) if gaps[j] <= gap)
+    return at[i] + (at[i + 1] - at[i]) * (gap - gaps[i]) / (gaps[i + 1] - gaps[i])
+
+
+def _by_size(rows: list[tuple[float, float]], size: float) -> float:
+    """Seconds of one call of `size` bytes from measured (bytes, seconds) rows, sorted by bytes: linear
+    between the two measured sizes around it (a call costs a fixed part plus a part per byte); below the
+    smallest, the smallest's (the fixed part); beyond the largest, on along the last two's slope."""
+    if len(rows) == 1 or size <= rows[0][0]:
+        return rows[0][1] if size <= rows[0][0] else rows[0][1] * size / rows[0][0]
+    for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
+        if size <= b1 or (b1, t1) == rows[-1]:
+            return max(t0 + (t1 - t0) * (size - b0) / (b1 - b0), 0.0)
+    return rows[-1][1]
 
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
@@ -369,22 +421,24 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     pb, cb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
     z = plan.zero.stage
     wire = 2 if plan.grad_reduce == "bf16" else gb  # `precision bf16 reduce=bf16`: the dp gradient reduction
-    # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them
-    slow = max(1.0, min(m.world_size, hw.gpus_per_node) / hw.cores) if hw.cores else 1.0
+    # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them, and by
+    # the contention calibrate measured beyond that sharing (caches, switching) with every rank computing
+    on_host = min(m.world_size, hw.gpus_per_node)
+    slow = max(1.0, on_host / hw.cores) * (hw.contention if on_host > hw.cores else 1.0) if hw.cores else 1.0
 
     def per_tp(d, key):  # one tp rank's share
         return d[f"{key}_sharded"] / tp + d[f"{key}_replicated"]
 
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
-        calls = max(d.get("tp_ops", 1), 1)
-        tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
-                           latency_steps=2 * (tp - 1) * calls, calls=calls)
-        tp_t = tp_c.seconds if tp > 1 else 0.0
         if compute.has_model(hw, d):
             f, b = compute.stage_seconds(d["ops"], hw, dtype, tp)
         else:
             f, b = compute.fallback(hw, dtype, per_tp(d, "flops"), d["flops_recomputed"] / tp)
+        calls = max(d.get("tp_ops", 1), 1)
+        tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
+                           latency_steps=2 * (tp - 1) * calls, calls=calls, gap=(f + b) * slow / calls)
+        tp_t = tp_c.seconds if tp > 1 else 0.0
         tp_times.append(tp_t)
         return f * slow + tp_t / 2, b * slow + tp_t / 2
     tp_times: list[float] = []
@@ -395,8 +449,18 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     send_bytes = send_el * act_b / (tp if sp or (p2p_scatter_gather and tp > 1) else 1)
     if pp > 1:
         name = plan.pipeline.schedule if plan.pipeline else "1f1b"
-        p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1)
+        # a send follows one F or B of the sender's stage (the mean action: the gap between two sends)
+        action = sum(cost_f + cost_b) / (2 * len(cost_f))
+        p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1,
+                          gap=action)
         p2p_t = p2p.seconds
+        if hw.p2p_post:
+            # the executor posts about one batch of sends/receives per action (runtime/pipeline.py batches
+            # adjacent ones; a --trace shows 15–17 posts for 16 actions): the poster's time goes on its own
+            # timeline, each F and B. The measured hop (half a round trip) holds the sender's post: taken off
+            cost_f = [c + hw.p2p_post for c in cost_f]
+            cost_b = [c + hw.p2p_post for c in cost_b]
+            p2p_t = max(p2p_t - hw.p2p_post, 0.0)
         if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
             p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
         split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
@@ -443,32 +507,43 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
 
     # -- communication per rank per step (the worst pp rank's sizes)
     comms = []
-    big = max(memory, key=lambda row: row["params_count"])["params_count"]
+    big_rank = max(range(pp), key=lambda r: memory[r]["params_count"])
+    big = memory[big_rank]["params_count"]
+    held = [stages[big_rank + k * pp] for k in range(virtual)]
     wire = dp_bytes or wire  # stated, else the layout's (`reduce=bf16`: 2 bytes)
+    # collective calls: plain dp all-reduces one bucket of at most 25 MiB at a time (passes/grad_buckets.py);
+    # ZeRO one bucket per layer or top-level module (passes/zero.py `unit_of`; 1 for statistics without it)
+    units = max(sum(d.get("zero_units", 0) for d in held), 1)
+    # the compute (seconds, cores shared) of one micro-batch on the busiest rank: what separates its calls
+    micro_s = max(sum(times[r + k * pp][0] + times[r + k * pp][1] for k in range(virtual)) for r in range(pp))
     if dp > 1:
         if z == 0:
-            comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce))
+            buckets = max(1, math.ceil(big * gb / (25 * 2 ** 20)))
+            comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce,
+                                     calls=buckets, gap=acc * micro_s / buckets))
         else:
             # runtime/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
             # ZeRO-1/2 gather the updated fp32 masters once a step; ZeRO-3 gathers the compute copy twice per
-            # micro-batch (forward, backward)
+            # micro-batch (forward, backward); each time every bucket in a call of its own
             rs = acc if z >= 2 else 1
-            comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
-                                     latency_steps=(dp - 1) * rs))
             ag = 2 * acc if z == 3 else 1
+            gap = acc * micro_s / ((rs + ag) * units)   # the step's compute over all its calls
+            comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
+                                     latency_steps=(dp - 1) * rs, calls=rs * units, gap=gap))
             gathered = big * ((cb or pb) if z == 3 else pb)
             comms.append(_collective("dp", "all-gather", dp, gathered * ag, groups["dp"], hw, allreduce,
-                                     latency_steps=(dp - 1) * ag))
+                                     latency_steps=(dp - 1) * ag, calls=ag * units, gap=gap))
     if tp > 1:
+        tp_calls = max(max(d.get("tp_ops", 1) for d in stages), 1) * acc * virtual
         tp_bytes = max(d["tp_bytes"] for d in stages) * act_b * acc * virtual
         if plan.tensor_parallel.sequence_parallel:
             for name in ("all-gather", "reduce-scatter"):
-                comms.append(_collective("tp", name, tp, tp_bytes, groups["tp"], hw, allreduce))
+                comms.append(_collective("tp", name, tp, tp_bytes, groups["tp"], hw, allreduce, calls=tp_calls))
         else:
-            comms.append(_collective("tp", "all-reduce", tp, tp_bytes, groups["tp"], hw, allreduce))
+            comms.append(_collective("tp", "all-reduce", tp, tp_bytes, groups["tp"], hw, allreduce, calls=tp_calls))
     if pp > 1:
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
-                                 allreduce, latency_steps=2 * acc * virtual))
+                                 allreduce, latency_steps=2 * acc * virtual, calls=2 * acc * virtual))
     # tp and pp time is inside the simulated makespan. dp: plain dp's bucket all-reduces overlap the last
     # micro-batch's backward (runtime/data_parallel.py), all but the last bucket's share; ZeRO's are not
     dp_time = sum(c.seconds for c in comms if c.axis == "dp")
@@ -478,7 +553,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         dp_exposed = max(dp_time - window, last)
     else:
         dp_exposed = dp_time
-    optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc) * slow
+    # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
+    tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
+    optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc,
+                                       tensors=tensors) * slow
     step = makespan + dp_exposed + optimizer_s
     fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
     model_flops = 3 * fwd * acc * dp
@@ -501,6 +579,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                 else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
                                 "statistics)") + (f"; {min(m.world_size, hw.gpus_per_node)} ranks share "
                                                   f"{hw.cores} cores (×{slow:.2g})" if slow > 1 else ""))
+    if hw.collectives:
+        notes.append("collectives: each call priced as calibrated on this host (per kind, group size, size, and "
+                     "the compute between calls), not by the ring formula")
     est = Estimate(hw, memory, comms, step, compute_s, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu,
                    notes)
     est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s

@@ -170,7 +170,8 @@ def _pair_style(node, p: str, path: dict, op_of: dict) -> str:
 
 ADDITIVE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "kept_bytes_sharded",
-            "kept_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
+            "kept_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated", "param_tensors",
+            "zero_units")
 PER_SAMPLE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
               "tp_bytes", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
               "recompute_peak_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
