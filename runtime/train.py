@@ -204,6 +204,8 @@ class Trainer:
         else:  # only this rank's rows
             batch, lo = source.local(step, lo, per_rank), 0
             check_batch(batch, self.entry["inputs"], step, cfg, dp, rows=per_rank, call=source.call(step, lo, per_rank))
+        if lo == 0 and self.accumulation == 1 and all(t.shape[0] == self.micro for t in batch):
+            return [tuple(t.to(self.ctx.device, non_blocking=True) for t in batch)]  # the rows are the batch
         return [tuple(t[lo + k * self.micro: lo + (k + 1) * self.micro].to(self.ctx.device, non_blocking=True)
                       for t in batch)
                 for k in range(self.accumulation)]
@@ -220,15 +222,17 @@ class Trainer:
         scalar all-reduce per mesh axis; parc.run asks for it at log points)."""
         t0 = time.perf_counter()
         self.current_step = step
-        total = torch.zeros((), device=self.ctx.device)
         micro_batches = self.local_batches(step)
         self.casts.refresh()  # bf16: this step's compute copies of the masters (runtime/precision.py)
         if self.probe:  # the batch, and the compute copies (state: runtime/memory.py held_state)
             self.probe.ignore([*(t for mb in micro_batches for t in mb), *self.casts.copies()])
         with self.zero.active() if self.zero else contextlib.nullcontext():
             if self.pipeline is not None:
-                total += self.pipeline.run(micro_batches, self)
+                total = self.pipeline.run(micro_batches, self)
             else:
+                # the sum of the micro-batch losses; with one micro-batch its loss itself, and no division
+                # by 1 in the step or in its backward (x / 1 is x: the same bits, two ops fewer)
+                total = None
                 for k, mb in enumerate(micro_batches):
                     self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
                     with self.dropout_key(k):  # forward and backward: a recomputed region redraws its masks
@@ -236,8 +240,8 @@ class Trainer:
                             (loss,) = self.forward(*self.state, *mb)
                         if self.probe:
                             self.probe.sample()
-                        (loss / self.accumulation).backward()
-                    total += loss.detach()
+                        (loss / self.accumulation if self.accumulation > 1 else loss).backward()
+                    total = loss.detach() if total is None else total + loss.detach()
             self.buckets.finish()
         self._complete_grads()
         found = None
@@ -256,7 +260,8 @@ class Trainer:
         else:
             step_unless(self.optimizer, found)
         self.buckets.zero()
-        return StepResult(total / self.accumulation, time.perf_counter() - t0, norm,
+        mean = total / self.accumulation if self.accumulation > 1 else total
+        return StepResult(mean, time.perf_counter() - t0, norm,
                           skipped=found if found is not None else False, lr=lr)
 
     def _complete_grads(self) -> None:

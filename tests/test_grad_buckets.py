@@ -65,3 +65,34 @@ def test_all_reduce_overlaps_backward():
     out = spawn(2, _overlap_body)[0]
     assert len(out["calls"]) == out["buckets"] > 1  # one collective per bucket, not per parameter
     assert all(out["calls"])  # every bucket launched from inside backward, none after it
+
+
+def test_dp1_keeps_autograds_gradients_and_zeros_the_unused():
+    """dp 1, nothing to reduce (runtime/data_parallel.py): no buffers, no hooks. Each step's gradients are
+    autograd's own, bit for bit a plain backward's; a parameter without one gets zeros, as a bucket gave it;
+    the last step's gradients stay held until the next step starts."""
+    traced = _traced()
+    torch.manual_seed(0)
+    user = load_user_module(GPT)
+    model = user.build_model()
+    named = dict(model.named_parameters())
+    state = {s.name: named[s.fqn] for s in traced.state}
+    unused = torch.nn.Parameter(torch.ones(3))  # in a bucket, never in the loss
+    state["unused"] = unused
+    buckets = grad_buckets.assign(traced.gm, traced.state)
+    buckets[-1].append("unused")
+    gb = GradBuckets(state, buckets, None, 1)
+    assert gb.local and gb.flat == [] and all(p.grad is None for p in state.values())
+    assert not any(p._post_accumulate_grad_hooks for p in state.values())  # no Python per gradient
+    batch = user.get_batch(0, 2)
+    want = torch.autograd.grad(user.loss_fn(model, *batch), list(named.values()))
+    for step in range(2):  # the second step drops the first's gradients, not adds to them
+        gb.start_micro_batch(sync=True)
+        assert all(p.grad is None for p in state.values())
+        user.loss_fn(model, *batch).backward()
+        gb.finish()
+        for p, g in zip(named.values(), want):
+            assert torch.equal(p.grad, g)
+        assert torch.equal(unused.grad, torch.zeros(3))
+        gb.zero()
+        assert all(p.grad is not None for p in state.values())  # held after the step (memory.held_state)

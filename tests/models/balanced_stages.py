@@ -5,7 +5,8 @@ takes the same time on every rank. Real matmuls do not on a shared 2-core
 machine: four ranks contend for the cores, so a rank's "idle" time also
 includes time spent waiting for a CPU. Each block therefore holds its compute
 with `parctest::hold`, a custom op that sleeps a fixed time in forward and
-twice as long in backward (the usual B = 2F) and uses no CPU while it does, and
+twice as long in backward (the usual B = 2F; the backward is an op too, so a
+compiled program keeps it) and uses no CPU while it does, and
 the real work around it is tiny. The op is a graph node like any aten op: it is
 traced, written into each stage's program and run there.
 """
@@ -32,9 +33,22 @@ def _(x, ms):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("parctest::hold_backward", mutates_args=())
+def hold_backward(grad: torch.Tensor, ms: float) -> torch.Tensor:
+    time.sleep(2 * ms / 1000)
+    return grad.clone()
+
+
+@hold_backward.register_fake
+def _(grad, ms):
+    return torch.empty_like(grad)
+
+
 def _hold_backward(ctx, grad):
-    time.sleep(2 * ctx.ms / 1000)
-    return grad, None
+    # an op, not a sleep written in the formula: AOTAutograd (`compile aot_eager|inductor`) traces a
+    # backward formula once, at compile time, so a bare `time.sleep` here would run then and never again
+    # (the compiled B took 0.8 ms, not 100: test_pipeline's bubble check failed compiled)
+    return hold_backward(grad, ctx.ms), None
 
 
 def _hold_setup(ctx, inputs, output):
