@@ -72,15 +72,13 @@ def _regions(names: dict) -> list[str]:
         inner = f"_{name}"
         if selective:  # under `compile`: its collectives' outputs are kept, not recomputed
             from parc.passes.recompute import POLICY
-            out.append(f"def {name}(*args):\n"
-                       f'    """{inst}: keeps its inputs and its collectives\' outputs in forward; the rest runs '
-                       f'again in backward."""\n'
-                       f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False, "
-                       f"context_fn={POLICY})")
+            keeps = "its inputs and its collectives' outputs in forward; the rest runs"
+            policy = f", context_fn={POLICY}"
         else:
-            out.append(f"def {name}(*args):\n"
-                       f'    """{inst}: keeps only its inputs in forward and runs again in backward."""\n'
-                       f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False)")
+            keeps, policy = "only its inputs in forward and runs", ""
+        out.append(f"def {name}(*args):\n"
+                   f'    """{inst}: keeps {keeps} again in backward."""\n'
+                   f"    return torch.utils.checkpoint.checkpoint({inner}, *args, use_reentrant=False{policy})")
         out.append(_flat(body.python_code(root_module="self").src, inner))
     return out
 

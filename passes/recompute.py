@@ -90,11 +90,8 @@ def region_function(inst: str, body: fx.Graph, selective: bool = False):
 
 def _communicates(n: fx.Node) -> bool:
     """Does node `n` call one of parc's collectives (an ordered effect, runtime/ops.py)?"""
-    schema = getattr(n.target, "_schema", None)
-    if n.op != "call_function" or schema is None:
-        return False
     from parc.runtime.checkpoint_policy import communicates
-    return communicates(schema.name)
+    return n.op == "call_function" and communicates(n.target)
 
 
 def _cut_out(gm: fx.GraphModule, inst: str, nodes: list[fx.Node], selective: bool) -> None:

@@ -30,16 +30,14 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from parc.runtime import ops
 
 
-def communicates(qualname: str) -> bool:
-    """Is the op named `qualname` ("parc::allreduce_identity") one of parc's collectives (an ordered effect)?"""
-    return qualname in ops.ORDERED_EFFECTS
+def communicates(op) -> bool:
+    """Is `op` (an OpOverload, or any fx node target) one of parc's collectives (an ordered effect)?"""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.name in ops.ORDERED_EFFECTS
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    schema = getattr(op, "_schema", None)
-    if schema is not None and communicates(schema.name):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if communicates(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def save_collectives():

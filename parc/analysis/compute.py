@@ -90,13 +90,18 @@ def _mm_time(hw, dtype, b, m, n, k) -> float:
     return _kernel(hw, _mm_work(hw, dtype, b, m, n, k)) if b * m * n * k else 0.0
 
 
+def _overheads(hw, kind: str) -> tuple[float, float] | None:
+    """The preset's measured (forward, backward) dispatch seconds of an op of `kind`; None without
+    (a handful of rows on a calibrated CPU preset, none on the GPU presets)."""
+    return next((tuple(row[1:3]) for row in hw.op_overheads if row[0] == kind), None)
+
+
 def _op(hw, kind: str, fwd_work: float, bwd_work: list[float]) -> tuple[float, float]:
     """(forward, backward) seconds of one op: its work, and its dispatch overhead. With the preset's
     per-kind overheads (calibrated CPU) the two add, the backward's kernels under one figure; without,
     each kernel is `_kernel` (GPU: max(work, overhead))."""
-    for row in hw.op_overheads:   # a handful of rows, none on the GPU presets
-        if row[0] == kind:
-            return fwd_work + row[1], sum(bwd_work) + row[2]
+    if (over := _overheads(hw, kind)) is not None:
+        return fwd_work + over[0], sum(bwd_work) + over[1]
     return _kernel(hw, fwd_work), sum(_kernel(hw, w) for w in bwd_work)
 
 
@@ -130,7 +135,7 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
             f = bk = 0.0
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
-    views = dict((r[0], r[1:]) for r in hw.op_overheads).get("view")
+    views = _overheads(hw, "view")
     if views:   # only a calibrated per-kind table prices them: elsewhere a view is free
         fwd += ops.get("views", 0) * views[0]
         bwd += ops.get("views", 0) * views[1]

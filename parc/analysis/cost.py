@@ -383,10 +383,8 @@ def _by_size(rows: list[tuple[float, float]], size: float) -> float:
     smallest, the smallest's (the fixed part); beyond the largest, on along the last two's slope."""
     if len(rows) == 1 or size <= rows[0][0]:
         return rows[0][1] if size <= rows[0][0] else rows[0][1] * size / rows[0][0]
-    for (b0, t0), (b1, t1) in zip(rows, rows[1:]):
-        if size <= b1 or (b1, t1) == rows[-1]:
-            return max(t0 + (t1 - t0) * (size - b0) / (b1 - b0), 0.0)
-    return rows[-1][1]
+    (b0, t0), (b1, t1) = next(pair for pair in zip(rows, rows[1:]) if size <= pair[1][0] or pair[1] == rows[-1])
+    return max(t0 + (t1 - t0) * (size - b0) / (b1 - b0), 0.0)
 
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
