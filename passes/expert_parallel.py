@@ -222,11 +222,11 @@ class _Layer:
         cap = _shape(self.x)[1]
         if len(_shape(self.x)) != 3 or len(_shape(self.outputs[0])) != 2:
             return False
+        inside = {self.inputs[0], *self.regions[0]}
         for node in self.regions[0]:
             if node.target not in ROW_WISE or node.kwargs.keys() - {"dtype", "device", "layout"} or \
                     len(_shape(node)) < 2 or _shape(node)[0] != cap:
                 return False
-            inside = {self.inputs[0], *self.regions[0]}
             operands = node.args[:1] if node.target in WEIGHTED else node.args  # a linear's weight is no row
             for arg in operands:  # an operand from outside the expert must broadcast over the rows
                 if isinstance(arg, fx.Node) and arg not in inside and len(_shape(arg)) >= len(_shape(node)):

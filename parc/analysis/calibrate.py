@@ -341,8 +341,7 @@ def _betweens(table: list) -> list[int]:
 def _gloo(world: int) -> dict:
     """Gloo among `world` processes on this host, every process at once: `latency` per ring step, `call`
     (fixed cost per collective call), `bw` (bytes/s), `table` (kind, group size, bytes, compute between
-    calls, seconds per call)
-    and `probe` (seconds of the compute probe while every process runs it). A small all-reduce costs
+    calls, seconds per call) and `probe` (seconds of the compute probe while every process runs it). A small all-reduce costs
     a + 2(n - 1)·l on a ring of n: with concurrent pairs (n = 2) and the whole world measured, a and l are
     fitted from the two (one ring size only: a = 0)."""
     import torch.multiprocessing as mp
