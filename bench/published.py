@@ -80,7 +80,11 @@ def predict(row):
         hw = replace(hw, nics_per_node=4, inter_bw=12.5e9)
     # Megatron 2021 all-reduced fp16 gradients after the backward (its DDP had no overlap then);
     # Megatron-DeepSpeed's bf16 ZeRO-1 reduces fp32 gradients
-    est = cost.estimate(plan, stats, hw, p2p_scatter_gather=True, dp_bytes=4 if bloom else 2, overlap_dp=False)
+    # every row predates FlashAttention (Dao et al., May 2022): Megatron's attention (megatron/model/
+    # transformer.py, in Megatron-LM and the Megatron-DeepSpeed fork BLOOM ran) is baddbmm, a fused
+    # scale-mask-softmax over the whole T × T scores, and --attention-dropout (default 0.1) on them
+    est = cost.estimate(plan, stats, hw, p2p_scatter_gather=True, dp_bytes=4 if bloom else 2, overlap_dp=False,
+                        attention="materialized", attention_dropout=True)
     flops = megatron_flops(layers, hidden, vocab, seq, batch)
     return flops / est.step_seconds / gpus / 1e12, est
 

@@ -102,8 +102,9 @@ def test_step_time_and_mfu():
     compute = 2 * 3e12 / (hw.flops["fp32"] * hw.achievable)  # 2 micro-batches × (F + 2F)
     assert est.compute_seconds == pytest.approx(compute)
     # 4 MB of gradients fit one 25 MiB bucket, launched after the last backward: nothing overlaps it.
-    # The optimizer step is memory-bound: AdamW 28 + clipping 12 + accumulating 1 extra micro-batch 8 bytes/param
-    optimizer = PSI * (28 + 12 + 8) / hw.mem_bw + 4 * hw.op_overhead
+    # The optimizer step is memory-bound: AdamW 28 + clipping 12 + adding 1 extra micro-batch's fp32 gradient
+    # into .grad (reads both, writes one: 12) bytes/param
+    optimizer = PSI * (28 + 12 + 12) / hw.mem_bw + 4 * hw.op_overhead
     assert est.dp_exposed_seconds == pytest.approx(est.comms[0].seconds)
     assert est.optimizer_seconds == pytest.approx(optimizer)
     assert est.step_seconds == pytest.approx(compute + est.comms[0].seconds + optimizer)

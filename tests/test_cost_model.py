@@ -256,3 +256,39 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
     assert {r[0] for r in hw.op_overheads} == {"mm", "attn", "mem", "view"}
     assert all(f > 0 and b >= 0 for _, f, b in hw.op_overheads)
     assert hw.contention > 0   # the probe at 4 ranks over (ranks / cores) × alone
+
+
+def test_materialized_attention_writes_its_scores():
+    """A system before FlashAttention (Megatron-LM 2021, BLOOM's Megatron-DeepSpeed) multiplies over the whole
+    T × T square and moves the scores through memory: softmax, its backward, the dropout's mask."""
+    hw = replace(cost.hardware("a100"), matmul=(("bf16", 1024, 1024, 1024, 0.5),), mem_bw=1e12, op_overhead=0.0)
+    bh, t, hs = 8, 2048, 128
+    row = {"attn": [[bh, t, hs, 1, 0, 0, 1]]}
+    flash = compute.stage_seconds(row, hw, "bf16", 1)
+    plain = compute.stage_seconds(row, hw, "bf16", 1, attention="materialized")
+    dropped = compute.stage_seconds(row, hw, "bf16", 1, attention="materialized", attention_dropout=True)
+    mm = 2 * bh * t * t * hs / (312e12 * 0.5)          # one of QKᵀ, PV at the table's one efficiency
+    scores = bh * t * t
+    assert plain[0] == pytest.approx(2 * mm + 2 * 2 * scores / 1e12)   # softmax reads and writes them (bf16)
+    assert plain[1] == pytest.approx(4 * mm + 3 * 2 * scores / 1e12)   # dQ, dK, dP, dV; softmax backward
+    assert dropped[0] - plain[0] == pytest.approx(5 * scores / 1e12)   # read, write, a one-byte mask
+    assert dropped[1] - plain[1] == pytest.approx(5 * scores / 1e12)
+    assert plain[0] > flash[0] and plain[1] > flash[1]
+    # through the estimate: recomputed attention runs its forward again inside the backward
+    rec = {"attn": [[bh, t, hs, 1, 0, 1, 1]]}
+    assert compute.stage_seconds(rec, hw, "bf16", 1, attention="materialized")[1] == pytest.approx(sum(plain))
+
+
+def test_zero1_accumulates_whole_gradients():
+    """ZeRO-1 reduce-scatters once a step, so every micro-batch's whole gradient is added up first (only
+    ZeRO-2/3 accumulate their shard); under bf16 each micro-batch's 16-bit gradient goes into fp32."""
+    psi, dp, acc = 8_000_000, 4, 8
+    hw = cost.hardware("h100")
+    stats = _stats([1e9], psi=psi)
+    text = f"mesh dp={dp}\nbatch global={dp * acc} micro=1\nprecision bf16\nzero stage="
+    z1 = cost.estimate(parse(text + "1\n"), stats, hw).optimizer_seconds
+    z2 = cost.estimate(parse(text + "2\n"), stats, hw).optimizer_seconds
+    # optimizer, clipping, casts on the shard (28 + 12 + 6); accumulation: first micro-batch 2 + 4, then 2 + 4 + 4
+    step = psi / dp * (28 + 12 + 6) / hw.mem_bw + 4 * hw.op_overhead
+    assert z1 == pytest.approx(step + psi * (6 + 10 * (acc - 1)) / hw.mem_bw)
+    assert z2 == pytest.approx(step + psi / dp * (6 + 10 * (acc - 1)) / hw.mem_bw)

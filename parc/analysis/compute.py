@@ -105,8 +105,14 @@ def _op(hw, kind: str, fwd_work: float, bwd_work: list[float]) -> tuple[float, f
     return _kernel(hw, fwd_work), sum(_kernel(hw, w) for w in bwd_work)
 
 
-def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch on one tp rank of a stage; recompute inside backward."""
+def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
+                  attention_dropout: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on one tp rank of a stage; recompute inside backward.
+
+    `attention`: the kernel the run's attention uses: "flash" (a fused kernel, what
+    scaled_dot_product_attention runs on a GPU: the attention table) or "materialized" (the scores
+    written out, as every system before FlashAttention, 2022: `materialized_attention`), with a
+    dropout on the probabilities when `attention_dropout`."""
     fwd = bwd = 0.0
     for b, m, n, k, split, rec, count in ops.get("mm", ()):
         if tp > 1 and split:
@@ -120,6 +126,11 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
     for bh, t, hs, causal, split, rec, count in ops.get("attn", ()):
         if tp > 1 and split:
             bh = bh / tp
+        if attention != "flash":
+            f, bk = materialized_attention(hw, dtype, bh, t, hs, attention_dropout)
+            fwd += count * f
+            bwd += count * (bk + (f if rec else 0.0))
+            continue
         flops = 4 * bh * t * t * hs * (0.5 if causal else 1.0)
         f, bk = _op(hw, "attn", flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
                     [2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
@@ -142,6 +153,30 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float]:
     return fwd, bwd
 
 
+def materialized_attention(hw, dtype: str, bh: float, t: float, hs: float, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of attention that writes its scores out (Megatron-LM and
+    Megatron-DeepSpeed before FlashAttention: two batched matmuls and a fused scale-mask-softmax kernel).
+
+    Q·Kᵀ (t × t × hs) and P·V (t × hs × t) per head at the matmul table's efficiency, over the whole
+    t × t square (the causal mask is applied to the scores, not skipped), each with its dX and dW in the
+    backward. The scores are memory-bound traffic: the softmax reads and writes them (16-bit), its
+    backward reads probabilities and gradient and writes one; a dropout on the probabilities
+    (`dropout`) reads and writes them and writes a one-byte mask, its backward reads gradient and mask
+    and writes one.
+    """
+    act = 4 if dtype == "fp32" else 2
+    scores = bh * t * t
+    f = _mm_time(hw, dtype, bh, t, t, hs) + _mm_time(hw, dtype, bh, t, hs, t)
+    b = (2 * _mm_time(hw, dtype, bh, t, hs, t)                                      # d(QKᵀ): dQ, dK
+         + _mm_time(hw, dtype, bh, t, t, hs) + _mm_time(hw, dtype, bh, t, hs, t))     # d(PV): dP, dV
+    f_bytes, b_bytes = 2 * act * scores, 3 * act * scores
+    if dropout:
+        f_bytes += (2 * act + 1) * scores
+        b_bytes += (2 * act + 1) * scores
+    bw = hw.mem_bw or 1e30
+    return f + _kernel(hw, f_bytes / bw), b + _kernel(hw, b_bytes / bw)
+
+
 def has_model(hw, stage: dict) -> bool:
     """True when the per-op model applies: the preset has tables and the statistics have ops."""
     return bool(hw.matmul) and "ops" in stage
@@ -153,21 +188,31 @@ def fallback(hw, dtype: str, flops: float, recomputed: float) -> tuple[float, fl
     return flops / peak, (2 * flops + recomputed) / peak
 
 
-def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batches: int, tensors: int = 0) -> float:
+def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batches: int, tensors: int = 0,
+                 params_grads: float | None = None) -> float:
     """Per-step memory-bound work outside the micro-batches, per rank: the optimizer update over the
-    parameters this rank updates (`params_local`), grad clipping, gradient accumulation, bf16 casts.
+    parameters this rank updates (`params_local`), grad clipping, bf16 casts, and gradient accumulation
+    over the parameters whose whole gradient this rank accumulates (`params_grads`, default
+    `params_local`: under ZeRO-0/1 every parameter of the stage, under ZeRO-2/3 the rank's shard).
 
     Bytes per parameter: AdamW reads param, grad and two moments and writes param and moments
-    (16 + 12); SGD 8 + 4; clipping reads the grads for their norm and scales them (4 + 8);
-    accumulating a micro-batch's grads into .grad reads and writes them (8 per extra micro);
-    bf16 casts each weight once per step (4 read + 2 written). `tensors`: parameter tensors the optimizer
-    loops over, each at the preset's `optimizer_per_tensor` (a CPU's per-tensor loop, calibrated; 0 on
-    the GPU presets, whose fused optimizer is one kernel).
+    (16 + 12); SGD 8 + 4; clipping reads the grads for their norm and scales them (4 + 8); bf16 casts
+    each weight once per step (4 read + 2 written). Accumulation, per micro-batch: under 16-bit compute
+    the gradient the matmuls make is 16-bit and is added into the fp32 accumulator (Megatron's
+    `main_grad.add_`, DeepSpeed's bf16 `update_hp_grads`, parc's cast into `.grad`): 2 read + 4 written
+    for the first micro-batch, 2 + 4 read + 4 written for each later one; in fp32 the first gradient
+    becomes `.grad` as it is, each later one is added (4 + 4 read + 4 written). `tensors`: parameter
+    tensors the optimizer loops over, each at the preset's `optimizer_per_tensor` (a CPU's per-tensor
+    loop, calibrated; 0 on the GPU presets, whose fused optimizer is one kernel).
     """
     if not hw.mem_bw:
         return 0.0
-    per = {"sgd": 12}.get(optimizer, 28) + 12 + 8 * max(micro_batches - 1, 0) + (6 if dtype != "fp32" else 0)
-    return params_local * per / hw.mem_bw + 4 * hw.op_overhead + tensors * hw.optimizer_per_tensor
+    extra = max(micro_batches - 1, 0)
+    accumulate = 12 * extra if dtype == "fp32" else 6 + 10 * extra
+    per = {"sgd": 12}.get(optimizer, 28) + 12 + (6 if dtype != "fp32" else 0)
+    grads = params_local if params_grads is None else params_grads
+    return (params_local * per + grads * accumulate) / hw.mem_bw + 4 * hw.op_overhead \
+        + tensors * hw.optimizer_per_tensor
 
 
 # ---------------------------------------------------------------- from the traced graph

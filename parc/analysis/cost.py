@@ -389,7 +389,8 @@ def _by_size(rows: list[tuple[float, float]], size: float) -> float:
 
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
-             dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None) -> Estimate:
+             dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None, attention: str = "flash",
+             attention_dropout: bool = False) -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -398,7 +399,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     the precision layout's gradient bytes). `overlap_dp=False`: plain dp's all-reduce waits for the
     whole backward (a system without parc's bucketed overlap; the published-results script's).
     `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
-    by default each estimate builds and simulates its own.
+    by default each estimate builds and simulates its own. `attention`, `attention_dropout`: the
+    attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
+    "materialized" a system that writes the scores out (any before FlashAttention, 2022).
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
@@ -430,7 +433,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
         if compute.has_model(hw, d):
-            f, b = compute.stage_seconds(d["ops"], hw, dtype, tp)
+            f, b = compute.stage_seconds(d["ops"], hw, dtype, tp, attention, attention_dropout)
         else:
             f, b = compute.fallback(hw, dtype, per_tp(d, "flops"), d["flops_recomputed"] / tp)
         calls = max(d.get("tp_ops", 1), 1)
@@ -553,8 +556,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         dp_exposed = dp_time
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
     tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
+    # ZeRO-0/1 accumulate every micro-batch's whole gradient before the reduction; ZeRO-2/3 their shard
     optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc,
-                                       tensors=tensors) * slow
+                                       tensors=tensors, params_grads=big / (dp if z >= 2 else 1)) * slow
     step = makespan + dp_exposed + optimizer_s
     fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
     model_flops = 3 * fwd * acc * dp
@@ -577,6 +581,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                 else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
                                 "statistics)") + (f"; {min(m.world_size, hw.gpus_per_node)} ranks share "
                                                   f"{hw.cores} cores (×{slow:.2g})" if slow > 1 else ""))
+    if attention != "flash":
+        notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
+                     + (", with a dropout on the probabilities)" if attention_dropout else ")"))
     if hw.collectives:
         notes.append("collectives: each call priced as calibrated on this host (per kind, group size, size, and "
                      "the compute between calls), not by the ring formula")
