@@ -7,6 +7,7 @@ by hand; the graph statistics and the report on the tiny GPT (examples/gpt.py).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,16 @@ def test_check_with_model_runs_the_memory_check(tmp_path, capsys):
     assert main(["check", str(plan), "--model", str(GPT)]) == 0
     (d,) = review(parse(plan.read_text()), stats=_stats(psi=100_000_000_000))
     assert d.severity == "error" and d.message.endswith("GiB of a H100-80GB")
+
+
+def test_groups_share_a_nodes_nics():
+    """A node with fewer NICs than GPUs (BLOOM's Jean Zay: 4 per 8 GPUs) shares them among the axis's
+    groups, which all run at once: a dp group with 2 ranks per node gets 2 × 4/8 links, not 2."""
+    plan = parse("mesh dp=8 tp=4\ntopology nodes=4 gpus_per_node=8 inter=10GB/s\n")
+    hw = cost.hardware("h100", plan.topology)
+    ar = next(c for c in cost.estimate(plan, _stats(sharded=True), hw).comms if c.axis == "dp")
+    shared = next(c for c in cost.estimate(plan, _stats(sharded=True), replace(hw, nics_per_node=4)).comms
+                  if c.axis == "dp")
+    steps = 2 * 7 * hw.latency_inter
+    assert ar.seconds == pytest.approx(ar.bytes / (2 * 10e9) + steps)        # a NIC per GPU: 2 links
+    assert shared.seconds == pytest.approx(ar.bytes / (1 * 10e9) + steps)    # 2 × 4/8: one link's worth

@@ -292,3 +292,22 @@ def test_zero1_accumulates_whole_gradients():
     step = psi / dp * (28 + 12 + 6) / hw.mem_bw + 4 * hw.op_overhead
     assert z1 == pytest.approx(step + psi * (6 + 10 * (acc - 1)) / hw.mem_bw)
     assert z2 == pytest.approx(step + psi / dp * (6 + 10 * (acc - 1)) / hw.mem_bw)
+
+
+def test_recompute_runs_the_forward_all_reduces_again(traced):
+    """A recomputed block runs its forward again in the backward, its row layers' all-reduces too (parc's
+    runtime and Megatron's full recompute alike); under `compile` the checkpoint policy keeps their
+    outputs, so nothing is communicated again."""
+    _, plain = _graph(traced, "mesh tp=2\n" + TP)
+    _, rec = _graph(traced, "mesh tp=2\n" + TP + 'recompute "blocks.*"\n')
+    _, kept = _graph(traced, "mesh tp=2\n" + TP + 'recompute "blocks.*"\ncompile inductor\n')
+    (p,), (r,), (k,) = plain["stages"], rec["stages"], kept["stages"]
+    assert p["tp_ops_recomputed"] == 0 and k["tp_ops_recomputed"] == 0
+    assert r["tp_ops_recomputed"] == 2 * 4                       # attn.proj and mlp.proj of 4 blocks
+    assert r["tp_bytes_recomputed"] == 2 * 4 * 2 * 32 * 64       # each all-reduces its (B, T, C) output
+    plan = parse("mesh tp=2\n" + TP + 'recompute "blocks.*"\n')
+    hw = cost.hardware("h100")
+    base = dict(r, tp_ops_recomputed=0, tp_bytes_recomputed=0)
+    again = cost.estimate(plan, rec, hw)
+    once = cost.estimate(plan, dict(rec, stages=[base]), hw)
+    assert again.tp_seconds > once.tp_seconds and again.step_seconds > once.step_seconds

@@ -141,7 +141,7 @@ def graph_stats(traced, plan) -> dict:
     n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "logits_elements_sharded",
-            "logits_elements_replicated", "param_tensors", "zero_units")
+            "logits_elements_replicated", "param_tensors", "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -184,9 +184,15 @@ def graph_stats(traced, plan) -> dict:
     last = {}
     for n in nodes:
         last[(path_of[n], n.meta.get(STAGE, 0))] = n
+    # a recomputed region runs its forward again in the backward, its row layers' all-reduces too, unless
+    # compiled: then the checkpoint policy keeps the collectives' outputs (runtime/checkpoint_policy.py)
+    rerun = patterns and getattr(plan, "compile", "none") == "none"
     for key in tp_outputs:
         stages[key[1]]["tp_bytes"] += _elements(last[key].meta.get("val"))
         stages[key[1]]["tp_ops"] += 1
+        if rerun and plan.recompute.instance(key[0]) is not None:
+            stages[key[1]]["tp_bytes_recomputed"] += _elements(last[key].meta.get("val"))
+            stages[key[1]]["tp_ops_recomputed"] += 1
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
         instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
@@ -328,8 +334,9 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
     """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table.
 
     A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
-    node runs NCCL's parallel rings (channels) over min(r, NICs per node) network links at once,
-    each at `inter_bw`, and no faster than NVLink: the bandwidth is min(intra, links × inter).
+    node runs NCCL's parallel rings (channels) over r network links at once, each at `inter_bw`, and
+    no faster than NVLink: the bandwidth is min(intra, links × inter). The axis's groups run together
+    and share a node's NICs: with fewer NICs than GPUs a group gets r × NICs / GPUs per node links.
     `calls` collectives of the group (`size` their total) each cost `hw.collective_overhead` too.
     A preset with measured `collectives` (parc calibrate, CPU) prices each call as measured at this kind and
     group size, for its share of `size` and `gap`, the rank's compute (seconds) between two calls.
@@ -342,7 +349,10 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
     crossing = max((_ring_fraction(g, hw.gpus_per_node) for g in groups), default=0.0)
     if crossing:
         per_node = min(_span(g, hw.gpus_per_node)[1] for g in groups) if name != "send/recv" else 1
-        links = min(per_node, hw.nics_per_node or hw.gpus_per_node)
+        # every GPU of a node is in one of the axis's groups, and they all run at once: the node's NICs
+        # are shared among its gpus_per_node / per_node groups (fewer NICs than GPUs: less than one each)
+        nics = hw.nics_per_node or hw.gpus_per_node
+        links = min(per_node, nics * per_node / hw.gpus_per_node)
         bw, lat = min(hw.intra_bw, links * hw.inter_bw), hw.latency_inter
     else:
         bw, lat = hw.intra_bw, hw.latency_intra
@@ -440,8 +450,12 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
                            latency_steps=2 * (tp - 1) * calls, calls=calls, gap=(f + b) * slow / calls)
         tp_t = tp_c.seconds if tp > 1 else 0.0
-        tp_times.append(tp_t)
-        return f * slow + tp_t / 2, b * slow + tp_t / 2
+        rec_calls = d.get("tp_ops_recomputed", 0)   # the recomputed forward's all-reduces, in the backward
+        tp_r = _collective("tp", "all-reduce", tp, d["tp_bytes_recomputed"] * act_b, groups["tp"], hw, allreduce,
+                           latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
+                           gap=(f + b) * slow / calls).seconds if tp > 1 and rec_calls else 0.0
+        tp_times.append(tp_t + tp_r)
+        return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
     times = [stage_times(d) for d in stages]
     cost_f, cost_b = [t[0] for t in times], [t[1] for t in times]
@@ -535,8 +549,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             comms.append(_collective("dp", "all-gather", dp, gathered * ag, groups["dp"], hw, allreduce,
                                      latency_steps=(dp - 1) * ag, calls=ag * units, gap=gap))
     if tp > 1:
-        tp_calls = max(max(d.get("tp_ops", 1) for d in stages), 1) * acc * virtual
-        tp_bytes = max(d["tp_bytes"] for d in stages) * act_b * acc * virtual
+        tp_calls = max(max(d.get("tp_ops", 1) + d.get("tp_ops_recomputed", 0) for d in stages), 1) * acc * virtual
+        tp_bytes = max(d["tp_bytes"] + d.get("tp_bytes_recomputed", 0) for d in stages) * act_b * acc * virtual
         if plan.tensor_parallel.sequence_parallel:
             for name in ("all-gather", "reduce-scatter"):
                 comms.append(_collective("tp", name, tp, tp_bytes, groups["tp"], hw, allreduce, calls=tp_calls))
