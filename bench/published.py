@@ -1,7 +1,7 @@
 """Published large-scale training throughput against parc's cost model (issue 14, 4c).
 
     python bench/published.py               # print the table (markdown) for docs/cost-model.md
-    python bench/published.py --rows 2      # only the first rows (each traces a model on meta: ~1 min)
+    python bench/published.py --rows 2      # only the first rows (each traces a model on meta: ~1 s)
 
 Each row is a published run: the model's shape, the parallel plan it ran, its
 cluster, and the throughput it reports (per-GPU teraFLOP/s as the source counts
@@ -11,8 +11,10 @@ them, recompute included). parc traces examples/gpt.py's GPT at that shape
 predicted throughput is the source's own FLOP count over that step time.
 
 One preset per GPU type, no constant tuned per row. What a row states beyond the
-source's table is the row's `assumed` text (micro-batch, schedule, wire dtype),
-chosen from the source's description, never to fit the figure.
+source's table is its system's entry in `SYSTEMS` (ZeRO stage, wire dtype, NICs per
+node) and the attention kernel the system ran (materialized: every row predates
+FlashAttention), chosen from the source's description, never to fit the figure;
+the comments above ROWS say which figures were verified where.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # sequence 2048, mixed precision, full activation recompute; TFLOP/s per GPU counts the recompute
 # (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)).
 MEGATRON = "Megatron-LM 2021 Table 1"
+BLOOM = "BLOOM (BigScience 2022)"
+MTNLG = "MT-NLG (Smith et al. 2022)"
+# What each system ran beyond the plan: ZeRO stage, bytes per gradient element on the dp wire, NICs per node.
+# Megatron 2021 all-reduced fp16 gradients after the backward (its DDP had no overlap then). BLOOM's
+# Megatron-DeepSpeed ran DeepSpeed's bf16 optimizer ("ZERO_STAGE=0 # bf16 must use z0! it implements its own
+# zero stage 1 equivalent", tr11-176B-ml.slurm): fp32 gradients all-reduced, a ZeRO-1 sharded step; Jean Zay
+# has 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs. MT-NLG: DeepSpeed's fp16 ZeRO-1 (assumed: the
+# stage is not in the quoted section), fp16 gradients, Selene's 8 HDR NICs per node.
+SYSTEMS = {MEGATRON: dict(zero=0, dp_bytes=2, nics=0, inter=0.0),
+           BLOOM: dict(zero=1, dp_bytes=4, nics=4, inter=12.5e9),
+           MTNLG: dict(zero=1, dp_bytes=2, nics=0, inter=0.0)}
 ROWS = [
     # name, source, (layers, hidden, heads, vocab, seq), tp, pp, gpus, global batch, micro, published TFLOP/s, preset
     ("GPT 18.4B", MEGATRON, (40, 6144, 48, 51200, 2048), 8, 1, 256, 1024, 1, 135, "a100"),
@@ -47,7 +60,15 @@ ROWS = [
     # BigScience, BLOOM-176B (bigscience.notion.site "BigScience 176B Model"; Le Scao et al. 2022,
     # arXiv:2211.05100 §3.4): 384 A100-80GB on Jean Zay (48 nodes of 8, 4 × 100 Gbit/s Omni-Path per
     # node), tp 4 × pp 12 × dp 8, global batch 2048, bf16, ZeRO-1, "about 150 TFLOPs" per GPU.
-    ("BLOOM 176B", "BLOOM (BigScience 2022)", (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150, "a100"),
+    ("BLOOM 176B", BLOOM, (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150, "a100"),
+    # Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990) §2.4,
+    # as quoted by llm-analysis (github.com/cli99/llm-analysis, examples/megatron-turing-nlg): 105 × 20480,
+    # 128 heads, sequence 2048, global batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 (Selene),
+    # 60.1 / 50.2 / 44.4 s per iteration = 126 / 121 / 113 TFLOP/s per GPU (eq. 3 over those times gives
+    # 125.7 / 120.4 / 113.5: the same count). Vocab: GPT-2's 50257 padded as Megatron pads (51200).
+    ("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2240, 1920, 1, 126, "a100"),
+    ("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2800, 1920, 1, 121, "a100"),
+    ("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 3360, 1920, 1, 113, "a100"),
 ]
 
 
@@ -72,18 +93,16 @@ def predict(row):
     name, source, shape, tp, pp, gpus, batch, micro, published, preset = row
     layers, hidden, heads, vocab, seq = shape
     os.environ["PARC_BENCH_GPT"] = ",".join(map(str, shape))
-    bloom = name.startswith("BLOOM")
-    plan = parse(plan_text(tp, pp, gpus, batch, micro, 1 if bloom else 0), file=f"{name}.par")
+    system = SYSTEMS[source]
+    plan = parse(plan_text(tp, pp, gpus, batch, micro, system["zero"]), file=f"{name}.par")
     stats = _trace_stats(MODEL, plan)
     hw = cost.hardware(preset, plan.topology)
-    if bloom:  # Jean Zay: 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs
-        hw = replace(hw, nics_per_node=4, inter_bw=12.5e9)
-    # Megatron 2021 all-reduced fp16 gradients after the backward (its DDP had no overlap then);
-    # Megatron-DeepSpeed's bf16 ZeRO-1 reduces fp32 gradients
+    if system["nics"]:
+        hw = replace(hw, nics_per_node=system["nics"], inter_bw=system["inter"])
     # every row predates FlashAttention (Dao et al., May 2022): Megatron's attention (megatron/model/
     # transformer.py, in Megatron-LM and the Megatron-DeepSpeed fork BLOOM ran) is baddbmm, a fused
     # scale-mask-softmax over the whole T × T scores, and --attention-dropout (default 0.1) on them
-    est = cost.estimate(plan, stats, hw, p2p_scatter_gather=True, dp_bytes=4 if bloom else 2, overlap_dp=False,
+    est = cost.estimate(plan, stats, hw, p2p_scatter_gather=True, dp_bytes=system["dp_bytes"], overlap_dp=False,
                         attention="materialized", attention_dropout=True)
     flops = megatron_flops(layers, hidden, vocab, seq, batch)
     return flops / est.step_seconds / gpus / 1e12, est

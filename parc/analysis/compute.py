@@ -14,6 +14,8 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   recomputed, count]. FLOPs 4·b·h·T²·hs (halved when causal: a flash kernel skips
   the masked half), the backward 2.5× the forward (flash recomputes QKᵀ: five
   matmuls to the forward's two); efficiency from the preset's attention table.
+  `attention="materialized"` prices a system that writes the scores out instead
+  (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs).
 - `mem`: every other op that makes a value, as [bytes, sharded, recomputed,
   count]: bytes read and written by the op in the forward (dtypes as autocast
   runs them). Time bytes / the preset's measured memory bandwidth; the backward

@@ -24,7 +24,8 @@ loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
 tables by matmul shape and for attention, memory-bound bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
-runs over as many NICs as it has ranks on a node. The pipeline is timed by
+runs over as many NICs as it has ranks on a node, shared with the axis's other groups when a
+node has fewer NICs than GPUs. The pipeline is timed by
 `parc.passes.simulate` with each stage's own costs. Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
 overlapping the last backward, ZeRO's collectives not overlapped.
