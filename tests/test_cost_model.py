@@ -42,7 +42,7 @@ def _stats(flops: list[float], psi: int = 1_000_000, send: int = 1000) -> dict:
 
 def test_matmul_time_from_the_table():
     hw = replace(cost.hardware("h100"), matmul=(("bf16", 1024, 1024, 1024, 0.25), ("bf16", 8192, 8192, 8192, 0.8)),
-                 op_overhead=0.0, mem_bw=1e12)
+                 op_overhead=0.0, mem_bw=1e12, matmul_sustained=0.0)
     ops = {"mm": [[1, 8192, 8192, 8192, 0, 0, 2]]}   # two big matmuls: at the big entry's 80%
     f, b = compute.stage_seconds(ops, hw, "bf16", 1)
     one = 2 * 8192 ** 3 / (989e12 * 0.8)
@@ -311,3 +311,16 @@ def test_recompute_runs_the_forward_all_reduces_again(traced):
     again = cost.estimate(plan, rec, hw)
     once = cost.estimate(plan, dict(rec, stages=[base]), hw)
     assert again.tp_seconds > once.tp_seconds and again.step_seconds > once.step_seconds
+
+
+def test_no_matmul_above_the_sustained_figure():
+    """The tables time matmuls in short bursts at the boost clock; a large matmul in a training step runs
+    at the clock the board's power allows, so the GH100 presets price none above H200's sustained 708.5
+    TFLOP/s (presets.py), while a small one keeps its table figure."""
+    hw = cost.hardware("h200")
+    assert hw.matmul_sustained == pytest.approx(708.5 / 989)
+    assert compute.matmul_efficiency(hw, "bf16", 6144, 17920, 2816) == pytest.approx(708.5 / 989)  # 792 burst
+    assert compute.matmul_efficiency(hw, "bf16", 256, 512, 256) == pytest.approx(11.5 / 989)
+    assert compute.matmul_efficiency(replace(hw, matmul_sustained=0.0), "bf16", 6144, 17920, 2816) == \
+        pytest.approx(792.1 / 989)
+    assert cost.hardware("a100").matmul_sustained == 0.0   # not measured: the table as it is

@@ -60,9 +60,13 @@ def _nearest(table, point: tuple[float, ...], k: int = 4) -> float:
 
 
 def matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
-    """Fraction of `hw.flops[dtype]` one (m×k)·(k×n) matmul reaches, from the preset's table."""
+    """Fraction of `hw.flops[dtype]` one (m×k)·(k×n) matmul reaches, from the preset's table, at most
+    the preset's `matmul_sustained`: the tables time a matmul in a short loop, at the boost clock; a
+    large one inside a training step draws the board's full power and runs at the clock that power
+    allows (presets.py: H200 708.5 sustained against 841.9 TFLOP/s in a burst)."""
     rows = [r[1:] for r in hw.matmul if r[0] == dtype] or [r[1:] for r in hw.matmul]
-    return _nearest(rows, (m, n, k)) if rows else hw.achievable
+    e = _nearest(rows, (m, n, k)) if rows else hw.achievable
+    return min(e, hw.matmul_sustained) if hw.matmul_sustained else e
 
 
 def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool) -> float:

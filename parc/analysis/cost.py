@@ -59,6 +59,7 @@ class Hardware:
     mem_bw: float = 0.0            # bytes/s an elementwise kernel reaches (read + written)
     matmul: tuple = ()             # (dtype, m, n, k, efficiency)
     attention: tuple = ()          # (dtype, T, head size, efficiency forward, backward), causal
+    matmul_sustained: float = 0.0  # fraction of peak a power-saturated matmul holds (MSMF); 0: no cap
     op_overhead: float = 0.0       # seconds per kernel launch / op dispatch
     async_launch: bool = True      # the host runs ahead (GPU): a kernel costs max(work, overhead)
     nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU

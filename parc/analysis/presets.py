@@ -17,6 +17,14 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   masked half skipped): forward+backward throughput read off FlashAttention-2's
   benchmark figures (Dao 2023, arXiv:2307.08691, figs. 4–7: A100 and H100,
   head dim 64 and 128), the same figure used for forward and backward.
+- Sustained matmul (H100, H200): a large matmul in a training step draws the
+  board's full power (700 W) and the SM clock settles below boost, so no matmul
+  is priced above the Maximum *Sustainable* Matmul FLOPS: H200 SXM bf16 708.5
+  TFLOP/s (71.6% of 989) at 8192×8448×20480, ~693 W at 1465 MHz, against 841.9
+  (the boost-clock burst, ~176 W at 1980 MHz) on the same GPU and software
+  (torch 2.13+cu130): Stas Bekman's ml-engineering, compute/accelerator/README.md,
+  branch fast-mamf, commit 082816f (2026-08-10). H100 SXM: the same die, clocks
+  and 700 W, taken as the same. A100: not measured there, no cap.
 - Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
   3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches.
 - Kernel launch overhead 5 µs, hidden behind longer kernels (the host runs ahead).
@@ -35,6 +43,7 @@ _SM90 = (
     (1024, 2048, 2048, 524.3), (2048, 2048, 2048, 632.0), (4096, 4096, 4096, 783.3), (6144, 17920, 2816, 792.1),
 )
 _A100_MAX = 0.86  # 267.9 / 312
+_GH100_SUSTAINED = 708.5 / 989  # H200 SXM MSMF, bf16 (above)
 
 # (T, head size, fwd+bwd TFLOP/s) of FlashAttention-2, causal
 _FA2_A100 = ((512, 64, 90), (1024, 64, 130), (2048, 64, 155), (4096, 64, 170), (8192, 64, 175),
@@ -55,7 +64,7 @@ TABLES = {
     "a100": {"matmul": _matmul(312e12, _A100_MAX), "attention": _attention(_FA2_A100, 312e12),
              "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6},
+             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6},
+             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED},
 }
