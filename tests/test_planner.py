@@ -160,3 +160,23 @@ def test_multi_node_winner_keeps_tp_inside_a_node(gpt_1b):
     for c in result.ranked[:5]:
         m = c.plan.mesh
         assert m.tp <= 4 and 4 % m.tp == 0 and c.plan.mesh.order[0] == "tp", c.describe()
+
+
+def test_assembled_stats_carry_recompute_all_reduces():
+    """The search assembles a candidate's statistics from per-layer ones; the row layers' all-reduces a
+    recomputed block runs again (cost.graph_stats' tp_*_recomputed) add up like the other tp counts, so
+    the planner prices them as `parc report` does."""
+    from parc.grammar.plan import Batch, Plan
+    from parc.passes.pipeline_split import _layer_prefix
+    from parc.trace import load_user_module, trace
+
+    traced = trace(load_user_module(GPT), 1)
+    stats = planner._Stats(traced, Plan(batch=Batch(1, 1), precision="fp32"), planner.tp_rules(traced),
+                           _layer_prefix(traced.module_paths, traced.num_layers))
+    variant = (True, True, False, False)          # recompute, tp rules, no SP, no bf16 casts
+    whole = stats.get(1, variant, 2)["stages"][0]
+    split = stats.get(2, variant, 2)["stages"]
+    assert whole["tp_ops_recomputed"] == 2 * traced.num_layers     # attn.proj, mlp.proj per block
+    assert sum(s["tp_ops_recomputed"] for s in split) == whole["tp_ops_recomputed"]
+    assert sum(s["tp_bytes_recomputed"] for s in split) == whole["tp_bytes_recomputed"] > 0
+    assert stats.get(1, (False, True, False, False), 2)["stages"][0]["tp_ops_recomputed"] == 0
