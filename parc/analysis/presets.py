@@ -18,7 +18,12 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   benchmark figures (Dao 2023, arXiv:2307.08691, figs. 4–7: A100 and H100,
   head dim 64 and 128), the same figure used for forward and backward.
 - Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
-  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches.
+  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches. Every
+  kind of memory-bound op (elementwise, GELU, norms, softmax, the loss) moves
+  its bytes at this rate: no `mem_times` here (`parc calibrate --device cuda`
+  measures them); on a GPU those ops are bandwidth-bound at a model's sizes,
+  and a linear's bias is not priced (cuBLAS adds it in the matmul's epilogue;
+  the row sum that is its gradient is left out, as before kinds existed).
 - Kernel launch overhead 5 µs, hidden behind longer kernels (the host runs ahead).
 """
 
