@@ -74,6 +74,21 @@ def test_memory_bound_kinds_without_measured_times():
         assert got == (pytest.approx((0.0, 0.0)) if kind == "bias" else pytest.approx(ew))
 
 
+def test_memory_bound_kinds_by_aten_name():
+    from types import SimpleNamespace as Node
+
+    def kind(target, *args, **kwargs):
+        return compute.mem_kind(Node(target=target, args=("x", *args), kwargs=kwargs))
+    assert kind("aten.gelu.default") == "gelu" and kind("aten.gelu.default", approximate="tanh") == "gelu_tanh"
+    assert kind("aten.gelu.default", "tanh") == "gelu_tanh"
+    assert kind("aten._log_softmax.default", -1, False) == "softmax" and kind("aten.native_layer_norm.default") == "layer_norm"
+    assert kind("aten.exp.default") == kind("aten.sigmoid.default") == "act"   # timed as a tanh
+    assert kind("aten.add.Tensor") == kind("aten.mul.Tensor") == kind("aten.expand.default") == "ew"
+    assert kind("aten.nll_loss_forward.default") == "ew" and kind("aten.nll_loss.default") == "cross_entropy"
+    assert set(compute.KINDS) >= {compute.mem_kind(Node(target=f"aten.{n}.default", args=(), kwargs={}))
+                                  for n in compute._KINDS}
+
+
 def test_memory_bound_time_from_the_measured_rows():
     """A calibrated preset's times per kind: read off its rows at the op's bytes, linear between two sizes, the
     smallest's below, the largest's seconds per byte beyond; a kind without rows takes `ew`'s."""

@@ -241,8 +241,8 @@ def matmul_dims(node) -> tuple[int, int, int, int] | None:
     return None
 
 
-# memory-bound aten ops by the work they do per byte, as `parc calibrate` times them (calibrate.MEM_PROBES):
-# the aten name's base -> kind; any other op is elementwise arithmetic, `ew`
+# memory-bound aten ops by the work they do per byte, as `parc calibrate` times them (calibrate._mem_probe):
+# the aten name's base -> kind; any other op is elementwise arithmetic, `ew`; a tanh GELU is `gelu_tanh`
 _KINDS = {
     "gelu": "gelu", "silu": "silu", "embedding": "embedding", "rms_norm": "rms_norm",
     **dict.fromkeys(("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
@@ -252,7 +252,7 @@ _KINDS = {
     **dict.fromkeys(("tanh", "sigmoid", "exp", "expm1", "erf", "log", "log1p", "softplus", "mish", "elu", "selu",
                      "celu", "sin", "cos", "rsqrt", "sqrt", "pow", "logsumexp"), "act"),
 }
-KINDS = ("ew", "bias", *sorted(set(_KINDS.values())))
+KINDS = ("ew", "bias", "gelu_tanh", *sorted(set(_KINDS.values())))
 
 
 def mem_kind(node) -> str:
