@@ -53,12 +53,59 @@ def test_matmul_time_from_the_table():
     sharded = compute.stage_seconds({"mm": [[1, 8192, 8192, 8192, 1, 0, 1]]}, hw, "bf16", 4)[0]
     assert one / 4 < sharded < one
     # memory-bound: bytes over bandwidth, the backward twice; a GPU hides the launch behind the work
-    mem = compute.stage_seconds({"mem": [[1e9, 0, 0, 3]]}, hw, "bf16", 1)
+    mem = compute.stage_seconds({"mem": [["ew", 1e9, 0, 0, 3]]}, hw, "bf16", 1)
     assert mem == pytest.approx((3e-3, 6e-3))
     launch = replace(hw, op_overhead=1e-3)
-    assert compute.stage_seconds({"mem": [[1e6, 0, 0, 1]]}, launch, "bf16", 1)[0] == pytest.approx(1e-3)
+    assert compute.stage_seconds({"mem": [["ew", 1e6, 0, 0, 1]]}, launch, "bf16", 1)[0] == pytest.approx(1e-3)
     cpu = replace(launch, async_launch=False)   # a CPU pays dispatch and work one after the other
-    assert compute.stage_seconds({"mem": [[1e6, 0, 0, 1]]}, cpu, "bf16", 1)[0] == pytest.approx(1e-3 + 1e-6)
+    assert compute.stage_seconds({"mem": [["ew", 1e6, 0, 0, 1]]}, cpu, "bf16", 1)[0] == pytest.approx(1e-3 + 1e-6)
+    # a row of four, stored before kinds existed: elementwise
+    assert compute.stage_seconds({"mem": [[1e9, 0, 0, 3]]}, hw, "bf16", 1) == pytest.approx(mem)
+
+
+def test_memory_bound_kinds_without_measured_times():
+    """The shipped GPU presets measure no kinds: every kind is bytes over bandwidth, as before kinds existed, and
+    a linear's bias (in cuBLAS's epilogue) costs nothing."""
+    hw = cost.hardware("h200")
+    assert not hw.mem_times
+    ew = compute.stage_seconds({"mem": [["ew", 1e8, 0, 0, 1]]}, hw, "bf16", 1)
+    for kind in compute.KINDS:
+        got = compute.stage_seconds({"mem": [[kind, 1e8, 0, 0, 1]]}, hw, "bf16", 1)
+        assert got == (pytest.approx((0.0, 0.0)) if kind == "bias" else pytest.approx(ew))
+
+
+def test_memory_bound_kinds_by_aten_name():
+    from types import SimpleNamespace as Node
+
+    def kind(target, *args, **kwargs):
+        return compute.mem_kind(Node(target=target, args=("x", *args), kwargs=kwargs))
+    assert kind("aten.gelu.default") == "gelu" and kind("aten.gelu.default", approximate="tanh") == "gelu_tanh"
+    assert kind("aten.gelu.default", "tanh") == "gelu_tanh"
+    assert kind("aten._log_softmax.default", -1, False) == "softmax"
+    assert kind("aten.native_layer_norm.default") == "layer_norm"
+    assert kind("aten.exp.default") == kind("aten.sigmoid.default") == "act"   # timed as a tanh
+    assert kind("aten.add.Tensor") == kind("aten.mul.Tensor") == kind("aten.expand.default") == "ew"
+    assert kind("aten.nll_loss_forward.default") == "ew" and kind("aten.nll_loss.default") == "cross_entropy"
+    assert set(compute.KINDS) >= {compute.mem_kind(Node(target=f"aten.{n}.default", args=(), kwargs={}))
+                                  for n in compute._KINDS}
+
+
+def test_memory_bound_time_from_the_measured_rows():
+    """A calibrated preset's times per kind: read off its rows at the op's bytes, linear between two sizes, the
+    smallest's below, the largest's seconds per byte beyond; a kind without rows takes `ew`'s."""
+    rows = (("gelu", 1000, 1e-5, 3e-5), ("gelu", 3000, 2e-5, 7e-5), ("ew", 1000, 1e-6, 2e-6), ("ew", 2000, 2e-6, 4e-6))
+    hw = replace(cost.hardware("h200"), mem_times=rows)
+
+    def one(kind, nbytes, rec=0, tp=1, sharded=0):
+        return compute.stage_seconds({"mem": [[kind, nbytes, sharded, rec, 1]]}, hw, "fp32", tp)
+    assert one("gelu", 10) == pytest.approx((1e-5, 3e-5))            # no work: what dispatch costs
+    assert one("gelu", 2000) == pytest.approx((1.5e-5, 5e-5))        # halfway
+    assert one("gelu", 6000) == pytest.approx((4e-5, 14e-5))         # twice the largest
+    assert one("layer_norm", 1500) == pytest.approx((1.5e-6, 3e-6))  # no rows of its own: ew's
+    assert one("gelu", 2000, rec=1) == pytest.approx((1.5e-5, 6.5e-5))   # recomputed: its forward again
+    assert one("gelu", 4000, tp=2, sharded=1) == one("gelu", 2000)   # 1/tp of the bytes per rank
+    # a GELU is timed, not counted as bytes: dearer than an add of the same bytes on this (CPU-like) preset
+    assert one("gelu", 2000)[1] > 10 * one("ew", 2000)[1]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +134,15 @@ def test_op_table_of_the_tiny_gpt(traced):
     assert mm[(1, tokens, 256, 64)] == (1, 5)      # mlp.fc (column, 4 layers) and lm_head (vocab): 64 → 256
     (attn,) = s["ops"]["attn"]
     assert attn == [2 * 4, 32, 16, 1, 3, 0, 4]     # b·heads, T, head size, causal, heads split, 4 layers
+    # memory-bound ops by kind: count per kind, and a bias per linear that has one (1/tp in a column layer)
+    kinds: dict = {}
+    for kind, nbytes, sharded, rec, count in s["ops"]["mem"]:
+        kinds[kind] = kinds.get(kind, 0) + count
+    # ew: the 9 adds and the positions' arange
+    assert kinds == {"embedding": 2, "ew": 10, "layer_norm": 9, "gelu": 4, "cross_entropy": 1, "bias": 16}
+    bias = {(nbytes, sharded): count for kind, nbytes, sharded, rec, count in s["ops"]["mem"] if kind == "bias"}
+    assert bias[(2 * tokens * 192 * 4 + 192 * 4, 1)] == 4   # qkv: column, its output and bias 1/tp per rank
+    assert bias[(2 * tokens * 64 * 4 + 64 * 4, 0)] == 8     # attn.proj, mlp.proj: row, added to the whole output
     # the logits the loss reads, for the transient peak of their gradient
     assert s["logits_elements_sharded"] == tokens * 256 and s["logits_elements_replicated"] == 0
     json.dumps(stats)  # plan.json stores it
@@ -242,6 +298,7 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 64, 64), (256, 256, 256)])
     monkeypatch.setattr(calibrate, "CPU_ATTN", [(32, 16)])
+    monkeypatch.setattr(calibrate, "CPU_MEM_SIZES", (64, 4096))
     table = [("all-reduce", 2, 1024, 1e-3, 2e-3), ("all-reduce", 2, 1024, 2e-2, 4e-3)]
     monkeypatch.setattr(calibrate, "_gloo", lambda world: {"latency": 1e-4, "call": 2e-4, "bw": 1e9, "table": table,
                                                           "probe": 2 * calibrate._probe_alone(), "post": 5e-4})
@@ -253,8 +310,12 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
     assert hw.mem_bw > 0 and hw.op_overhead > 0 and len(hw.attention) == 1
     assert (hw.latency_intra, hw.collective_overhead) == (1e-4, 2e-4)   # per ring step, per call
     assert hw.collectives == tuple(table) and hw.optimizer_per_tensor > 0 and hw.p2p_post == 5e-4
-    assert {r[0] for r in hw.op_overheads} == {"mm", "attn", "mem", "view"}
+    assert {r[0] for r in hw.op_overheads} == {"mm", "attn", "view"}
     assert all(f > 0 and b >= 0 for _, f, b in hw.op_overheads)
+    # every kind of memory-bound op compute.py prices, at each size, forward and backward
+    sizes = {k: [n for kk, n, *_ in hw.mem_times if kk == k] for k in compute.KINDS}
+    assert len(hw.mem_times) == 2 * len(compute.KINDS) and all(a < b for a, b in sizes.values())   # 64, 4096 elements
+    assert all(f > 0 and b >= 0 for *_, f, b in hw.mem_times)
     assert hw.contention > 0   # the probe at 4 ranks over (ranks / cores) × alone
 
 

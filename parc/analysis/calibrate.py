@@ -12,12 +12,17 @@ preset name is (report, check, plan); `read_preset` reads it back.
   (the masked half skipped, the backward 2.5× the forward).
 - memory bandwidth: an elementwise add over tensors far larger than the caches
   (bytes read and written / time).
+- memory-bound ops (`mem_times`): one op of each kind parc.analysis.compute
+  prices (an add, GELU, tanh GELU, SiLU, tanh, layer norm, RMS norm, softmax,
+  cross-entropy, an embedding, a linear's bias), forward and backward apart, at
+  sizes from no work (dispatch alone) to beyond the caches: on a CPU a GELU
+  costs several times an add of the same bytes, which one bandwidth cannot say.
 - op overhead: a chain of tiny autograd ops, forward and backward, per kernel:
   what dispatch costs when there is no work. CPU: also per kind of op
-  (`op_overheads`: a linear, an attention, elementwise/norm ops, views, forward
-  and backward apart, at a size where the work is nothing), which is what a
-  rank of a small model spends most of its compute on; and the optimizer's
-  per-tensor loop (`optimizer_per_tensor`, AdamW over small tensors).
+  (`op_overheads`: a linear without bias, an attention, views, forward and
+  backward apart, at a size where the work is nothing), which is what a rank of
+  a small model spends most of its compute on; and the optimizer's per-tensor
+  loop (`optimizer_per_tensor`, AdamW over small tensors).
 - CPU only, among `--ranks` processes on this host (as many as the plans will
   run: they share the cores), all measured with every process at once:
   - a gloo all-reduce, small and large, for latency and bandwidth, and small
@@ -221,21 +226,19 @@ def _optimizer_per_tensor(tensors: int = 64, numel: int = 256) -> float:
 def _op_overheads(timed) -> list[tuple[str, float, float]]:
     """(kind, forward s, backward s) of one op at a size where its work is nothing: what dispatch, autograd
     and the op's own bookkeeping cost, per kind parc.analysis.compute prices (a linear's forward is a
-    transpose and an addmm, its backward two matmuls and a sum; an elementwise op a kernel or two). `mem` is
-    the mean of an add, a GELU and a layer norm; `view` of a view and a transpose. The backward is timed as
+    transpose and a matmul, its backward two matmuls; its bias is a memory-bound op of its own, timed by
+    `_mem_times` with the others). `view` is the mean of a view and a transpose. The backward is timed as
     the op's output summed and back-propagated, less the same for its input alone."""
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     x = torch.randn(2, 4, 8, requires_grad=True)
-    w, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
     q = torch.randn(1, 2, 4, 4, requires_grad=True)
-    ones, zeros = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
-    kinds = {"mm": [lambda: F.linear(x, w, b)],
-             "attn": [lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)],
-             "mem": [lambda: x + x, lambda: F.gelu(x), lambda: F.layer_norm(x, (8,), ones, zeros)],
-             "view": [lambda: x.view(2, 32), lambda: x.transpose(1, 2)]}
+    aten = torch.ops.aten   # as the generated programs call every op (codegen.py): ~1 µs more than F.*
+    kinds = {"mm": [lambda: aten.linear.default(x, w)],
+             "attn": [lambda: aten.scaled_dot_product_attention.default(q, q, q, is_causal=True)],
+             "view": [lambda: aten.view.default(x, [2, 32]), lambda: aten.transpose.int(x, 1, 2)]}
     base = timed(lambda: x.sum().backward(), budget=0.05, repeats=9)
     rows = []
     for kind, fns in kinds.items():
@@ -245,6 +248,77 @@ def _op_overheads(timed) -> list[tuple[str, float, float]]:
             both = timed(lambda: fn().sum().backward(), budget=0.05, repeats=9)
             fwd, bwd = fwd + f / len(fns), bwd + max(both - f - base, 0.0) / len(fns)
         rows.append((kind, fwd, bwd))
+    return rows
+
+
+# elements per tensor of the memory-bound probes: no work (dispatch alone), in the caches, beyond them
+CPU_MEM_SIZES = (64, 2 ** 12, 2 ** 14, 2 ** 16, 2 ** 18, 2 ** 21)
+CUDA_MEM_SIZES = (2 ** 10, 2 ** 16, 2 ** 20, 2 ** 24, 2 ** 27)
+
+
+def _mem_probe(kind: str, numel: int, device: str):
+    """(op, the tensors its backward differentiates, bytes as compute.op_table counts them) of one memory-bound
+    op of `kind` (compute.KINDS) over `numel` elements, in rows of 256 (a hidden dimension) when there are
+    that many, called as the generated programs call it (`torch.ops.aten`, codegen.py). `act` (the
+    transcendental ops without a kind of their own) is timed as a tanh; `bias` as a linear adds and
+    differentiates its bias (the add over the output; the gradient, a sum over its rows)."""
+    import torch
+
+    aten = torch.ops.aten
+    c = min(numel, 256)
+    rows = numel // c
+    x = torch.randn(rows, c, device=device, requires_grad=True)
+    w, b = (torch.full((c,), v, device=device, requires_grad=True) for v in (1.0, 0.0))
+    e = 4 * rows * c   # bytes of one fp32 tensor of the op's size
+    if kind == "ew":
+        y = torch.randn_like(x, requires_grad=True)
+        return (lambda: aten.add.Tensor(x, y)), (x, y), 3 * e
+    act = {"gelu": lambda: aten.gelu.default(x), "gelu_tanh": lambda: aten.gelu.default(x, approximate="tanh"),
+           "silu": lambda: aten.silu.default(x), "act": lambda: aten.tanh.default(x)}
+    if kind in act:
+        return act[kind], (x,), 2 * e
+    if kind == "layer_norm":
+        return (lambda: aten.layer_norm.default(x, [c], w, b, 1e-5, False)), (x, w, b), 2 * e + 8 * c
+    if kind == "rms_norm":
+        return (lambda: aten.rms_norm.default(x, [c], w, 1e-6)), (x, w), 2 * e + 4 * c
+    if kind == "softmax":
+        return (lambda: aten.softmax.int(x, -1)), (x,), 2 * e
+    if kind == "cross_entropy":
+        target = torch.randint(c, (rows,), device=device)
+        return (lambda: aten.cross_entropy_loss.default(x, target)), (x,), 3 * e
+    if kind == "embedding":
+        table, idx = torch.randn(256, c, device=device, requires_grad=True), torch.randint(256, (rows,), device=device)
+        return (lambda: aten.embedding.default(table, idx)), (table,), 2 * e
+    if kind == "bias":
+        out = x.detach()
+        return (lambda: aten.add.Tensor(out, b)), (b,), 2 * e + 4 * c
+    raise ValueError(f"no probe for memory-bound kind {kind}")
+
+
+def _mem_times(device: str, timed) -> list[tuple[str, int, float, float]]:
+    """(kind, bytes, forward s, backward s) of one memory-bound op of each kind compute.py prices, at the sizes
+    above. The backward is the forward and `torch.autograd.grad` of its output for a dense gradient (as a
+    model's is; nothing accumulates into .grad between calls), less the forward and less the same call for
+    a view of a leaf (the engine's start, which a model's backward pays once, not per op). CUDA: no `bias`
+    (cuBLAS adds it in the matmul's epilogue; compute.py prices none without rows)."""
+    import torch
+
+    from parc.analysis.compute import KINDS
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    rows = []
+    for kind in KINDS:
+        if kind == "bias" and device == "cuda":
+            continue
+        for numel in (CPU_MEM_SIZES if device == "cpu" else CUDA_MEM_SIZES):
+            fn, inputs, nbytes = _mem_probe(kind, numel, device)
+            grad = torch.randn_like(fn())
+            leaf = torch.zeros_like(grad, requires_grad=True)
+            fwd = timed(fn, budget=0.02, repeats=7)
+            both = timed(lambda: torch.autograd.grad(fn(), inputs, grad), budget=0.02, repeats=7)
+            engine = timed(lambda: torch.autograd.grad(leaf.view_as(leaf), leaf, grad), budget=0.02, repeats=7)
+            rows.append((kind, nbytes, fwd, max(both - fwd - engine, 0.0)))
     return rows
 
 
@@ -395,11 +469,16 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
     per_kind = _op_overheads(timed) if device == "cpu" else []   # the GPU presets: max(work, launch) per kernel
     for kind, f, b in per_kind:
         log(f"  {kind:<5} forward {f * 1e6:.1f} µs, backward {b * 1e6:.1f} µs per op")
+    mem_times = _mem_times(device, timed)
+    log("memory-bound ops, forward / backward µs per op at (bytes):")
+    for kind in dict.fromkeys(k for k, *_ in mem_times):
+        log(f"  {kind:<13} " + ", ".join(f"{f * 1e6:.1f}/{b * 1e6:.1f} ({n})" for k, n, f, b in mem_times if k == kind))
     preset = {
         "name": f"{device}:{_device_name(device)}", "memory": _memory(device), "flops": flops,
         "achievable": statistics.median(e for *_, e in table), "mem_bw": mem_bw, "matmul": table,
         "attention": attention, "op_overhead": overhead, "async_launch": device == "cuda",
         **({"op_overheads": [list(r) for r in per_kind]} if per_kind else {}),
+        "mem_times": [list(r) for r in mem_times],
         "source": f"parc calibrate --device {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
     }
     if device == "cpu":
@@ -465,6 +544,6 @@ def read_preset(path: str, known: set[str]) -> dict:
         raise ParcError(f"preset file {path}: unknown field(s) {', '.join(sorted(unknown))}",
                         hint="valid: " + ", ".join(sorted(known)))
     data.setdefault("achievable", 0.5)
-    for key in ("matmul", "attention", "collectives", "op_overheads"):
+    for key in ("matmul", "attention", "collectives", "op_overheads", "mem_times"):
         data[key] = tuple(tuple(r) for r in data.get(key, ()))
     return data

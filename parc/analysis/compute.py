@@ -16,21 +16,35 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   matmuls to the forward's two); efficiency from the preset's attention table.
   `attention="materialized"` prices a system that writes the scores out instead
   (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs).
-- `mem`: every other op that makes a value, as [bytes, sharded, recomputed,
+- `mem`: every other op that makes a value, as [kind, bytes, sharded, recomputed,
   count]: bytes read and written by the op in the forward (dtypes as autocast
-  runs them). Time bytes / the preset's measured memory bandwidth; the backward
-  of such an op moves twice its forward bytes (reads the output gradient and
-  what it saved, writes the input gradient).
+  runs them); `kind` (`mem_kind`) says what work the op does per byte: an
+  elementwise op (`ew`), an activation (`gelu`, `gelu_tanh`, `silu`, `act` for
+  the other transcendental ones), a normalisation or softmax (`layer_norm`,
+  `rms_norm`, `softmax`), the loss (`cross_entropy`), a gather (`embedding`),
+  and the bias of a linear (`bias`: its add in the forward, the row sum that is
+  its gradient in the backward). With the preset's measured times per kind
+  (`mem_times`: forward and backward seconds of one op at a few sizes, `parc
+  calibrate`) an op's time is read off its kind's rows at its bytes
+  (`mem_seconds`); a kind the preset has no rows for uses `ew`'s. Without them
+  (the shipped GPU presets) every kind is memory traffic, bytes / the preset's
+  memory bandwidth, the backward twice the forward's bytes (it reads the output
+  gradient and what it saved and writes the input gradient), and a bias is
+  not priced (cuBLAS adds it in the matmul's epilogue; its gradient's row sum
+  is left out). Rows of four (no kind: statistics stored before kinds existed)
+  are `ew`.
 
 Every kernel also costs the preset's `op_overhead` (launch and dispatch): on a
 GPU the host runs ahead (`async_launch`), so a kernel costs max(work, overhead);
 on a CPU the two add. The backward is taken as 2 kernels per forward kernel.
 A calibrated CPU preset measures the overhead per kind of op instead
-(`op_overheads`: seconds of a linear, an attention, an elementwise or norm op, a
-view, forward and backward apart, each at a size where the work is nothing):
-there an op costs its work plus its kind's overhead, and the views (`views`: the
-count of view/reshape/split/getitem nodes, which move no bytes but are
-dispatched and have autograd nodes) cost the view overhead each.
+(`op_overheads`: seconds of a linear without bias, an attention, a view, forward
+and backward apart, each at a size where the work is nothing; an older preset
+file's `mem` row prices memory-bound ops without `mem_times`): there an op
+costs its work plus its kind's overhead (a memory-bound op's measured time
+holds its own), and the views (`views`: the count of view/reshape/split/getitem
+nodes, which move no bytes but are dispatched and have autograd nodes) cost the
+view overhead each.
 Recomputed ops run their forward again inside the backward.
 
 A preset without tables (or statistics without `ops`, e.g. an artifact compiled
@@ -74,6 +88,24 @@ def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool) ->
     if not rows:
         return hw.achievable
     return _nearest([(r[1], r[2], r[4 if backward else 3]) for r in rows], (t, hs))
+
+
+def mem_seconds(hw, kind: str, nbytes: float) -> tuple[float, float] | None:
+    """(forward, backward) seconds of one memory-bound op of `kind` moving `nbytes`, from the preset's measured
+    rows (kind, bytes, forward s, backward s; `ew`'s for a kind without rows): linear between the two measured
+    sizes around it, the smallest's time below them (what dispatch costs at no work), the largest's seconds
+    per byte beyond. None when the preset has no rows (the shipped GPU presets)."""
+    rows = sorted(r[1:] for r in hw.mem_times if r[0] == kind) or sorted(r[1:] for r in hw.mem_times if r[0] == "ew")
+    if not rows:
+        return None
+    if nbytes <= rows[0][0]:
+        return rows[0][1], rows[0][2]
+    for (b0, f0, k0), (b1, f1, k1) in zip(rows, rows[1:]):
+        if nbytes <= b1:
+            w = (nbytes - b0) / (b1 - b0)
+            return f0 + w * (f1 - f0), k0 + w * (k1 - k0)
+    b1, f1, k1 = rows[-1]
+    return f1 * nbytes / b1, k1 * nbytes / b1
 
 
 # ---------------------------------------------------------------- per stage
@@ -142,14 +174,10 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
                     [2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
-    bw = hw.mem_bw
-    for nbytes, sharded, rec, count in ops.get("mem", ()):
+    for kind, nbytes, sharded, rec, count in _mem_rows(ops):
         if tp > 1 and sharded:
             nbytes = nbytes / tp
-        work = nbytes / bw if bw else 0.0
-        f, bk = _op(hw, "mem", work, [work, work])
-        if not bw and not hw.op_overheads:
-            f = bk = 0.0
+        f, bk = _mem_op(hw, kind, nbytes)
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
     views = _overheads(hw, "view")
@@ -181,6 +209,22 @@ def materialized_attention(hw, dtype: str, bh: float, t: float, hs: float, dropo
         b_bytes += (2 * act + 1) * scores
     bw = hw.mem_bw or 1e30
     return f + _kernel(hw, f_bytes / bw), b + _kernel(hw, b_bytes / bw)
+
+
+def _mem_op(hw, kind: str, nbytes: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one memory-bound op: measured for its kind, else bytes over bandwidth."""
+    if (measured := mem_seconds(hw, kind, nbytes)) is not None:
+        return measured
+    if kind == "bias" or not (hw.mem_bw or hw.op_overheads):
+        return 0.0, 0.0   # a bias in the matmul's epilogue; no bandwidth: nothing to price it with
+    work = nbytes / hw.mem_bw if hw.mem_bw else 0.0
+    return _op(hw, "mem", work, [work, work])
+
+
+def _mem_rows(ops: dict) -> list[list]:
+    """The memory-bound rows as [kind, bytes, sharded, recomputed, count]; a row of four (stored before kinds
+    existed) is `ew`."""
+    return [row if len(row) == 5 else ["ew", *row] for row in ops.get("mem", ())]
 
 
 def has_model(hw, stage: dict) -> bool:
@@ -248,6 +292,38 @@ def matmul_dims(node) -> tuple[int, int, int, int] | None:
     return None
 
 
+# memory-bound aten ops by the work they do per byte, as `parc calibrate` times them (calibrate._mem_probe):
+# the aten name's base -> kind; any other op is elementwise arithmetic, `ew`; a tanh GELU is `gelu_tanh`
+_KINDS = {
+    "gelu": "gelu", "silu": "silu", "embedding": "embedding", "rms_norm": "rms_norm",
+    **dict.fromkeys(("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
+                     "native_batch_norm", "instance_norm"), "layer_norm"),
+    **dict.fromkeys(("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"), "softmax"),
+    **dict.fromkeys(("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"), "cross_entropy"),
+    **dict.fromkeys(("tanh", "sigmoid", "exp", "expm1", "erf", "log", "log1p", "softplus", "mish", "elu", "selu",
+                     "celu", "sin", "cos", "rsqrt", "sqrt", "pow", "logsumexp"), "act"),
+}
+KINDS = ("ew", "bias", "gelu_tanh", *sorted(set(_KINDS.values())))
+
+
+def mem_kind(node) -> str:
+    """The kind of a memory-bound aten op (module docstring): `_KINDS` by its name, a tanh GELU apart."""
+    parts = str(node.target).split(".")
+    kind = _KINDS.get(parts[1], "ew") if parts[0] == "aten" and len(parts) > 1 else "ew"
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    return "gelu_tanh" if kind == "gelu" and approximate == "tanh" else kind
+
+
+def _bias(node):
+    """The bias node a linear or addmm adds to its output, else None."""
+    name = str(node.target)
+    if "aten.linear." in name:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    else:
+        bias = node.args[0] if "aten.addmm." in name else None
+    return bias if hasattr(bias, "meta") and _shape(bias) is not None else None
+
+
 def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool = False) -> dict:
     """One stage's ops, aggregated by identical shape (layers repeat): see the module docstring.
 
@@ -272,7 +348,7 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         if bf16 and _is(n, LOWERED):
             for a in n.all_input_nodes:
                 if a.op != "placeholder" and _shape(a) is not None and size_of(a) == 4:
-                    key = (6 * math.prod(_shape(a)), int(bool(sharded_of(a))), rec)
+                    key = ("ew", 6 * math.prod(_shape(a)), int(bool(sharded_of(a))), rec)
                     mem[key] = mem.get(key, 0) + 1
         if "scaled_dot_product" in name:
             q = _shape(n.args[0])
@@ -284,6 +360,10 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         if dims is not None:
             key = (*dims, split_of(n), rec)
             mm[key] = mm.get(key, 0) + 1
+            if (bias := _bias(n)) is not None:   # reads and writes the output, reads the bias; 1/tp in a column layer
+                nbytes = 2 * math.prod(_shape(n)) * size_of(n) + math.prod(_shape(bias)) * size_of(bias)
+                key = ("bias", int(nbytes), int(split_of(n) == 1), rec)
+                mem[key] = mem.get(key, 0) + 1
             continue
         out_b = math.prod(_shape(n)) * size_of(n)
         if "embedding" in name:
@@ -294,7 +374,7 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         else:
             nbytes = out_b + sum(math.prod(_shape(a)) * size_of(a) for a in n.all_input_nodes
                                  if _shape(a) is not None and a.op != "get_attr")
-        key = (int(nbytes), int(bool(sharded_of(n))), rec)
+        key = (mem_kind(n), int(nbytes), int(bool(sharded_of(n))), rec)
         mem[key] = mem.get(key, 0) + 1
     return {"mm": [[*k, c] for k, c in mm.items()], "attn": [[*k, c] for k, c in attn.items()],
             "mem": [[*k, c] for k, c in mem.items()], "views": views}
@@ -327,5 +407,5 @@ def scale_ops(ops: dict, micro: int) -> dict:
     mm = [[b * micro, m, n, k, *rest] if b > 1 else [b, m * micro, n, k, *rest]
           for b, m, n, k, *rest in ops.get("mm", ())]
     attn = [[bh * micro, *rest] for bh, *rest in ops.get("attn", ())]
-    mem = [[nbytes * micro, *rest] for nbytes, *rest in ops.get("mem", ())]
+    mem = [[kind, nbytes * micro, *rest] for kind, nbytes, *rest in _mem_rows(ops)]
     return merge_ops([{"mm": mm, "attn": attn, "mem": mem, "views": ops.get("views", 0)}])

@@ -21,7 +21,8 @@ makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
 outputs: parc/analysis/activations.py); the logits' gradient is a transient peak on the
 loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
-tables by matmul shape and for attention, memory-bound bytes over bandwidth;
+tables by matmul shape and for attention, memory-bound ops by kind, measured or
+bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
 runs over as many NICs as it has ranks on a node, shared with the axis's other groups when a
@@ -70,6 +71,7 @@ class Hardware:
     collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured
     optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of the optimizer step beyond its bytes
     op_overheads: tuple = ()       # (kind: mm/attn/mem/view, forward s, backward s) per op at no work (compute.py)
+    mem_times: tuple = ()          # (kind, bytes, forward s, backward s) of one memory-bound op, measured (compute.py)
     p2p_post: float = 0.0          # seconds a pipeline rank spends posting a send/receive, on its own timeline
     source: str = ""               # where the figures come from
 

@@ -26,7 +26,12 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   branch fast-mamf, commit 082816f (2026-08-10). H100 SXM: the same die, clocks
   and 700 W, taken as the same. A100: not measured there, no cap.
 - Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
-  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches.
+  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches. Every
+  kind of memory-bound op (elementwise, GELU, norms, softmax, the loss) moves
+  its bytes at this rate: no `mem_times` here (`parc calibrate --device cuda`
+  measures them); on a GPU those ops are bandwidth-bound at a model's sizes,
+  and a linear's bias is not priced (cuBLAS adds it in the matmul's epilogue;
+  the row sum that is its gradient is left out, as before kinds existed).
 - Kernel launch overhead 5 µs, hidden behind longer kernels (the host runs ahead).
 """
 
