@@ -120,7 +120,7 @@ class _Bind(ast.NodeTransformer):
             return _TWINS[f"parc::{op}"]
         ovl = getattr(getattr(getattr(torch.ops, ns), op), overload)
         # exactly OpOverload, whose __call__ is `return self._op(*args, **kwargs)`; subclasses may do more
-        return ovl._op if type(ovl) is OpOverload else None
+        return getattr(ovl, "_op", None) if type(ovl) is OpOverload else None
 
 
 def _dotted(node: ast.AST) -> list[str] | None:
