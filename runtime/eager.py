@@ -12,7 +12,7 @@ costs at each call, on top of the kernel:
   of examples/moe.py);
 - a parc op with a backward (runtime/ops.py, expert_parallel.py, dropout.py): torch.library's
   custom-op machinery, a dispatcher round trip and two Python autograd wrappers in each
-  direction (about 60 µs a forward and backward, measured on one CPU core; 5% of a micro-batch
+  direction (about 50 µs a forward and backward more than an autograd.Function, on one CPU core; 5% of a micro-batch
   of examples/moe.py, whose experts call four all-to-alls). `bind` calls the op's eager twin
   instead: a `torch.autograd.Function` whose forward is the op's own Python function and whose
   backward is the very function registered with `register_autograd`.
@@ -25,7 +25,8 @@ prove the programs against the serial model run them eagerly, through the twins)
   `setup_context`, as the custom op does (`torch._library.autograd.make_autograd_impl`);
 - otherwise `setup_context(ctx, inputs, output)` then the registered `backward(ctx, *grads)`,
   with the same `needs_input_grad` and the default materialized (zero) gradients of unused
-  outputs, as the custom op's generated autograd.Function has.
+  outputs, as the custom op's generated autograd.Function has; the ops that backward calls
+  through `call` (the backward collectives) run as their own functions there.
 Ops with a tensor-list argument or result (ZeRO-3's `zero_unshard`) keep the custom op: an
 autograd.Function does not see tensors inside a list, so the backward would never run.
 
@@ -36,6 +37,7 @@ and dynamo traces the custom ops through their fake implementations (runtime/com
 from __future__ import annotations
 
 import ast
+import threading
 from typing import Callable
 
 import torch
@@ -66,14 +68,34 @@ def _has_tensor_list(schema) -> bool:
     return any(str(a.type).startswith("List[") and "Tensor" in str(a.type) for a in (*schema.arguments, *schema.returns))
 
 
+def call(name: str, *args):
+    """The parc op `name` ("parc::alltoall_bwd"), as a backward formula calls the ops it communicates with:
+    the custom op, which `compile` traces as an opaque call, except inside an eager twin's backward (with
+    grad mode off, as a backward without `create_graph` runs), where the op's own function runs: the same
+    function, without the custom op's dispatch (another ~8% of an uncompiled backward of examples/moe.py)."""
+    if getattr(_BACKWARD, "on", False) and not torch.is_grad_enabled():
+        return _IMPLS[name](*args)
+    return getattr(torch.ops.parc, name.split("::", 1)[1])(*args)
+
+
+_BACKWARD = threading.local()  # .on: an eager twin's backward formula is running on this thread
+
+
 def _twin(name: str, impl: Callable, backward: Callable, setup_context: Callable) -> Callable:
     def forward(ctx, *args):
         out = impl(*args)
         setup_context(ctx, args, out)
         return out
 
+    def eager_backward(ctx, *grads):
+        outer, _BACKWARD.on = getattr(_BACKWARD, "on", False), True
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _BACKWARD.on = outer
+
     function = type(f"Eager_{name.replace('::', '_')}", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+                    {"forward": staticmethod(forward), "backward": staticmethod(eager_backward)})
 
     def call(*args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):

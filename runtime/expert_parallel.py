@@ -77,7 +77,7 @@ def alltoall_alltoall(x: Tensor, axis: str) -> Tensor:
     return all_to_all(x, axis, "fwd")
 
 
-@torch.library.custom_op("parc::alltoall_bwd", mutates_args=())
+@eager.custom_op("parc::alltoall_bwd")
 def alltoall_bwd(g: Tensor, axis: str) -> Tensor:
     """The all-to-all's backward: the same exchange of the gradient, as an opaque op so that
     `compile` (runtime/compiled.py) traces a call to it instead of running torch.distributed."""
@@ -87,7 +87,7 @@ def alltoall_bwd(g: Tensor, axis: str) -> Tensor:
 for _op in (alltoall_alltoall, alltoall_bwd):
     _op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
     ops.mark_ordered(_op)  # every rank of the ep group issues its all-to-alls in the program's order
-eager.register_autograd(alltoall_alltoall, lambda ctx, g: (torch.ops.parc.alltoall_bwd(g, ctx.axis), None),
+eager.register_autograd(alltoall_alltoall, lambda ctx, g: (eager.call("parc::alltoall_bwd", g, ctx.axis), None),
                         setup_context=_axis_ctx)  # and its eager twin (runtime/eager.py)
 
 

@@ -141,7 +141,7 @@ def mark_ordered(op) -> None:
     ORDERED_EFFECTS.append(op._qualname)
 
 
-@torch.library.custom_op("parc::bwd_all_reduce", mutates_args=())
+@eager.custom_op("parc::bwd_all_reduce")
 def bwd_all_reduce(x: Tensor, axis: str) -> Tensor:
     """Backward's all-reduce (sum) of a gradient over `axis`."""
     return all_reduce(x, axis, "bwd")
@@ -150,7 +150,7 @@ def bwd_all_reduce(x: Tensor, axis: str) -> Tensor:
 bwd_all_reduce.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("parc::bwd_all_gather", mutates_args=())
+@eager.custom_op("parc::bwd_all_gather")
 def bwd_all_gather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Backward's all-gather of a gradient along `dim` over `axis` (`parts` ranks)."""
     return all_gather(x, dim, axis, "bwd")
@@ -159,7 +159,7 @@ def bwd_all_gather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 bwd_all_gather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 
 
-@torch.library.custom_op("parc::bwd_reduce_scatter", mutates_args=())
+@eager.custom_op("parc::bwd_reduce_scatter")
 def bwd_reduce_scatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Backward's reduce-scatter (sum) of a gradient along `dim` over `axis` (`parts` ranks)."""
     return reduce_scatter(x, dim, axis, "bwd")
@@ -168,7 +168,7 @@ def bwd_reduce_scatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 bwd_reduce_scatter.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 
 
-@torch.library.custom_op("parc::bwd_split", mutates_args=())
+@eager.custom_op("parc::bwd_split")
 def bwd_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """This rank's chunk of a gradient along `dim` (no communication; opaque only for its rank)."""
     return split(x, dim, axis)
@@ -192,7 +192,8 @@ def identity_allreduce(x: Tensor, axis: str) -> Tensor:
 
 
 identity_allreduce.register_fake(lambda x, axis: torch.empty_like(x))
-eager.register_autograd(identity_allreduce, lambda ctx, g: (torch.ops.parc.bwd_all_reduce(g, ctx.args[0]), None),
+eager.register_autograd(identity_allreduce,
+                        lambda ctx, g: (eager.call("parc::bwd_all_reduce", g, ctx.args[0]), None),
                         setup_context=_axis_ctx)
 
 
@@ -223,7 +224,7 @@ allgather_reducescatter.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 eager.register_autograd(
     allgather_reducescatter,
-    lambda ctx, g: (torch.ops.parc.bwd_reduce_scatter(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (eager.call("parc::bwd_reduce_scatter", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @eager.custom_op("parc::reducescatter_allgather")
@@ -237,7 +238,7 @@ reducescatter_allgather.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 eager.register_autograd(
     reducescatter_allgather,
-    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (eager.call("parc::bwd_all_gather", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @eager.custom_op("parc::split_allgather")
@@ -251,7 +252,7 @@ def split_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 split_allgather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 eager.register_autograd(
     split_allgather,
-    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (eager.call("parc::bwd_all_gather", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
 @eager.custom_op("parc::vocab_parallel_cross_entropy")
@@ -327,7 +328,7 @@ def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 allgather_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 eager.register_autograd(
     allgather_split,
-    lambda ctx, g: (torch.ops.parc.bwd_split(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (eager.call("parc::bwd_split", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather, vocab_parallel_cross_entropy,
             allgather_split):
     mark_ordered(_op)

@@ -9,6 +9,7 @@ run through the twins too, since the Trainer loads `compile none` programs this 
 import textwrap
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parc.codegen import load_program
 from parc.runtime import dropout as D
@@ -119,12 +120,31 @@ def _all_to_all_body(ctx):
     ops._GROUPS["ep"] = dist.group.WORLD
     x = torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 2) * (ctx.rank + 1)
     (a, ga), (b, gb) = _both(lambda how, x: _op("alltoall_alltoall", how)(x, "ep"), x.requires_grad_())
-    with expert_parallel.traffic() as log:  # the twin issues what the op issues: two all-to-alls
-        y = eager.twin("parc::alltoall_alltoall")(x, "ep")
-        y.sum().backward()
-    return torch.equal(a, b), torch.equal(ga[0], gb[0]), [phase for phase, _ in log]
+    dispatched = {}
+    for how in ("custom", "twin"):
+        with expert_parallel.traffic() as log, _ParcOps() as seen:  # forward and backward
+            _op("alltoall_alltoall", how)(x, "ep").sum().backward()
+        dispatched[how] = (seen.ops, [phase for phase, _ in log])
+    return torch.equal(a, b), torch.equal(ga[0], gb[0]), dispatched
+
+
+class _ParcOps(TorchDispatchMode):
+    """The parc ops that reach the dispatcher."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "parc":
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_all_to_all_twin_on_two_ranks():
-    for same_out, same_grad, phases in spawn(2, _all_to_all_body):
-        assert same_out and same_grad and phases == ["fwd", "bwd"]
+    for same_out, same_grad, dispatched in spawn(2, _all_to_all_body):
+        assert same_out and same_grad
+        # both issue an all-to-all forward and one backward; the custom op dispatches both as parc ops,
+        # the twin neither (its backward calls alltoall_bwd's function through eager.call)
+        assert dispatched["custom"] == (["alltoall_alltoall.default", "alltoall_bwd.default"], ["fwd", "bwd"])
+        assert dispatched["twin"] == ([], ["fwd", "bwd"])
