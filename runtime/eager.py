@@ -12,8 +12,9 @@ costs at each call, on top of the kernel:
   of examples/moe.py);
 - a parc op with a backward (runtime/ops.py, expert_parallel.py, dropout.py): torch.library's
   custom-op machinery, a dispatcher round trip and two Python autograd wrappers in each
-  direction (about 50 µs a forward and backward more than an autograd.Function, on one CPU core; 5% of a micro-batch
-  of examples/moe.py, whose experts call four all-to-alls). `bind` calls the op's eager twin
+  direction (about 50 µs a forward and backward more than an autograd.Function, on one CPU
+  core; 5% of a micro-batch of examples/moe.py, whose experts call four all-to-alls, and
+  their backward called a second custom op each). `bind` calls the op's eager twin
   instead: a `torch.autograd.Function` whose forward is the op's own Python function and whose
   backward is the very function registered with `register_autograd`.
 
@@ -30,8 +31,9 @@ prove the programs against the serial model run them eagerly, through the twins)
 Ops with a tensor-list argument or result (ZeRO-3's `zero_unshard`) keep the custom op: an
 autograd.Function does not see tensors inside a list, so the backward would never run.
 
-Under `compile inductor | aot_eager` nothing here applies: the program text is loaded as written
-and dynamo traces the custom ops through their fake implementations (runtime/compiled.py).
+Under `compile inductor | aot_eager` none of this runs: the program text is loaded as written,
+dynamo traces the custom ops through their fake implementations (runtime/compiled.py), and a
+backward formula's `call` returns the custom op, since no twin's backward is running.
 """
 
 from __future__ import annotations
