@@ -9,6 +9,7 @@ runtime binds to the rank's device when it loads the program; nothing is pickled
 
 from __future__ import annotations
 
+import ast
 import re
 
 import torch.fx as fx
@@ -83,9 +84,17 @@ def _regions(names: dict) -> list[str]:
     return out
 
 
-def load_program(source: str, device, filename: str = "<parc program>"):
-    """Execute a program's text and return its `forward`, bound to `device`."""
+def load_program(source: str, device, filename: str = "<parc program>", eager: bool = False):
+    """Execute a program's text and return its `forward`, bound to `device`.
+
+    `eager` (the plan's `compile none`: the program runs op by op): each `torch.ops.*` callee is bound
+    once, at load, to the op's kernel entry or a parc op's eager twin (runtime/eager.py), saving the
+    per-call Python cost of the qualified spelling; the text, and what it computes, stay as written."""
     namespace: dict = {"__name__": "parc_program"}
     exec(compile(source, filename, "exec"), namespace)  # our own generated text, verified by the manifest
+    if eager:  # after the first exec: its imports registered the torch.ops.parc.* the binding looks up
+        from parc.runtime.eager import bind
+
+        exec(compile(bind(ast.parse(source, filename), namespace), filename, "exec"), namespace)
     namespace["DEVICE"] = device
     return namespace["forward"]

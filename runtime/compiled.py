@@ -3,7 +3,8 @@
 Start at `program`, which the runtime applies where it loads a program (runtime/train.py,
 runtime/pipeline.py), then `warm_up`, which the Trainer calls once at start-up.
 
-- `none` (the default): the program runs as written, op by op (eager).
+- `none` (the default): the program runs as written, op by op (eager), each `torch.ops` callee bound
+  once when it is loaded (runtime/eager.py: `load_program(..., eager=True)`).
 - `inductor`: `torch.compile(forward, backend="inductor", fullgraph=True, dynamic=False)`.
   Dynamo captures the whole program as ONE graph (fullgraph: a graph break is an error,
   not a silent fallback); AOTAutograd derives its backward; inductor fuses both.

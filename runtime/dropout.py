@@ -48,6 +48,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
+from parc.runtime import eager
+
 _KEY: tuple[int, int, int] | None = None  # (seed, step, sample0): see the module docstring for why this is global
 
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
@@ -151,7 +153,7 @@ def _apply(x: Tensor, keep: Tensor, p: float) -> Tensor:
 
 # --- parc::keyed_dropout ----------------------------------------------------------------
 
-@torch.library.custom_op("parc::keyed_dropout", mutates_args=())
+@eager.custom_op("parc::keyed_dropout")
 def keyed_dropout(x: Tensor, p: float, site: int, full: list[int], per_sample: int,
                   shard: list[int]) -> tuple[Tensor, Tensor]:
     """Forward: (x · keep / (1 − p), keep), keep = `keep_mask(...)`, as aten.native_dropout returns its mask.
@@ -170,8 +172,8 @@ def _dropout_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
 
 
-keyed_dropout.register_autograd(lambda ctx, g, _: (_apply(g, ctx.saved_tensors[0], ctx.p), *[None] * 5),
-                                setup_context=_dropout_setup)
+eager.register_autograd(keyed_dropout, lambda ctx, g, _: (_apply(g, ctx.saved_tensors[0], ctx.p), *[None] * 5),
+                        setup_context=_dropout_setup)
 
 
 # --- parc::keyed_attention --------------------------------------------------------------
@@ -206,7 +208,7 @@ def keyed_keep(like: Tensor, p: float, site: int, full: list[int], per_sample: i
 keyed_keep.register_fake(lambda like, p, site, full, per_sample, shard: torch.empty_like(like, dtype=torch.bool))
 
 
-@torch.library.custom_op("parc::keyed_attention", mutates_args=())
+@eager.custom_op("parc::keyed_attention")
 def keyed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, causal: bool,
                     scale: float | None, gqa: bool, site: int, full: list[int], per_sample: int,
                     shard: list[int]) -> Tensor:
@@ -238,7 +240,7 @@ def _attention_backward(ctx, g):
     return (*grads[:3], grads[3] if diff else None, *[None] * 8)
 
 
-keyed_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+eager.register_autograd(keyed_attention, _attention_backward, setup_context=_attention_setup)
 
 
 # --- the serial reference: the user's eager model, keyed the same way ---------------------

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parc.runtime import ops
+from parc.runtime import eager, ops
 from parc.runtime.data_parallel import GradBuckets
 from parc.runtime.optim_step import _fused
 from parc.runtime.state import unshard
@@ -67,7 +67,7 @@ def _axis_ctx(ctx, inputs, output):
     ctx.axis = inputs[1]
 
 
-@torch.library.custom_op("parc::alltoall_alltoall", mutates_args=())
+@eager.custom_op("parc::alltoall_alltoall")
 def alltoall_alltoall(x: Tensor, axis: str) -> Tensor:
     """Token exchange of expert parallelism. x (E, cap, C): this rank's capacity slots of every
     expert. Forward: all-to-all over `axis` in ep equal chunks of dim 0 (the E/ep experts of each
@@ -77,7 +77,7 @@ def alltoall_alltoall(x: Tensor, axis: str) -> Tensor:
     return all_to_all(x, axis, "fwd")
 
 
-@torch.library.custom_op("parc::alltoall_bwd", mutates_args=())
+@eager.custom_op("parc::alltoall_bwd")
 def alltoall_bwd(g: Tensor, axis: str) -> Tensor:
     """The all-to-all's backward: the same exchange of the gradient, as an opaque op so that
     `compile` (runtime/compiled.py) traces a call to it instead of running torch.distributed."""
@@ -87,8 +87,8 @@ def alltoall_bwd(g: Tensor, axis: str) -> Tensor:
 for _op in (alltoall_alltoall, alltoall_bwd):
     _op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
     ops.mark_ordered(_op)  # every rank of the ep group issues its all-to-alls in the program's order
-alltoall_alltoall.register_autograd(lambda ctx, g: (torch.ops.parc.alltoall_bwd(g, ctx.axis), None),
-                                    setup_context=_axis_ctx)
+eager.register_autograd(alltoall_alltoall, lambda ctx, g: (eager.call("parc::alltoall_bwd", g, ctx.axis), None),
+                        setup_context=_axis_ctx)  # and its eager twin (runtime/eager.py)
 
 
 def localize(entry: dict, ep_rank: int) -> dict:

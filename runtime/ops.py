@@ -20,6 +20,11 @@ gloo has no reduce-scatter; there it is an all-reduce followed by taking this
 rank's chunk (same result, twice the traffic). It is still recorded as
 "reduce_scatter": the record states what the program asks for.
 
+The ops with a backward are made by `eager.custom_op` / `eager.register_autograd`
+(runtime/eager.py): the custom op, and an eager twin (an autograd.Function with the same
+forward and backward functions) that a program run uncompiled calls instead, for the custom
+op's per-call Python cost.
+
 Under `compile inductor` (runtime/compiled.py) torch.compile traces each op's fake
 (shapes only) and, through AOTAutograd, its backward formula. So every backward that
 communicates calls an opaque op (`parc::bwd_*` below) rather than torch.distributed,
@@ -34,6 +39,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from parc.runtime import eager
 
 _GROUPS: dict[str, object] = {}  # axis → ProcessGroup; see the module docstring for why this is global
 _RECORD: list | None = None
@@ -134,7 +141,7 @@ def mark_ordered(op) -> None:
     ORDERED_EFFECTS.append(op._qualname)
 
 
-@torch.library.custom_op("parc::bwd_all_reduce", mutates_args=())
+@eager.custom_op("parc::bwd_all_reduce")
 def bwd_all_reduce(x: Tensor, axis: str) -> Tensor:
     """Backward's all-reduce (sum) of a gradient over `axis`."""
     return all_reduce(x, axis, "bwd")
@@ -143,7 +150,7 @@ def bwd_all_reduce(x: Tensor, axis: str) -> Tensor:
 bwd_all_reduce.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("parc::bwd_all_gather", mutates_args=())
+@eager.custom_op("parc::bwd_all_gather")
 def bwd_all_gather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Backward's all-gather of a gradient along `dim` over `axis` (`parts` ranks)."""
     return all_gather(x, dim, axis, "bwd")
@@ -152,7 +159,7 @@ def bwd_all_gather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 bwd_all_gather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 
 
-@torch.library.custom_op("parc::bwd_reduce_scatter", mutates_args=())
+@eager.custom_op("parc::bwd_reduce_scatter")
 def bwd_reduce_scatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Backward's reduce-scatter (sum) of a gradient along `dim` over `axis` (`parts` ranks)."""
     return reduce_scatter(x, dim, axis, "bwd")
@@ -161,7 +168,7 @@ def bwd_reduce_scatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 bwd_reduce_scatter.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
 
 
-@torch.library.custom_op("parc::bwd_split", mutates_args=())
+@eager.custom_op("parc::bwd_split")
 def bwd_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """This rank's chunk of a gradient along `dim` (no communication; opaque only for its rank)."""
     return split(x, dim, axis)
@@ -178,25 +185,26 @@ def _axis_ctx(ctx, inputs, output):
     ctx.args = inputs[1:]
 
 
-@torch.library.custom_op("parc::identity_allreduce", mutates_args=())
+@eager.custom_op("parc::identity_allreduce")
 def identity_allreduce(x: Tensor, axis: str) -> Tensor:
     """Megatron's f. Forward: identity (a copy). Backward: all-reduce the gradient over `axis`."""
     return x.clone()
 
 
 identity_allreduce.register_fake(lambda x, axis: torch.empty_like(x))
-identity_allreduce.register_autograd(lambda ctx, g: (torch.ops.parc.bwd_all_reduce(g, ctx.args[0]), None),
-                                     setup_context=_axis_ctx)
+eager.register_autograd(identity_allreduce,
+                        lambda ctx, g: (eager.call("parc::bwd_all_reduce", g, ctx.args[0]), None),
+                        setup_context=_axis_ctx)
 
 
-@torch.library.custom_op("parc::allreduce_identity", mutates_args=())
+@eager.custom_op("parc::allreduce_identity")
 def allreduce_identity(x: Tensor, axis: str) -> Tensor:
     """Megatron's g. Forward: all-reduce (sum) over `axis`. Backward: identity."""
     return all_reduce(x, axis, "fwd")
 
 
 allreduce_identity.register_fake(lambda x, axis: torch.empty_like(x))
-allreduce_identity.register_autograd(lambda ctx, g: (g, None), setup_context=_axis_ctx)
+eager.register_autograd(allreduce_identity, lambda ctx, g: (g, None), setup_context=_axis_ctx)
 
 
 def _chunked_shape(x: Tensor, dim: int, axis_size: int, grow: bool):
@@ -205,7 +213,7 @@ def _chunked_shape(x: Tensor, dim: int, axis_size: int, grow: bool):
     return shape
 
 
-@torch.library.custom_op("parc::allgather_reducescatter", mutates_args=())
+@eager.custom_op("parc::allgather_reducescatter")
 def allgather_reducescatter(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Sequence parallelism at a column layer's input. Forward: all-gather along `dim`.
     Backward: reduce-scatter along `dim`."""
@@ -214,11 +222,12 @@ def allgather_reducescatter(x: Tensor, axis: str, dim: int, parts: int) -> Tenso
 
 allgather_reducescatter.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
-allgather_reducescatter.register_autograd(
-    lambda ctx, g: (torch.ops.parc.bwd_reduce_scatter(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+eager.register_autograd(
+    allgather_reducescatter,
+    lambda ctx, g: (eager.call("parc::bwd_reduce_scatter", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
-@torch.library.custom_op("parc::reducescatter_allgather", mutates_args=())
+@eager.custom_op("parc::reducescatter_allgather")
 def reducescatter_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """Sequence parallelism at a row layer's output. Forward: reduce-scatter (sum) along `dim`.
     Backward: all-gather along `dim`."""
@@ -227,11 +236,12 @@ def reducescatter_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tenso
 
 reducescatter_allgather.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
-reducescatter_allgather.register_autograd(
-    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+eager.register_autograd(
+    reducescatter_allgather,
+    lambda ctx, g: (eager.call("parc::bwd_all_gather", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
-@torch.library.custom_op("parc::split_allgather", mutates_args=())
+@eager.custom_op("parc::split_allgather")
 def split_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """A replicated tensor entering a sequence-sharded region. Forward: keep this rank's chunk
     along `dim` (no communication). Backward: all-gather the gradient along `dim`, so the
@@ -240,11 +250,12 @@ def split_allgather(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 
 
 split_allgather.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=False)))
-split_allgather.register_autograd(
-    lambda ctx, g: (torch.ops.parc.bwd_all_gather(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+eager.register_autograd(
+    split_allgather,
+    lambda ctx, g: (eager.call("parc::bwd_all_gather", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 
 
-@torch.library.custom_op("parc::vocab_parallel_cross_entropy", mutates_args=())
+@eager.custom_op("parc::vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, axis: str, vocab_start: int,
                                  ignore_index: int) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy of logits sharded along the vocabulary; the full logits are never gathered.
@@ -295,7 +306,7 @@ def _vpce_backward(ctx, grad_loss, grad_probs):
     return grad, None, None, None, None
 
 
-vocab_parallel_cross_entropy.register_autograd(_vpce_backward, setup_context=_vpce_setup)
+eager.register_autograd(vocab_parallel_cross_entropy, _vpce_backward, setup_context=_vpce_setup)
 
 
 # --- dropout ----------------------------------------------------------------------------
@@ -306,7 +317,7 @@ vocab_parallel_cross_entropy.register_autograd(_vpce_backward, setup_context=_vp
 
 # --- leaving a sequence-parallel region -----------------------------------------------------------
 
-@torch.library.custom_op("parc::allgather_split", mutates_args=())
+@eager.custom_op("parc::allgather_split")
 def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
     """A sequence slice entering replicated computation (a head no rule shards, or an op parc cannot
     follow on a slice): Megatron's gather before the output layer. Forward: all-gather along `dim`.
@@ -315,8 +326,9 @@ def allgather_split(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
 
 
 allgather_split.register_fake(lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
-allgather_split.register_autograd(
-    lambda ctx, g: (torch.ops.parc.bwd_split(g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+eager.register_autograd(
+    allgather_split,
+    lambda ctx, g: (eager.call("parc::bwd_split", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
 for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather, vocab_parallel_cross_entropy,
             allgather_split):
     mark_ordered(_op)

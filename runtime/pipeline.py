@@ -374,8 +374,9 @@ def build_executor(trainer, trace: bool = False) -> PipelineExecutor:
         n = len(prog["state"])
         state = trainer.state[offset:offset + n]
         offset += n
-        fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]))
-        fwd = compiled.program(fwd, plan["plan"].get("compile", "none"))  # runtime/compiled.py
+        mode = plan["plan"].get("compile", "none")  # runtime/compiled.py; uncompiled: runtime/eager.py
+        fwd = load_program(art.programs[name], ctx.device, str(art.root / prog["file"]), eager=mode == "none")
+        fwd = compiled.program(fwd, mode)
         fwd = precision.wrap(fwd, plan["plan"]["precision"], ctx.device, trainer.casts)  # bf16 copies, autocast
         stages[prog["stage"]] = Stage(prog["stage"], fwd, state, [t for t in state if t.requires_grad],
                                       precision.boundary_specs(prog["recv"], plan["plan"]["precision"]),

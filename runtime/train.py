@@ -102,8 +102,10 @@ class Trainer:
         self.name = plan["ranks"][ctx.rank]["program"]
         self.pp = plan["mesh"]["pp"]
         self.entry = self._entry_of(ctx.rank)
-        self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]))
-        self.forward = compiled.program(self.forward, plan["plan"].get("compile", "none"))  # runtime/compiled.py
+        mode = plan["plan"].get("compile", "none")  # runtime/compiled.py; uncompiled: runtime/eager.py
+        self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]),
+                                    eager=mode == "none")
+        self.forward = compiled.program(self.forward, mode)
         # pretrained (--weights, or from_pretrained in build_model): each rank reads its own slices
         self.weights, skeleton = pretrained.resolve(user, weights, seed)
         stand_ins = pretrained.zero3_params(self.entry) if self.weights else set()
