@@ -3,6 +3,7 @@ spawned gloo ranks, and train the serial reference on the same batches."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from parc import artifact
 from parc.compiler import compile_model
+from parc.runtime import checkpoint
 from parc.grammar.parser import parse
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
@@ -84,3 +86,12 @@ def parallel_vs_serial(compiled: Path, steps: int = 3, seed: int = 0):
     user = load_user_module(art.root / "model" / "model.py")
     serial_losses, serial_state = train_serial(user, art.plan, seed, steps)
     return compare(losses, serial_losses, state, serial_state)
+
+
+def checkpoint_differences(a: Path, b: Path) -> list[str]:
+    """Keys whose tensors differ (or exist in only one) between two checkpoints, plus parc.json."""
+    ta, tb = checkpoint.read(a), checkpoint.read(b)
+    bad = sorted(set(ta) ^ set(tb)) + [k for k in sorted(set(ta) & set(tb)) if not torch.equal(ta[k], tb[k])]
+    if json.loads((a / "parc.json").read_text()) != json.loads((b / "parc.json").read_text()):
+        bad.append("parc.json")
+    return bad

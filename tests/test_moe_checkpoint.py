@@ -28,12 +28,11 @@ parameters by 1e-2 or more.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import torch
 
-from helpers import ROOT, compile_text
+from helpers import ROOT, checkpoint_differences, compile_text
 from parc.export import export
 from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
@@ -97,15 +96,6 @@ def _cross(ctx, compiled: dict[str, str], whole: str) -> dict:
     return out
 
 
-def _differ(a, b) -> list[str]:
-    """Keys whose tensors differ (or exist in only one) between two checkpoints, plus parc.json."""
-    ta, tb = checkpoint.read(a), checkpoint.read(b)
-    bad = sorted(set(ta) ^ set(tb)) + [k for k in sorted(set(ta) & set(tb)) if not torch.equal(ta[k], tb[k])]
-    if json.loads((a / "parc.json").read_text()) != json.loads((b / "parc.json").read_text()):
-        bad.append("parc.json")
-    return bad
-
-
 def test_ep_checkpoints_resume_exactly_and_reshard(tmp_path):
     model = tmp_path / "moe_tiny.py"
     model.write_text(MODEL.format(k1=1, cf1=0.5, k3=2, cf3=2.0, examples=str(ROOT / "examples")))
@@ -124,7 +114,7 @@ def test_ep_checkpoints_resume_exactly_and_reshard(tmp_path):
 
     for name in TRAINED:
         assert resumed[name]["losses"] == got[name]["losses"][EVERY:], (name, resumed[name], got[name]["losses"])
-        assert not _differ(whole / name / f"step_{STEPS}", cut / name / f"step_{STEPS}"), name
+        assert not checkpoint_differences(whole / name / f"step_{STEPS}", cut / name / f"step_{STEPS}"), name
         # the serial model's layout: every expert of both layers under its own FQN, whole, with its moments
         held = checkpoint.read(whole / name / f"step_{EVERY}")
         state = got[name]["states"][EVERY]
@@ -189,4 +179,4 @@ def test_parc_run_saves_and_resumes_an_ep_plan(tmp_path):
     want, got = load_model_state(whole), load_model_state(cut)
     assert checkpoint.resolve(cut).name == f"step_{STEPS}" and want.keys() == got.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
-    assert not _differ(whole / f"step_{STEPS}", cut / f"step_{STEPS}")
+    assert not checkpoint_differences(whole / f"step_{STEPS}", cut / f"step_{STEPS}")

@@ -19,7 +19,6 @@ All five plans run in each world one after another (every plan has 2 ranks), so 
 worlds, not twelve: process start-up is most of the time on a small box.
 """
 
-import json
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from helpers import compile_text
+from helpers import checkpoint_differences, compile_text
 from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
@@ -72,15 +71,6 @@ def _leg(ctx, compiled: dict[str, str], root: str, resume: bool, first: int, las
                 checkpoint.save(trainer, out, step + 1)
 
 
-def _same(a, b) -> list[str]:
-    """Keys whose tensors differ (or exist in only one) between two checkpoints, plus parc.json."""
-    ta, tb = checkpoint.read(a), checkpoint.read(b)
-    bad = sorted(set(ta) ^ set(tb)) + [k for k in sorted(set(ta) & set(tb)) if not torch.equal(ta[k], tb[k])]
-    if json.loads((a / "parc.json").read_text()) != json.loads((b / "parc.json").read_text()):
-        bad.append("parc.json")
-    return bad
-
-
 def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, seeds):
     compiled = {n: str(compile_text(p + COMMON, tmp_path / "c" / n).root) for n, p in PLANS.items()}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -92,7 +82,7 @@ def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, se
     spawn(2, _leg, compiled, str(cut), True, 2, 4, start_env=[{"PYTHONHASHSEED": a}, {"PYTHONHASHSEED": b}])
     spawn(2, _leg, compiled, str(cut), True, 4, 6, start_env=[{"PYTHONHASHSEED": b}, {"PYTHONHASHSEED": a}])
     bad = {f"{name} step_{s}": diff for name in PLANS for s in (4, 6)
-           if (diff := _same(whole / name / f"step_{s}", cut / name / f"step_{s}"))}
+           if (diff := checkpoint_differences(whole / name / f"step_{s}", cut / name / f"step_{s}"))}
     assert not bad, bad
     held = checkpoint.read(whole / "dp_bf16" / "step_2")
     assert {v.dtype for k, v in held.items() if k.startswith(("model.", "optim."))} >= {torch.float32}
