@@ -146,6 +146,21 @@ def test_contention_beyond_core_sharing(traced):
     assert contended == pytest.approx(3 * own)       # × the measured contention, only when cores are shared
 
 
+def test_in_step_scales_the_tables_and_adds_the_runtime_overhead(traced):
+    """A calibrated `in_step` (calibrate_step.py): a step's forward, backward and optimizer are the tables'
+    price times the factors measured in place; `step_overhead` adds the runtime's own time per micro-batch and
+    per step. Neutral (the shipped presets' defaults), the estimate is the tables' price."""
+    plan, stats = _graph(traced, "mesh dp=1\nbatch global=8 micro=2\noptimizer adamw\n")
+    hw = _cpu(cores=8)
+    (stage,) = stats["stages"]
+    f, b = compute.stage_seconds(stage["ops"], hw, "fp32", 1)
+    base = cost.estimate(plan, stats, hw)
+    assert base.step_seconds - base.optimizer_seconds == pytest.approx(4 * (f + b))   # 4 micro-batches
+    got = cost.estimate(plan, stats, replace(hw, in_step=(2.0, 3.0, 5.0), step_overhead=(1e-3, 2e-4)))
+    assert got.step_seconds - got.optimizer_seconds == pytest.approx(4 * (2 * f + 3 * b + 2e-4))
+    assert got.optimizer_seconds == pytest.approx(5 * base.optimizer_seconds + 1e-3)
+
+
 def test_pipeline_posts_on_the_posters_timeline():
     """A calibrated `p2p_post`: each F and B of a pipeline stage pays one post (the executor batches a run of
     sends/receives per action), and the measured hop gives up the sender's post it held."""

@@ -302,6 +302,9 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
     table = [("all-reduce", 2, 1024, 1e-3, 2e-3), ("all-reduce", 2, 1024, 2e-2, 4e-3)]
     monkeypatch.setattr(calibrate, "_gloo", lambda world: {"latency": 1e-4, "call": 2e-4, "bw": 1e9, "table": table,
                                                           "probe": 2 * calibrate._probe_alone(), "post": 5e-4})
+    # the step in place is tests/test_calibrate_step.py's (a spawned process training a probe model)
+    monkeypatch.setattr(calibrate, "_in_step", lambda preset, log: {"in_step": [2.0, 1.0, 1.5],
+                                                                     "step_overhead": [1e-3, 2e-4]})
     out = tmp_path / "cpu.json"
     data = calibrate.calibrate("cpu", out, ranks=4, log=lambda *_: None)
     hw = cost.hardware(str(out))
@@ -317,6 +320,7 @@ def test_calibrate_writes_a_loadable_preset(tmp_path, monkeypatch):
     assert len(hw.mem_times) == 2 * len(compute.KINDS) and all(a < b for a, b in sizes.values())   # 64, 4096 elements
     assert all(f > 0 and b >= 0 for *_, f, b in hw.mem_times)
     assert hw.contention > 0   # the probe at 4 ranks over (ranks / cores) × alone
+    assert hw.in_step == (2.0, 1.0, 1.5) and hw.step_overhead == (1e-3, 2e-4)   # read back as tuples
 
 
 def test_materialized_attention_writes_its_scores():

@@ -323,8 +323,15 @@ def _mem_times(device: str, timed) -> list[tuple[str, int, float, float]]:
 
 
 def _gloo_worker(rank: int, port: int, out, world: int) -> None:
+    import warnings
+
     import torch
     import torch.distributed as dist
+
+    # torch 2.13 renamed the two below to *_single and warns on the old names, which torch 2.11 alone has
+    # (runtime/zero.py filters the same warning): one per call site and rank, nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                            r"is deprecated", category=FutureWarning)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -501,11 +508,34 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
                       optimizer_per_tensor=_optimizer_per_tensor(), p2p_post=g["post"])
         log(f"posting a send or receive (batch_isend_irecv), on the poster's timeline: {g['post'] * 1e3:.2f} ms")
         log(f"optimizer (AdamW, per parameter tensor): {preset['optimizer_per_tensor'] * 1e6:.1f} µs")
+        preset.update(_in_step(preset, log))
     else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
         preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(preset, indent=1))
     return preset
+
+
+def _in_step(preset: dict, log) -> dict:
+    """`in_step` and `step_overhead` (calibrate_step.py): a probe model trained in place, against these tables."""
+    import tempfile
+
+    from parc.analysis import calibrate_step
+    from parc.analysis.cost import Hardware
+
+    tables = {k: tuple(tuple(r) if isinstance(r, list) else r for r in v) if isinstance(v, list) else v
+              for k, v in preset.items()}
+    with tempfile.TemporaryDirectory(prefix="parc-calibrate-") as work:
+        fields, pairs = calibrate_step.in_step(Hardware(**tables), Path(work))
+    log("a step in place (parc/analysis/probe_model.py, one process), measured / the tables' price, ms:")
+    for (g, m), (got, want) in pairs.items():
+        log(f"  global {g} micro {m}: " + ", ".join(f"{k} {got[k] * 1e3:.2f} / {want[k] * 1e3:.2f}" for k in want)
+            + f"; whole step {got['step'] * 1e3:.2f}")
+    f, b, o = fields["in_step"]
+    a, per_micro = fields["step_overhead"]
+    log(f"  in a step: forward ×{f:.2f}, backward ×{b:.2f}, optimizer ×{o:.2f} the tables; beyond them "
+        f"{a * 1e3:.2f} ms a step + {per_micro * 1e3:.2f} ms a micro-batch")
+    return fields
 
 
 def _device_name(device: str) -> str:
@@ -546,4 +576,7 @@ def read_preset(path: str, known: set[str]) -> dict:
     data.setdefault("achievable", 0.5)
     for key in ("matmul", "attention", "collectives", "op_overheads", "mem_times"):
         data[key] = tuple(tuple(r) for r in data.get(key, ()))
+    for key in ("in_step", "step_overhead"):   # a file from before they were measured: the defaults
+        if key in data:
+            data[key] = tuple(data[key])
     return data

@@ -73,6 +73,8 @@ class Hardware:
     op_overheads: tuple = ()       # (kind: mm/attn/mem/view, forward s, backward s) per op at no work (compute.py)
     mem_times: tuple = ()          # (kind, bytes, forward s, backward s) of one memory-bound op, measured (compute.py)
     p2p_post: float = 0.0          # seconds a pipeline rank spends posting a send/receive, on its own timeline
+    in_step: tuple = (1.0, 1.0, 1.0)  # a step's forward, backward, optimizer in place over the tables' price
+    step_overhead: tuple = (0.0, 0.0)  # seconds a step spends beyond them: per step, per micro-batch
     source: str = ""               # where the figures come from
 
 
@@ -448,6 +450,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     def stage_times(d):
         if compute.has_model(hw, d):
             f, b = compute.stage_seconds(d["ops"], hw, dtype, tp, attention, attention_dropout)
+            # in a step, ops run slower than each in a loop of itself, as the tables time them (a calibrated
+            # CPU's `in_step`, calibrate_step.py; 1 on the shipped presets)
+            f, b = f * hw.in_step[0], b * hw.in_step[1]
         else:
             f, b = compute.fallback(hw, dtype, per_tp(d, "flops"), d["flops_recomputed"] / tp)
         calls = max(d.get("tp_ops", 1), 1)
@@ -459,6 +464,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                            latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
                            gap=(f + b) * slow / calls).seconds if tp > 1 and rec_calls else 0.0
         tp_times.append(tp_t + tp_r)
+        f += hw.step_overhead[1]   # the runtime's own work per micro-batch (calibrated CPU; 0 elsewhere)
         return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
     times = [stage_times(d) for d in stages]
@@ -576,7 +582,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
     # ZeRO-0/1 accumulate every micro-batch's whole gradient before the reduction; ZeRO-2/3 their shard
     optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc,
-                                       tensors=tensors, params_grads=big / (dp if z >= 2 else 1)) * slow
+                                       tensors=tensors, params_grads=big / (dp if z >= 2 else 1))
+    # the optimizer step in place (`in_step`), and the step's own work beyond its micro-batches and optimizer
+    # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
+    optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
     step = makespan + dp_exposed + optimizer_s
     fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
     model_flops = 3 * fwd * acc * dp
