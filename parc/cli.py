@@ -308,9 +308,12 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_report)
 
     cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",
-                         description="Short probes (a matmul sweep, attention, memory bandwidth, op overhead; on "
-                                     "CPU a gloo all-reduce) written as a preset file that --preset FILE accepts "
-                                     "wherever a preset name is (docs/cost-model.md).")
+                         description="Short probes (a matmul sweep, attention, memory bandwidth, op overhead and "
+                                     "memory-bound ops by kind; on CPU also gloo collectives under load among --ranks "
+                                     "processes, and a small probe model's training step timed in place against "
+                                     "those tables) written as a preset file that --preset FILE accepts wherever a "
+                                     "preset name is (docs/cost-model.md). A few minutes on CPU; run it on a quiet "
+                                     "machine.")
     cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to measure (default cpu)")
     cal.add_argument("-o", "--output", type=Path, default=Path("preset.json"), help="the file to write")
     cal.add_argument("--peak-tflops", type=float, help="the peak to state efficiencies against (default: the best "

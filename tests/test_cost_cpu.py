@@ -144,6 +144,8 @@ def test_contention_beyond_core_sharing(traced):
     contended = cost.estimate(plan, stats, _cpu(cores=2, contention=1.5)).compute_seconds
     assert shared == pytest.approx(2 * own)          # ranks / cores
     assert contended == pytest.approx(3 * own)       # × the measured contention, only when cores are shared
+    # below 1 it is noise between calibrate's two probes: ranks sharing a core do not outrun their share of it
+    assert cost.estimate(plan, stats, _cpu(cores=2, contention=0.86)).compute_seconds == pytest.approx(shared)
 
 
 def test_in_step_scales_the_tables_and_adds_the_runtime_overhead(traced):
@@ -159,6 +161,8 @@ def test_in_step_scales_the_tables_and_adds_the_runtime_overhead(traced):
     got = cost.estimate(plan, stats, replace(hw, in_step=(2.0, 3.0, 5.0), step_overhead=(1e-3, 2e-4)))
     assert got.step_seconds - got.optimizer_seconds == pytest.approx(4 * (2 * f + 3 * b + 2e-4))
     assert got.optimizer_seconds == pytest.approx(5 * base.optimizer_seconds + 1e-3)
+    assert any(n.startswith("in a step (calibrated in place): forward ×2.00") for n in got.notes)
+    assert not any(n.startswith("in a step") for n in base.notes)
 
 
 def test_pipeline_posts_on_the_posters_timeline():

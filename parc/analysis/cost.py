@@ -441,7 +441,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them, and by
     # the contention calibrate measured beyond that sharing (caches, switching) with every rank computing
     on_host = min(m.world_size, hw.gpus_per_node)
-    slow = max(1.0, on_host / hw.cores) * (hw.contention if on_host > hw.cores else 1.0) if hw.cores else 1.0
+    # (a contention measured below 1 is the machine's noise between calibrate's two probes: ranks that share a
+    # core do not run faster than their share of it)
+    slow = max(1.0, on_host / hw.cores) * (max(hw.contention, 1.0) if on_host > hw.cores else 1.0) \
+        if hw.cores else 1.0
 
     def per_tp(d, key):  # one tp rank's share
         return d[f"{key}_sharded"] / tp + d[f"{key}_replicated"]
@@ -608,6 +611,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                 else f"FLOPs at {hw.achievable:.0%} of peak (no efficiency table or no op "
                                 "statistics)") + (f"; {min(m.world_size, hw.gpus_per_node)} ranks share "
                                                   f"{hw.cores} cores (×{slow:.2g})" if slow > 1 else ""))
+    if tuple(hw.in_step) != (1.0, 1.0, 1.0) or any(hw.step_overhead):
+        f_in, b_in, o_in = hw.in_step
+        notes.append(f"in a step (calibrated in place): forward ×{f_in:.2f}, backward ×{b_in:.2f}, optimizer "
+                     f"×{o_in:.2f} the tables' price; {hw.step_overhead[0] * 1e3:.2g} ms a step and "
+                     f"{hw.step_overhead[1] * 1e3:.2g} ms a micro-batch of the runtime's own")
     if attention != "flash":
         notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
                      + (", with a dropout on the probabilities)" if attention_dropout else ")"))
