@@ -32,7 +32,7 @@ def test_probe_is_measured_in_place_and_priced(tmp_path):
     f, b, o = fields["in_step"]
     assert all(0.2 < x < 20 for x in (f, b, o))   # measured over priced: the same order, whatever the machine
     assert all(x >= 0 for x in fields["step_overhead"])
-    # a preset file holding them is read back as tuples (parc.analysis.calibrate.read_preset)
+    # a preset file holding them is read back as tuples (parc.analysis.preset_file.read_preset)
     path = tmp_path / "p.json"
     data = json.loads(presets[-1].read_text())
     path.write_text(json.dumps({**data, **fields}))

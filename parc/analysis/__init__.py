@@ -9,6 +9,9 @@ Reading order, each file one job:
   compute.py      compute time per operation: matmul/attention efficiency tables, memory-bound bytes
   presets.py      the shipped a100/h100/h200 tables and where their figures come from
   calibrate.py    `parc calibrate`: measure this device into a preset file (torch)
+  calibrate_step.py  calibrate on a CPU: a probe model's step timed in place against the tables (`in_step`)
+  probe_model.py  that probe, a model file in docs/model-convention.md's form
+  preset_file.py  read a calibrated preset file back (cost.py's, without importing calibrate)
   report.py       `parc report`: the estimates as a table or JSON
 
 Nothing here changes the graph; the passes (passes/) and the runtime (runtime/)

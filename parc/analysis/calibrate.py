@@ -2,7 +2,7 @@
 
 Start at `calibrate(device, out)`. It runs short probes and writes the fields of
 `parc.analysis.cost.Hardware` as JSON, which `--preset FILE` accepts wherever a
-preset name is (report, check, plan); `read_preset` reads it back.
+preset name is (report, check, plan); `parc.analysis.preset_file.read_preset` reads it back.
 
 - matmul: a sweep of (m, n, k) shapes in the plan dtypes the device runs (CPU:
   fp32; CUDA: bf16 and fp32). The peak is the best FLOP/s seen (or
@@ -552,31 +552,3 @@ def _memory(device: str) -> float:
     if device == "cuda":
         return float(torch.cuda.get_device_properties(0).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def read_preset(path: str, known: set[str]) -> dict:
-    """The fields of a `parc calibrate` file, checked against `known` (Hardware's); one clear error for a
-    bad file. parc.analysis.cost.hardware builds the Hardware (this module does not import cost)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise ParcError(f"preset file {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ParcError(f"preset file {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    need = {"name", "memory", "flops", "intra_bw", "inter_bw"}
-    if not isinstance(data, dict) or need - set(data):
-        missing = need - set(data) if isinstance(data, dict) else need
-        raise ParcError(f"preset file {path}: missing {', '.join(sorted(missing))}",
-                        hint="write one with `parc calibrate -o FILE.json`")
-    unknown = set(data) - known
-    if unknown:
-        raise ParcError(f"preset file {path}: unknown field(s) {', '.join(sorted(unknown))}",
-                        hint="valid: " + ", ".join(sorted(known)))
-    data.setdefault("achievable", 0.5)
-    for key in ("matmul", "attention", "collectives", "op_overheads", "mem_times"):
-        data[key] = tuple(tuple(r) for r in data.get(key, ()))
-    for key in ("in_step", "step_overhead"):   # a file from before they were measured: the defaults
-        if key in data:
-            data[key] = tuple(data[key])
-    return data

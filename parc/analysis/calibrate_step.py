@@ -3,7 +3,7 @@
 Start at `in_step(preset)`. The tables calibrate.py measures time each op in a loop of itself,
 where its code and data stay in the caches. In a step, ops of different kinds follow one another
 on fresh tensors, and none of them is as fast. On the 2-core machine parc is developed on, a
-transformer block's forward run through took 1.9–2.0× the sum of its ops each timed in a loop
+transformer block's forward run through took 1.9–2.3× the sum of its ops each timed in a loop
 (blocks of 32 to 2048 rows of 64; replaying the same ops in order on fixed inputs already took
 1.7–1.8×: most of it is the change of op, not the data), and an AdamW step right after a
 backward 1.7× the same step in a loop of its own. A model priced from the tables alone under-predicts

@@ -102,7 +102,7 @@ def hardware(name: str | None, topology=None) -> Hardware:
     if key not in PRESETS and name and (name.endswith(".json") or "/" in name):
         from dataclasses import fields
 
-        from parc.analysis.calibrate import read_preset
+        from parc.analysis.preset_file import read_preset
         hw = Hardware(**read_preset(name, {f.name for f in fields(Hardware)}))
     elif key not in PRESETS:
         raise ParcError(f"unknown hardware preset `{name}`",
