@@ -13,6 +13,10 @@ Reading order, each file one job:
   probe_model.py  that probe, a model file in docs/model-convention.md's form
   preset_file.py  read a calibrated preset file back (cost.py's, without importing calibrate)
   report.py       `parc report`: the estimates as a table or JSON
+  experts.py      expert parallelism's all-to-all volume and time in the estimate
+  schedules.py    a memo of pipeline schedules and their simulations, for many estimates
+  planner.py      `parc plan`: search the plan space with the cost model
+  plan_experts.py `parc plan`'s expert-parallel candidates
 
 Nothing here changes the graph; the passes (passes/) and the runtime (runtime/)
 never import this package.
