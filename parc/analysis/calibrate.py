@@ -40,6 +40,8 @@ preset name is (report, check, plan); `parc.analysis.preset_file.read_preset` re
     ranks / cores (what core sharing alone explains); `cores`;
   - `p2p_post`: the mean time a rank spends posting a send or receive
     (`batch_isend_irecv`, small messages) in those loops, on its own timeline.
+- CPU only, last, against the tables above: a probe model's training step timed
+  in place, one process (`in_step`, `step_overhead`: calibrate_step.py).
 
 Every figure is the median of repeats: the machine may be shared.
 """
