@@ -50,10 +50,17 @@ from parc.runtime.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
 from parc.runtime.optim_step import step_unless
 
-# torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
-# which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
-                        r"is deprecated", category=FutureWarning)
+
+
+def quiet_renamed_collectives() -> None:
+    """torch 2.13 renamed these two to *_single and warns on the old names; parc supports torch ≥ 2.11,
+    which has only the old ones (tests/test_torch_api.py), so the warning says nothing a user can act on
+    (also called by `parc calibrate`'s gloo workers)."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                            r"is deprecated", category=FutureWarning)
+
+
+quiet_renamed_collectives()
 
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
 

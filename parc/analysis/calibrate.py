@@ -325,15 +325,12 @@ def _mem_times(device: str, timed) -> list[tuple[str, int, float, float]]:
 
 
 def _gloo_worker(rank: int, port: int, out, world: int) -> None:
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    # torch 2.13 renamed the two below to *_single and warns on the old names, which torch 2.11 alone has
-    # (runtime/zero.py filters the same warning): one per call site and rank, nothing a user can act on
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
-                            r"is deprecated", category=FutureWarning)
+    from parc.runtime.zero import quiet_renamed_collectives
+
+    quiet_renamed_collectives()   # the all-gather and reduce-scatter below, as ZeRO calls them
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -524,11 +521,10 @@ def _in_step(preset: dict, log) -> dict:
 
     from parc.analysis import calibrate_step
     from parc.analysis.cost import Hardware
+    from parc.analysis.preset_file import as_fields
 
-    tables = {k: tuple(tuple(r) if isinstance(r, list) else r for r in v) if isinstance(v, list) else v
-              for k, v in preset.items()}
     with tempfile.TemporaryDirectory(prefix="parc-calibrate-") as work:
-        fields, pairs = calibrate_step.in_step(Hardware(**tables), Path(work))
+        fields, pairs = calibrate_step.in_step(Hardware(**as_fields(dict(preset))), Path(work))
     log("a step in place (parc/analysis/probe_model.py, one process), measured / the tables' price, ms:")
     for (g, m), (got, want) in pairs.items():
         log(f"  global {g} micro {m}: " + ", ".join(f"{k} {got[k] * 1e3:.2f} / {want[k] * 1e3:.2f}" for k in want)
