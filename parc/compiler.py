@@ -192,6 +192,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                 "buckets": grad_buckets.assign(gm, state),
                 "rewrites": dict(sorted(ctx.rewrites.items())),
                 "tp_partial_grads": ctx.notes.get("tp_partial_grads", []),  # passes/tensor_parallel.py
+                "tp_grad_reductions": ctx.notes.get("tp_grad_reductions", []),  # passes/tp_grads.py
                 "zero": ctx.notes.get("zero"),  # ZeRO partition table (passes/zero.py); None at stage 0
                 "recompute": ctx.notes.get("recompute", []),  # checkpointed module instances (passes/recompute.py)
             }

@@ -32,8 +32,9 @@ Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output
 Guarantees: `ctx.shards` gives each sharded placeholder's slice (`blocks` > 1
 for fused projections); view/expand/split constants are local; `meta["val"]`
 is re-propagated with local shapes, so a wrong rewrite fails at compile time;
-`ctx.notes["tp_partial_grads"]` lists replicated params whose gradient is a
-per-rank part (sequence parallelism) for the runtime to sum once per step.
+every gradient is complete on every rank that holds it (passes/tp_grads.py: a
+replicated value meeting a sharded one gets a Partial gradient, summed per step
+for a parameter, `ctx.notes["tp_partial_grads"]`, or by an f before the op).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
+from parc.passes import tp_grads
 from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import shared_rules
@@ -346,22 +348,9 @@ class _Rewriter:
     # --- the end --------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Under sequence parallelism, replicated params used on a sequence slice have partial grads."""
-        partial = []
-        for p in (n for n in self.gm.graph.nodes if n.op == "placeholder" and is_param(n)):
-            if p.name in self.ctx.shards and self.ctx.shards[p.name] is not None:
-                continue
-            outs = [self.lay.get(u) for u in _consumers(p) if isinstance(u.meta.get("val"), torch.Tensor)]
-            seq = [o for o in outs if isinstance(o, Shard) and o.seq]
-            if seq and len(seq) < len(outs):  # summed over tp, the full-sequence use's gradient would count tp times
-                rule = seq[0].rule
-                raise ParcError(f"sequence_parallel: {p.meta.get('parc_fqn', p.name)} is used both on a sequence "
-                                "slice and on the whole sequence; parc sums its gradient over tp, which would count "
-                                "the whole-sequence use tp times", getattr(rule, "span", None),
-                                "drop sequence_parallel, or give the two uses their own parameters")
-            if seq:
-                partial.append(p.name)
-        self.ctx.notes["tp_partial_grads"] = partial
+        """Complete every gradient: a replicated value meeting a sharded one has a Partial (summed over tp)
+        gradient, summed per step for a parameter or by an f before the op (passes/tp_grads.py)."""
+        tp_grads.complete(self.gm, self.lay, self.ctx.shards, self.ctx, lambda: self.ctx.count(NAME))
 
     def internal(self, node: fx.Node | None, e: Exception) -> ParcError:
         """An unexpected failure while rewriting `node`, as a diagnostic at the rule most likely behind it."""
@@ -393,22 +382,6 @@ class _Rewriter:
                 return self.rule_at(n)
             todo.extend(n.all_input_nodes)
         return None
-
-
-def _consumers(p: fx.Node) -> list[fx.Node]:
-    """The nodes computing with parameter `p`, looking through its transposes and casts."""
-    out, todo = [], list(p.users)
-    while todo:
-        u = todo.pop()
-        if u.target in PARAM_VIEWS and len(u.all_input_nodes) == 1:
-            todo.extend(u.users)
-        else:
-            out.append(u)
-    return out
-
-
-PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
-               aten.view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
 
 
 def _handled(node: fx.Node, is_weight) -> bool:
