@@ -111,8 +111,11 @@ def complete(gm: fx.GraphModule, lay, shards: dict, ctx, count=lambda: None) -> 
                                  f"{[u.name for u in n.users if not sharded(lay.get(u))]}")
 
     def partial_edge(a: fx.Node, u: fx.Node) -> bool:
-        if a not in grad or lay.get(a) is not None or (is_param(a) and shards.get(a.name)):
-            return False  # no gradient, a sharded value (its slice's gradient is its own), a weight shard
+        if a not in grad or lay.get(a) is not None:
+            return False  # no gradient, or a sharded value (its slice's gradient is its own)
+        p = _root_param(a)
+        if p is not None and shards.get(p.name):
+            return False  # a weight shard, or a view of one (a Conv1D weight's `t`): sharded storage
         if a.target in SUMMING:
             return False  # already summed over tp by its own backward (checked above)
         if u.op != "call_function" or getattr(u.target, "namespace", None) == "parc":
