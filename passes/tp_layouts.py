@@ -12,44 +12,26 @@ ParcError naming the node and its module path: never a silently wrong result.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
+from parc.passes import tp_contract
+from parc.passes.tp_shard import Shard, is_param, shape  # noqa: F401 (is_param: tensor_parallel imports it here)
 from parc.traced import module_path
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Chunk `tp_rank` of each of `blocks` equal blocks along `dim` (dims counted from 0)."""
-
-    dim: int
-    blocks: int = 1
-    seq: bool = False  # a sequence-parallel slice (of the token dim), not a slice of features/heads
-    rule: object = field(default=None, compare=False)  # the plan rule it came from, for error spans
 
 
 SAME_LAYOUT = {aten.dropout.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
                aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
                aten.to.other, aten.lift_fresh_copy.default}
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+RESHAPES = VIEWS | {aten.flatten.using_ints, aten.unflatten.int}  # regroup dims; only VIEWS carry all sizes
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
-REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 SDPA = {aten.scaled_dot_product_attention.default}
-
-
-def shape(n) -> tuple[int, ...]:
-    return tuple(n.meta["val"].shape)
-
-
-def is_param(n) -> bool:
-    """A parameter placeholder of the traced graph (torch.export names them `p_<fqn>`)."""
-    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
 
 
 class Layouts:
@@ -124,7 +106,7 @@ class Layouts:
             return None
         if t in SAME_LAYOUT or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
             return self._pointwise(node)
-        if t in VIEWS:
+        if t in RESHAPES:
             return self._view(node)
         if t in SPLITS:
             return self._split(node)
@@ -142,8 +124,8 @@ class Layouts:
             if node.args[1] % len(shape(node)) == s.dim:
                 self.fail(node, f"softmax over dim {s.dim}, which is sharded across tp", s)
             return s
-        if t in REDUCTIONS:
-            return self._reduction(node)
+        if t in tp_contract.RULES:
+            return tp_contract.RULES[t](self, node)
         self.fail(node, "parc has no sharding rule for this op", self.get(ins[0]))
 
     # --- elementwise ---------------------------------------------------------------
@@ -160,18 +142,26 @@ class Layouts:
             d = s.dim - (out_rank - len(shape(a)))  # the input's dim that broadcasts against the sharded one
             if d < 0 or shape(a)[d] == 1:
                 continue  # broadcast: the replicated operand is the same on every chunk
-            if s.seq and s.blocks == 1:
-                self._split_replicated(node, a, d, s)  # a full-sequence value meeting a sequence slice
+            if s.blocks == 1:
+                self.localize(node, a, d, s)  # a whole value meeting a slice (sequence, heads, features)
                 continue
-            self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a tensor sharded on dim {s.dim}", s)
+            self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a tensor sharded on dim {s.dim} in "
+                      f"{s.blocks} blocks", s)
         return s
 
-    def _split_replicated(self, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:
+    def localize(self, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:
+        """Replicated `a`, used by `node` beside a value sharded like `s`, keeps this rank's chunk along its
+        dim `d` (`parc.split_allgather`: no communication forward; backward all-gathers the gradient, so a
+        replicated parameter's gradient stays whole on every rank: a norm weight over a sharded hidden)."""
+        if shape(a)[d] % self.tp:
+            self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a value sharded on its dim {d}, whose "
+                      f"size {shape(a)[d]} tp {self.tp} does not divide", s)
         with self.gm.graph.inserting_before(node):
             cut = self.gm.graph.call_function(torch.ops.parc.split_allgather.default, (a, "tp", d, self.tp))
         self.made.append(cut)
-        cut.meta["val"] = a.meta["val"]
-        self.of[cut] = Shard(d, 1, True, s.rule)
+        cut.meta["val"] = a.meta["val"]  # the traced (full) shape, as everywhere before local shapes
+        cut.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        self.of[cut] = Shard(d, 1, s.seq, s.rule)
         node.replace_input_with(a, cut)
 
     # --- shape ops -----------------------------------------------------------------
@@ -191,17 +181,24 @@ class Layouts:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
             o = outs[0]
             if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
-                heads = " (with grouped-query attention, kv heads must be a multiple of tp too)" if len(go) > 1 else ""
+                heads = " (grouped-query attention: kv heads must be a multiple of tp too, or mark the k and v " \
+                    "projections `replicate`: each rank then keeps its heads of the repeated k and v)" if len(go) > 1 else ""
                 try:
                     self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
                               f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
                               f"use a tp that divides {b[o]}")
                 except ParcError as e:
                     self.indivisible(e)
-            sizes = list(node.args[1])
-            if sizes[o] != -1:
-                sizes[o] = sizes[o] // self.tp
-                node.args = (node.args[0], sizes, *node.args[2:])
+            if node.target in VIEWS:  # the size constant of the sharded dim becomes the local one
+                sizes = list(node.args[1])
+                if sizes[o] != -1:
+                    sizes[o] = sizes[o] // self.tp
+                    node.args = (node.args[0], sizes, *node.args[2:])
+            elif node.target is aten.unflatten.int:  # unflatten(x, dim, sizes): sizes of the dims it makes
+                d, sizes = node.args[1] % len(a), list(node.args[2])
+                if sizes[o - d] != -1:
+                    sizes[o - d] = sizes[o - d] // self.tp
+                    node.args = (node.args[0], node.args[1], sizes)
             return Shard(o, 1, s.seq, s.rule)
         self.fail(node, "cannot follow the sharded dim through this reshape", s)
 
@@ -274,7 +271,15 @@ class Layouts:
     # --- compute ops ---------------------------------------------------------------
 
     def _sdpa(self, node):
+        """Heads sharded alike. Replicated k and v beside head-sharded q (grouped-query attention with fewer
+        kv heads than tp: k/v projections left whole, their heads repeated to q's count) keep this rank's
+        heads (`localize`); k/v with fewer heads than q under `enable_gqa` must shard alike with q."""
         q, k, v = (self.get(a) for a in node.args[:3])
+        if q is not None and q.dim == 1 and q.blocks == 1 and not q.seq:
+            for a, s in zip(node.args[1:3], (k, v)):
+                if s is None and shape(a)[1] == shape(node.args[0])[1]:
+                    self.localize(node, a, 1, q)
+            k, v = (self.get(a) for a in node.args[1:3])
         if not (q == k == v) or q is None or q.dim != 1 or q.blocks != 1:
             self.fail(node, f"attention needs q, k, v sharded alike on the heads dim 1, got {q}, {k}, {v}",
                       q or k or v)
@@ -291,16 +296,6 @@ class Layouts:
         if s.dim >= len(shape(node)) - len(node.args[1]):
             self.fail(node, f"it normalizes over dim {s.dim}, which is sharded across tp", s)
         return s
-
-    def _reduction(self, node):
-        s = self.get(node.args[0])
-        n = len(shape(node.args[0]))
-        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
-        dims = [d % n for d in ([dims] if isinstance(dims, int) else dims)]
-        if s.dim in dims:
-            self.fail(node, f"it reduces over dim {s.dim}, which is sharded across tp", s)
-        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
 
     def _linear(self, node):
         """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features.

@@ -1,0 +1,156 @@
+"""Sharding rules for ops that contract or reduce dims, and for stacking and indexing (used by
+passes/tp_layouts.py's dispatcher).
+
+Start at `RULES`. Each rule gets the `Layouts` and the node, returns the node's layout, and may
+insert a collective where one makes the op exact:
+
+- a **reduction over the sharded dim** (sum, mean; a matmul contracting two operands sharded along
+  the contracted dim) leaves each rank a *partial* value; Megatron's g (`parc.allreduce_identity`:
+  all-reduce forward, identity backward) sums it, as Megatron sums a norm's statistics over a
+  sharded hidden. A mean is the sum of the local means over tp, divided by tp.
+- a **replicated operand meeting a sharded one** along a dim of the same extent keeps this rank's
+  chunk (`parc.split_allgather`: slice forward, all-gather of the gradient backward), so the
+  replicated side's gradient stays whole on every rank (`Layouts.localize`).
+- batched matmuls (`matmul`, `bmm`, `mm`) follow a shard through the batch dims and the free
+  row (n) and column (m) dims; the contracted dim k is the reduction case.
+
+Gradients: passes/tp_grads.py completes every gradient after the walk, whatever these rules
+produce; the collectives here carry their own backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from parc.passes.tp_shard import Shard, shape
+
+aten = torch.ops.aten
+parc_ops = torch.ops.parc
+
+
+def _sum_over_tp(lay, node: fx.Node, scale: float | None = None):
+    """Insert g after `node` (and a division by tp for a mean): the node's users get the full value."""
+    users = list(node.users)
+    with lay.gm.graph.inserting_after(node):
+        red = lay.gm.graph.call_function(parc_ops.allreduce_identity.default, (node, "tp"))
+    red.meta["val"], red.meta["nn_module_stack"] = node.meta["val"], node.meta.get("nn_module_stack")
+    lay.made.append(red)
+    lay.of[red] = None
+    out = red
+    if scale is not None:
+        with lay.gm.graph.inserting_after(red):
+            out = lay.gm.graph.call_function(aten.div.Tensor, (red, scale))
+        out.meta["val"], out.meta["nn_module_stack"] = node.meta["val"], node.meta.get("nn_module_stack")
+        lay.made.append(out)
+        lay.of[out] = None
+    for u in users:
+        u.replace_input_with(node, out)
+    return "partial"
+
+
+def reduction(lay, node: fx.Node):
+    """sum / mean over dims: over unsharded dims the shard moves; over the sharded dim, a sum over tp."""
+    s = lay.get(node.args[0])
+    n = len(shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+    dims = [d % n for d in ([dims] if isinstance(dims, int) else dims)]
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if s.dim not in dims:
+        return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
+    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.blocks != 1:
+        lay.fail(node, f"it reduces over dim {s.dim}, which is sharded across tp (parc sums only sum and mean "
+                 "over tp)", s)
+    if node.kwargs.get("dtype") is not None or (len(node.args) > 3 and node.args[3] is not None):
+        lay.fail(node, f"it reduces over sharded dim {s.dim} with a dtype argument", s)
+    return _sum_over_tp(lay, node, float(lay.tp) if node.target is aten.mean.dim else None)
+
+
+def matmul(lay, node: fx.Node):
+    """`a @ b` with a (..., n, k) and b (..., k, m) (1-D operands promoted as torch does)."""
+    a, b = node.args[0], node.args[1]
+    sa, sb = lay.get(a), lay.get(b)
+    ra, rb, ro = len(shape(a)), len(shape(b)), len(shape(node))
+    if ra < 2 or rb < 2:
+        lay.fail(node, "a matmul with a 1-D operand on a sharded value", sa or sb)
+    for s in (sa, sb):
+        if s is not None and s.blocks != 1:
+            lay.fail(node, f"a matmul on a fused output of {s.blocks} blocks before it is split", s)
+    # each operand's sharded dim, as a role: ("batch", dim counted from the right), "n", "k", "m"
+    role_a = _role(sa, ra, "n", "k")
+    role_b = _role(sb, rb, "k", "m")
+    if sa is not None and sb is not None:
+        if role_a != role_b:
+            lay.fail(node, f"its operands are sharded on different dims ({role_a} and {role_b})", sa)
+        if role_a == "k":  # both sharded along the contracted dim: each rank holds a partial product
+            return _sum_over_tp(lay, node)
+        return Shard(ro - 1 - role_a[1], 1, sa.seq, sa.rule)  # the same batch dim of both
+    s, role, other, r_other = (sa, role_a, b, rb) if sa is not None else (sb, role_b, a, ra)
+    if role in ("n", "m"):  # a free dim: the other operand is used whole
+        return Shard(ro - 2 if role == "n" else ro - 1, 1, s.seq, s.rule)
+    if role == "k":  # the replicated operand keeps this rank's rows (or columns) of k; then sum
+        lay.localize(node, other, r_other - 2 if other is b else r_other - 1, s)
+        return _sum_over_tp(lay, node)
+    back = role[1]  # a batch dim, counted from the right: the other operand broadcasts or is cut alike
+    d = r_other - 1 - back
+    if d >= 0 and shape(other)[d] != 1:
+        lay.localize(node, other, d, s)
+    return Shard(ro - 1 - back, 1, s.seq, s.rule)
+
+
+def _role(s: Shard | None, rank: int, row: str, col: str):
+    if s is None:
+        return None
+    if s.dim == rank - 1:
+        return col
+    if s.dim == rank - 2:
+        return row
+    return ("batch", rank - 1 - s.dim)
+
+
+def stack(lay, node: fx.Node):
+    tensors = node.args[0]
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+    shards = {lay.get(a) for a in tensors}
+    if len(shards) != 1 or None in shards:
+        lay.fail(node, "it stacks tensors with different layouts", next(s for s in shards if s))
+    (s,) = shards
+    return Shard(s.dim + (dim <= s.dim), s.blocks, s.seq, s.rule)
+
+
+def select(lay, node: fx.Node):
+    s = lay.get(node.args[0])
+    dim = node.args[1] % len(shape(node.args[0]))
+    if dim == s.dim:
+        lay.fail(node, f"it selects one index of dim {dim}, which is sharded across tp", s)
+    return Shard(s.dim - (dim < s.dim), s.blocks, s.seq, s.rule)
+
+
+def unbind(lay, node: fx.Node):
+    s = lay.get(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node.args[0]))
+    if dim == s.dim:
+        lay.fail(node, f"it unbinds dim {dim}, which is sharded across tp", s)
+    return [Shard(s.dim - (dim < s.dim), s.blocks, s.seq, s.rule)] * len(node.meta["val"])
+
+
+def index_select(lay, node: fx.Node):
+    """index_select / gather along a dim: fine along an unsharded dim when the index is not sharded."""
+    s, idx = lay.get(node.args[0]), node.args[2]
+    dim = node.args[1] % len(shape(node.args[0]))
+    if s is None or lay.get(idx) is not None and node.target is aten.index_select.default:
+        lay.fail(node, "a sharded index", s or lay.get(idx))
+    if dim == s.dim:
+        lay.fail(node, f"it indexes along dim {dim}, which is sharded across tp", s)
+    if node.target is aten.gather.default and lay.get(idx) != s:
+        if lay.get(idx) is not None:
+            lay.fail(node, "gather's index is sharded unlike its input", s)
+        if shape(idx)[s.dim] != 1:  # the index's rows along the sharded dim: this rank's chunk
+            lay.localize(node, idx, s.dim, s)
+    return s
+
+
+RULES = {aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
+         aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
+         aten.amin.default: reduction, aten.stack.default: stack, aten.select.int: select,
+         aten.unbind.int: unbind, aten.index_select.default: index_select, aten.gather.default: index_select}
