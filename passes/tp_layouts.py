@@ -32,6 +32,8 @@ RESHAPES = VIEWS | {aten.flatten.using_ints, aten.unflatten.int}  # regroup dims
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 SDPA = {aten.scaled_dot_product_attention.default}
+LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
 class Layouts:
@@ -106,6 +108,13 @@ class Layouts:
             return None
         if t in SAME_LAYOUT or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
             return self._pointwise(node)
+        if t in LIKE or t is aten.type_as.default:  # the first input's shape (or values) in a new dtype or fill
+            return self.get(node.args[0])
+        if t in NEW:  # sizes written out in full (the traced ones): a whole tensor on every rank
+            return None
+        if t is aten.view_as.default:  # `view` to the traced shape, which `_view` then makes local
+            node.target, node.args = aten.view.default, (node.args[0], list(shape(node)))
+            return self._view(node)
         if t in RESHAPES:
             return self._view(node)
         if t in SPLITS:
@@ -116,7 +125,8 @@ class Layouts:
                    aten.t.default: self._t, aten.unsqueeze.default: self._unsqueeze,
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
                    aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
-                   aten.linear.default: self._linear, aten.embedding.default: self._embedding}.get(t)
+                   aten.linear.default: self._linear, aten.embedding.default: self._embedding,
+                   aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex}.get(t)
         if handler is not None:
             return handler(node)
         if t in SOFTMAX:
@@ -233,6 +243,13 @@ class Layouts:
             node.args = (node.args[0], sizes, *node.args[2:])
         return Shard(o, s.blocks, s.seq, s.rule)
 
+    def _complex(self, node):
+        """view_as_complex folds the last dim (the pairs) into the dtype; view_as_real unfolds it."""
+        s = self.get(node.args[0])
+        if s.dim >= len(shape(node)):
+            self.fail(node, "it folds the sharded dim into complex numbers", s)
+        return s
+
     def _slice(self, node):
         s = self.get(node.args[0])
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
@@ -286,7 +303,9 @@ class Layouts:
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
             if self.get(mask) is None and len(shape(mask)) == 4 and shape(mask)[1] != 1:
-                self.fail(node, f"a per-head attention mask {shape(mask)} with sharded heads", q)
+                self.localize(node, mask, 1, q)  # a per-head mask (ALiBi's biases): this rank's heads
+            elif self.get(mask) not in (None, q):
+                self.fail(node, f"an attention mask sharded as {self.get(mask)} beside heads sharded as {q}", q)
         return q
 
     def _layer_norm(self, node):

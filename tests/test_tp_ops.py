@@ -1,0 +1,72 @@
+"""The op rules models write on sharded values, each trained one step against the serial model, and a
+program traced on meta that runs on CPU ranks (passes/portable.py).
+
+tests/models/tp_ops.py uses type_as, view_as, view_as_complex/real rotary, zeros_like, new_zeros,
+eager attention with a per-head ALiBi bias, SDPA with a per-head mask, stack/unbind: every one on
+head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Qwen2-MoE, traced on meta,
+counts tokens per expert with histc on int32, which no CPU kernel runs: compiled, it died at step 0
+on CPU ranks. The check is test_tp_grads.py's: one SGD step with lr 1, per-tensor update error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import ROOT, compile_text, llama_tp_rules, train_parallel
+from parc import artifact
+from parc.runtime.verify import train_serial
+from parc.trace import load_user_module
+from test_tp_grads import TOL, _per_tensor, _plan
+
+MODELS = ROOT / "tests" / "models"
+OPS_RULES = """tensor_parallel {
+    "layers.*.q" : column
+    "layers.*.k" : column
+    "layers.*.v" : column
+    "layers.*.o" : row
+    "layers.*.up" : column
+    "layers.*.down" : row
+}
+"""
+ATTN_RULES = """tensor_parallel {
+    "model.layers.*.self_attn.q_proj" : column
+    "model.layers.*.self_attn.k_proj" : column
+    "model.layers.*.self_attn.v_proj" : column
+    "model.layers.*.self_attn.o_proj" : row
+}
+"""
+
+CASES = {
+    "ops_tp2": (MODELS / "tp_ops.py", OPS_RULES, False, "mesh tp=2"),
+    "ops_tp2_sp": (MODELS / "tp_ops.py", OPS_RULES, True, "mesh tp=2"),
+    "gemma3_tp2": (MODELS / "gemma3_tiny.py", llama_tp_rules(), False, "mesh tp=2"),
+    "qwen2_moe_dp2": (MODELS / "qwen2_moe_tiny.py", "", False, "mesh dp=2"),
+    "qwen2_moe_tp2": (MODELS / "qwen2_moe_tiny.py", ATTN_RULES, False, "mesh tp=2"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_step_equals_serial_per_tensor(tmp_path, name):
+    model, rules, sp, mesh = CASES[name]
+    text = _plan(rules, sp, mesh) if rules else f"{mesh}\nbatch global=4 micro=2\noptimizer sgd lr=1.0\n"
+    art = compile_text(text, tmp_path / "c", model)
+    _, state = train_parallel(art.root, steps=1)
+    user = load_user_module(art.root / "model" / "model.py")
+    _, before = train_serial(user, art.plan, 0, 0)
+    _, serial = train_serial(user, art.plan, 0, 1)
+    errors = _per_tensor({k: v for k, v in state.items()}, {k: v for k, v in serial.items() if k in state}, before)
+    assert set(state) <= set(serial)  # a tied table is stored once, under one of its names
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOL, f"{worst}: {errors[worst]:.2e} ({sorted(errors.items(), key=lambda kv: -kv[1])[:4]})"
+
+
+def test_integer_histc_made_portable(tmp_path):
+    """The program counts experts' tokens in float32 (exact for ids below 2**24) and casts the counts back."""
+    art = compile_text("mesh dp=2\nbatch global=4 micro=2\n", tmp_path / "c", MODELS / "qwen2_moe_tiny.py")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    lines = [x for x in src.splitlines() if "aten.histc.default(" in x]
+    assert lines, "the model's routing counts tokens with histc"
+    names = {x.split("aten.histc.default(")[1].split(",")[0] for x in lines}
+    for name in names:
+        (made,) = [x for x in src.splitlines() if x.strip().startswith(f"{name} = ")]
+        assert "_to_copy" in made and "torch.float32" in made, made
