@@ -20,7 +20,7 @@ import parc
 from parc import artifact, codegen, mesh as meshlib
 from parc.analysis import cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
-from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, recompute, run_passes, tensor_parallel, zero
+from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, portable, recompute, run_passes, tensor_parallel, zero
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
@@ -33,6 +33,7 @@ log = logging.getLogger("parc.compile")
 # dropout runs after tensor_parallel (it reads the shards) and before the split (it counts sites over the model)
 PASSES: list = [("tensor_parallel", tensor_parallel.run), ("dropout", dropout.run)]
 PASSES.insert(1, ("expert_parallel", expert_parallel.run))  # before dropout, which counts sites over the model
+PASSES.insert(0, ("portable", portable.run))  # first: tensor_parallel's shape propagation runs CPU kernels
 
 
 @dataclass
