@@ -251,11 +251,25 @@ class Layouts:
         return s
 
     def _slice(self, node):
+        """Along another dim the shard stays. Along the sharded dim, only one whole block of a fused output
+        (Phi-3's q, k, v sliced from `qkv_proj`): this rank's chunk of it, a plain shard."""
         s = self.get(node.args[0])
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
-        if dim == s.dim:
-            self.fail(node, f"it slices dim {dim}, which is sharded across tp", s)
-        return s
+        if dim != s.dim:
+            return s
+        n = shape(node.args[0])[dim]
+        lo, hi, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])[:3]
+        lo, hi = _clamp(0 if lo is None else lo, n), _clamp(n if hi is None else hi, n)
+        bounds, at = [], 0
+        for size in _block_sizes(n, s.blocks):
+            bounds.append((at, at + size))
+            at += size
+        if s.blocks == 1 or step != 1 or (lo, hi) not in bounds:
+            self.fail(node, f"it slices dim {dim}, which is sharded across tp" + (
+                f", at [{lo}:{hi}], not one of the fused blocks {bounds}" if s.blocks != 1 else ""), s)
+        # every block before it is cut by tp too: this rank's chunk of the block starts at lo / tp
+        node.args = (node.args[0], dim, lo // self.tp, hi // self.tp, *node.args[5:])
+        return Shard(dim, 1, s.seq, s.rule)
 
     def _cat(self, node):
         tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
@@ -275,9 +289,9 @@ class Layouts:
         pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
         if dim != s.dim:
             return [s] * len(pieces)
-        if s.blocks != len(pieces) or len(set(pieces)) != 1:
-            self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the {s.blocks} equal blocks "
-                      "the weight was sharded by", s)
+        if s.blocks == 1 or pieces != _block_sizes(full[dim], s.blocks):
+            self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the blocks "
+                      f"{_block_sizes(full[dim], s.blocks) if s.blocks != 1 else [full[dim]]} the weight was sharded by", s)
         arg = node.args[1]
         local = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
         if node.target is aten.chunk.default:
@@ -337,6 +351,16 @@ class Layouts:
         if self.get(node.args[0]) is not None:
             self.fail(node, "a sharded embedding table without a `vocab` rule", s)
         return s
+
+
+def _clamp(i: int, n: int) -> int:
+    """A slice bound as Python reads it: negative from the end, then clamped to [0, n]."""
+    return max(0, min(i + n if i < 0 else i, n))
+
+
+def _block_sizes(n: int, blocks) -> list[int]:
+    """A sharded dim's blocks: k equal ones (an int) or their widths (a tuple: a fused q, k, v under GQA)."""
+    return [n // blocks] * blocks if isinstance(blocks, int) else list(blocks)
 
 
 def _raise(e: ParcError) -> None:
