@@ -6,8 +6,10 @@ of passes/tp_layouts.py and passes/tp_contract.py is trained under tensor parall
 - `view_as_complex` / `view_as_real`: rotary embeddings as complex rotations (Llama 4, DeepSeek style),
   the rotations built in forward from `arange` (traced on meta, never data);
 - `zeros_like`, `new_zeros`: a zero added to q, a zero bias made with full sizes;
-- eager attention: `matmul` of q and kᵀ over head-sharded batch dims, a per-head ALiBi bias (H, T, T)
+- eager attention: `einsum` of q and k over head-sharded batch dims, a per-head ALiBi bias (H, T, T)
   added to the scores, softmax, `matmul` with v;
+- `mean` and `var` over the whole (sharded) hidden of q: a LayerNorm written out, as OLMo-style norms
+  over the full q width are;
 - `scaled_dot_product_attention` with a per-head float mask (1, H, T, T) in the second layer;
 - `stack` / `unbind` / `select` of head-sharded q, k and v.
 
@@ -72,6 +74,7 @@ class Block(nn.Module):
         B, T, _ = x.shape
         h = self.ln(x)
         qf = self.q(h)
+        qf = (qf - qf.mean(-1, keepdim=True)) * torch.rsqrt(qf.var(-1, keepdim=True, correction=0) + 1e-5)
         kf = self.k(h).view_as(qf)
         q = rotate(self.q_norm(qf.view(B, T, -1, HD))) + torch.zeros_like(qf).view(B, T, -1, HD)
         k = rotate(self.k_norm(kf.view(B, T, -1, HD)))
@@ -80,7 +83,7 @@ class Block(nn.Module):
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         bias = alibi(T, x.device)[None] + causal  # (1, H, T, T)
         if self.eager:
-            scores = q @ k.transpose(-1, -2) / math.sqrt(HD) + bias
+            scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(HD) + bias
             y = torch.softmax(scores, dim=-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
