@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from parc.runtime.metrics import Metrics
     from parc.runtime.train import Trainer
     from parc.runtime import verify as verifier
+    from parc.runtime import verify_grads
 
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
@@ -207,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
         if lead:
             print(said, flush=True)
+    parallel_grads = verify_grads.FirstGrads()  # --verify: step 0's gradients (a resumed run has no step 0)
+    if args.verify and first == 0:
+        trainer.grad_observer = parallel_grads.of_trainer
     from parc.runtime.divergence import Guard
 
     guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
@@ -270,8 +274,12 @@ def run(args: argparse.Namespace) -> int:
             serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
                                                                 batch_of=trainer.data.whole,
                                                                 weights=args.weights)
+            worst_grad = verify_grads.check(parallel_grads, user, art.plan, args.seed, trainer.data.whole,
+                                            args.weights)
+            precision = art.plan["plan"]["precision"]
             verdict = verifier.compare(losses, serial_losses, state, serial_state,
-                                       args.tolerance or verifier.TOLERANCES[art.plan["plan"]["precision"]])
+                                       args.tolerance or verifier.TOLERANCES[precision],
+                                       worst_grad, verify_grads.GRAD_TOLERANCES[precision])
             print(verdict.render(), flush=True)
             status = 0 if verdict.ok else 1
         flag = [status]

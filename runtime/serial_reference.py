@@ -24,11 +24,17 @@ from parc.runtime.state import build_reference
 
 
 def train_serial(user, plan_json: dict, seed: int, steps: int,
-                 batch_of=None, weights=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                 batch_of=None, weights=None, grad_observer=None,
+                 per_micro_batch: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
     default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
     parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
-    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model."""
+    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model.
+    `grad_observer(model)`: called once, after step 0's backward and before clipping and the update (the
+    parallel run's `Trainer.grad_observer` is called at the same point; runtime/verify_grads.py).
+    `per_micro_batch`: one forward and backward per micro-batch of the plan, summed into the gradients,
+    as every model declaring PER_MICRO_BATCH is run (runtime/verify_grads.py: bf16 rounds each
+    micro-batch's gradient, so the grouping decides the rounding)."""
     from parc.runtime.train import make_optimizer
     from parc.runtime.weights import reference
 
@@ -42,7 +48,9 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
     compute = plan_json["plan"].get("precision", "fp32")
     # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
     # PER_MICRO_BATCH: its serial run is one forward per micro-batch, as each dp rank runs it.
-    micro = plan_json["plan"]["batch"]["micro"] if getattr(user.module, "PER_MICRO_BATCH", False) else global_batch
+    # `per_micro_batch` asks the same of any model: its sums then group as the parallel run's do.
+    per_micro_batch = per_micro_batch or getattr(user.module, "PER_MICRO_BATCH", False)
+    micro = plan_json["plan"]["batch"]["micro"] if per_micro_batch else global_batch
     keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
                        plan_json["plan"]["batch"]["micro"])
     for step in range(steps):
@@ -58,6 +66,8 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
                     loss = user.loss_fn(model, *(t[first:first + micro] for t in batch)).float()
                 (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
             total += loss.item() * micro / global_batch
+        if step == 0 and grad_observer is not None:
+            grad_observer(model)
         if cfg["grad_clip"] is not None:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
         schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))

@@ -1,18 +1,26 @@
 """`--verify`: train the serial model in-process and compare with the parallel run.
 
-The serial reference is the user's own model and loss, built under the same seed,
-trained with the same optimizer on the same global batches — each step one
-forward and backward over the whole global batch, with no micro-batching and no
-communication. Agreement is measured as relative differences: per-step loss
-|a − b| / |b|, and for the parameters ‖a − b‖₂ / ‖b‖₂ over the whole model.
+Start here: `compare`, which parc.run calls on rank 0 after training. The serial reference
+(runtime/serial_reference.py) is the user's own model and loss, built under the same seed, trained with
+the same optimizer on the same global batches — each step one forward and backward over the whole global
+batch, with no micro-batching and no communication. Three checks, each named when it fails:
 
-Why model-wide: some parameters have a gradient that is zero in exact arithmetic
-(an attention key bias: softmax ignores a shift of its row). In fp32 that
-gradient is rounding noise, and Adam divides it by its own magnitude, so any two
-summation orders move such an entry by a different ±lr. Per tensor this looks
-like an O(1) error; model-wide it is the ~1e-6 it really is. A real mistake — a
-wrong shard, a lost micro-batch — moves whole tensors and shows at 1e-3 or more.
-The worst single tensor is still reported, for diagnosis.
+  loss        per-step |a − b| / |b|, the worst step;
+  gradients   the first step's gradients, each tensor whole, before clipping and the update
+              (runtime/verify_grads.py): a wrong gradient shows as itself, not through an optimizer;
+  parameters  after the last step, ‖a − b‖₂ / ‖b‖₂ over the whole model.
+
+Why parameters are judged model-wide: some parameters have a gradient that is zero in exact arithmetic
+(an attention key bias: softmax ignores a shift of its row). In fp32 that gradient is rounding noise,
+and Adam divides it by its own magnitude, so any two summation orders move such an entry by a different
+±lr. Per tensor this looks like an O(1) error; model-wide it is the ~1e-6 it really is. A real mistake
+that moves whole tensors (a wrong shard, a lost micro-batch) shows at 1e-3 or more; one confined to a
+small tensor (a 16-element norm weight) is drowned model-wide, which is what the gradient check is for.
+
+Which tensor: every check that compares tensors ranks them by `rank_tensors`, the largest elementwise
+difference relative to the tensor's own scale (with a floor, explained there), so a small broken tensor
+outranks a big healthy one whose absolute differences are larger. The worst is named with its relative
+and absolute difference.
 
 Dropout. The compiled programs key every dropout mask by (seed, step, call
 site, global element index) (passes/dropout.py, runtime/dropout.py); the serial
@@ -52,22 +60,96 @@ BF16_TOLERANCE = 1e-2
 TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE}
 
 
+# The floor of a tensor's scale in `rank_tensors`, as a fraction of the largest |serial| element over all
+# the tensors compared. Without it a tensor whose exact value is zero (a key bias's gradient, see above)
+# would be divided by its own rounding noise and read as an O(1) error in a healthy run. That noise is
+# ~1e-7 (fp32) of the values summed into it, themselves at most the model's largest gradient elements, so
+# against 1e-3 of the largest element it reads ~1e-4 at the very worst; measured, examples/gpt.py's key
+# biases stay under 1e-7 (runtime/verify_grads.py's figures). The price: a tensor whose whole scale is
+# under 1e-3 of the largest element reads its error against the floor, smaller than against its own
+# scale (a missing half of it reads 0.5 × its scale / the floor), so it is named later than it deserves.
+SCALE_FLOOR = 1e-3
+
+
+@dataclass
+class Worst:
+    """One tensor's difference: `rel` = max|parallel − serial| / max(max|serial|, floor), `abs` = max|…|."""
+    name: str
+    rel: float
+    abs: float
+
+    def render(self) -> str:
+        return f"{self.name}: {self.rel:.1e} of its scale, max |Δ| {self.abs:.1e}"
+
+
+def rank_tensors(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor],
+                 floor: float = SCALE_FLOOR) -> list[Worst]:
+    """Every tensor's difference relative to its own scale (floored at `floor` × the largest |serial| element
+    of them all), worst first; nan counts as infinite. `serial` may hold several names of one tied tensor."""
+    pairs = _paired(parallel, serial)
+    scale = {name: b.abs().max().item() if b.numel() else 0.0 for name, _, b in pairs}
+    least = floor * max(scale.values(), default=0.0)
+    out = []
+    for name, a, b in pairs:
+        d = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
+        d = float("inf") if d != d else d  # nan: a diverged tensor
+        s = max(scale[name], least)
+        out.append(Worst(name, d / s if s > 0 else (0.0 if d == 0 else float("inf")), d))
+    return sorted(out, key=lambda w: -w.rel)
+
+
+def _paired(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]):
+    """(name, parallel, serial) for each serial tensor, under the name the parallel run kept (the trace
+    may have kept either name of a tied tensor: wte.weight and lm_head.weight are one)."""
+    aliases: dict[int, list[str]] = {}
+    for fqn, ref in serial.items():
+        aliases.setdefault(ref.data_ptr(), []).append(fqn)
+    missing = sorted(names[0] for names in aliases.values() if not any(n in parallel for n in names))
+    if missing:
+        raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
+    return [(fqn, parallel[fqn], ref) for fqn, ref in serial.items() if fqn in parallel]
+
+
 @dataclass
 class Verdict:
     loss_rel: float
     param_rel: float
-    worst_param: str
-    tolerance: float
+    worst_param: Worst | None   # the parameter worst relative to its own scale (None: no parameters)
+    tolerance: float            # losses and parameters
     serial_losses: list[float]
+    worst_grad: Worst | None = None      # the first-step gradient check (None: not made)
+    grad_tolerance: float | None = None
+
+    @property
+    def failed(self) -> list[str]:
+        """The checks past their tolerance (`not <=`: a nan fails)."""
+        out = [] if self.loss_rel <= self.tolerance else ["loss"]
+        if self.worst_grad is not None and not self.worst_grad.rel <= self.grad_tolerance:
+            out.append("gradients")
+        return out + ([] if self.param_rel <= self.tolerance else ["parameters"])
 
     @property
     def ok(self) -> bool:
-        return self.loss_rel <= self.tolerance and self.param_rel <= self.tolerance
+        return not self.failed
 
     def render(self) -> str:
-        word = "PASS" if self.ok else "FAIL"
-        return (f"verify {word}: largest relative difference vs serial — losses {self.loss_rel:.2e}, "
-                f"parameters {self.param_rel:.2e} ({self.worst_param}); tolerance {self.tolerance:.0e}")
+        failed = self.failed
+        word = f"FAIL ({', '.join(failed)})" if failed else "PASS"
+        grads = (f"first-step gradients {self.worst_grad.rel:.2e} (worst {self.worst_grad.render()}; "
+                 f"tolerance {self.grad_tolerance:.0e})" if self.worst_grad else "first-step gradients not compared")
+        worst = f" (worst {self.worst_param.render()})" if self.worst_param else ""
+        line = (f"verify {word}: relative difference vs serial — losses {self.loss_rel:.2e}; {grads}; "
+                f"parameters {self.param_rel:.2e} model-wide{worst}; tolerance {self.tolerance:.0e}")
+        if not failed:
+            return line
+        # the tensor to look at first: the gradient check's when it has one (no optimizer between it and
+        # the cause), else the parameters'
+        culprit, what = ((self.worst_grad, "first-step gradient") if self.worst_grad is not None
+                         else (self.worst_param, "parameter"))
+        if culprit is None:
+            return line
+        return line + (f"\nverify: worst tensor {culprit.name} — its {what} differs by {culprit.rel:.1e} of its "
+                       f"scale (max |Δ| {culprit.abs:.1e})")
 
 
 def dropout_refusal(plan_json: dict) -> str | None:
@@ -84,24 +166,15 @@ def dropout_refusal(plan_json: dict) -> str | None:
 
 
 def compare(parallel_losses: list[float], serial_losses: list[float], parallel_state: dict[str, torch.Tensor],
-            serial_state: dict[str, torch.Tensor], tolerance: float = DEFAULT_TOLERANCE) -> Verdict:
+            serial_state: dict[str, torch.Tensor], tolerance: float = DEFAULT_TOLERANCE,
+            worst_grad: Worst | None = None, grad_tolerance: float | None = None) -> Verdict:
+    """`worst_grad`, `grad_tolerance`: the first-step gradient check's result (runtime/verify_grads.py)."""
     loss_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(parallel_losses, serial_losses)), default=0.0)
-    aliases: dict[int, list[str]] = {}
-    for fqn, ref in serial_state.items():
-        aliases.setdefault(ref.data_ptr(), []).append(fqn)
-    missing = sorted(names[0] for names in aliases.values() if not any(n in parallel_state for n in names))
-    if missing:
-        raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
     diff2 = ref2 = 0.0
-    worst, worst_rel = "-", 0.0
-    for fqn, ref in serial_state.items():
-        if fqn not in parallel_state:  # another name of a tied tensor, compared under that name
-            continue
-        d2 = (parallel_state[fqn].double() - ref.double()).square().sum().item()
-        r2 = ref.double().square().sum().item()
-        diff2, ref2 = diff2 + d2, ref2 + r2
-        rel = (d2 / max(r2, 1e-30)) ** 0.5
-        if rel > worst_rel:
-            worst, worst_rel = fqn, rel
+    for _, a, b in _paired(parallel_state, serial_state):
+        diff2 += (a.double() - b.double()).square().sum().item()
+        ref2 += b.double().square().sum().item()
     param_rel = (diff2 / max(ref2, 1e-30)) ** 0.5
-    return Verdict(loss_rel, param_rel, f"worst tensor {worst}: {worst_rel:.1e}", tolerance, serial_losses)
+    ranked = rank_tensors(parallel_state, serial_state)
+    return Verdict(loss_rel, param_rel, ranked[0] if ranked else None, tolerance, serial_losses,
+                   worst_grad, grad_tolerance)
