@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also train the serial model in-process on the same batches and compare; "
                         "exit 1 past the tolerance")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="relative tolerance for --verify (default 1e-4; bf16 1e-2)")
+                   help="relative tolerance of --verify's loss and parameter checks (default 1e-4; bf16 1e-2); "
+                        "its first-step gradient check keeps its own (runtime/verify_grads.py)")
     p.add_argument("--trace", type=Path, default=None, metavar="FILE",
                    help="pipeline (pp > 1): record every action of the last step on each rank, write "
                         "Chrome-trace JSON (open in Perfetto) to FILE and print the measured bubble fraction")
