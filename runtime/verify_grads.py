@@ -42,7 +42,7 @@ FP32_GRAD_TOLERANCE = 1e-4
 # above): dp, accumulation and ZeRO measure ~1e-8; tp rounds each rank's partial matmul output to bf16
 # (~4e-3 relative) before the all-reduce the serial matmul never splits: measured 1.1e-2 (tp 2) and 2.0e-2
 # (tp 2 with SP) on examples/gpt.py, on LayerNorm weights and biases. A missing share is still O(1)
-# (≥ 0.33 above): 1e-1 keeps 5× from the noise and 3× from the smallest real error measured.
+# (≥ 0.33 in the fp32 figures above): 1e-1 keeps 5× from the noise and 3× from the smallest real error.
 BF16_GRAD_TOLERANCE = 1e-1
 GRAD_TOLERANCES = {"fp32": FP32_GRAD_TOLERANCE, "bf16": BF16_GRAD_TOLERANCE}
 
