@@ -60,7 +60,7 @@ def reduction(lay, node: fx.Node):
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if s.dim not in dims:
         return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
-    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.blocks != 1:
+    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.blocks != 1:  # amax, amin, logsumexp
         lay.fail(node, f"it reduces over dim {s.dim}, which is sharded across tp (parc sums only sum and mean "
                  "over tp)", s)
     if node.kwargs.get("dtype") is not None or (len(node.args) > 3 and node.args[3] is not None):
@@ -250,7 +250,7 @@ def index_select(lay, node: fx.Node):
 
 RULES = {aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
          aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
-         aten.amin.default: reduction, aten.stack.default: stack, aten.select.int: select,
+         aten.amin.default: reduction, aten.logsumexp.default: reduction, aten.stack.default: stack, aten.select.int: select,
          aten.unbind.int: unbind, aten.index_select.default: index_select, aten.gather.default: index_select,
          aten.var.dim: variance, aten.var.correction: variance, aten.std.dim: variance,
          aten.std.correction: variance, aten.einsum.default: einsum}

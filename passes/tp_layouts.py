@@ -110,8 +110,8 @@ class Layouts:
             return self._pointwise(node)
         if t in LIKE or t is aten.type_as.default:  # the first input's shape (or values) in a new dtype or fill
             return self.get(node.args[0])
-        if t in NEW:  # sizes written out in full (the traced ones): a whole tensor on every rank
-            return None
+        if t in NEW:
+            return self._new(node)
         if t is aten.view_as.default:  # `view` to the traced shape, which `_view` then makes local
             node.target, node.args = aten.view.default, (node.args[0], list(shape(node)))
             return self._view(node)
@@ -126,7 +126,8 @@ class Layouts:
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
                    aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
                    aten.linear.default: self._linear, aten.embedding.default: self._embedding,
-                   aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex}.get(t)
+                   aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex,
+                   aten.copy_.default: self._copy}.get(t)
         if handler is not None:
             return handler(node)
         if t in SOFTMAX:
@@ -242,6 +243,34 @@ class Layouts:
             sizes[o] = sizes[o] // self.tp
             node.args = (node.args[0], sizes, *node.args[2:])
         return Shard(o, s.blocks, s.seq, s.rule)
+
+    def _new(self, node):
+        """`x.new_empty(sizes)` shaped like sharded x (its sizes are x's, as `x.shape[:-1] + (w,)` writes
+        them) holds nothing until written: it is sharded like x, to be filled by x's kind of values
+        (`_copy`), with the sharded size made local. Any other `new_*` is a whole tensor of its written
+        sizes on every rank (zeros, ones, a fill: the same numbers everywhere)."""
+        s, sizes = self.get(node.args[0]), list(node.args[1])
+        full = shape(node.args[0])
+        if node.target is aten.new_empty.default and s is not None and s.blocks == 1 and len(sizes) == len(full) \
+                and sizes[s.dim] == full[s.dim]:
+            sizes[s.dim] //= self.tp
+            node.args = (node.args[0], sizes, *node.args[2:])
+            return Shard(s.dim, 1, s.seq, s.rule)
+        return None
+
+    def _copy(self, node):
+        """`dst.copy_(src)` in place: dst keeps its layout; src must match it (a replicated src keeps this
+        rank's chunk, or broadcasts); a sharded src into a whole dst would leave the other ranks' part stale."""
+        d, src = self.get(node.args[0]), node.args[1]
+        if d is None:
+            self.fail(node, "it copies a sharded value into a whole (replicated) tensor", self.get(src))
+        if self.get(src) is None:
+            k = d.dim - (len(shape(node.args[0])) - len(shape(src)))
+            if k >= 0 and shape(src)[k] != 1:
+                self.localize(node, src, k, d)
+        elif self.get(src) != d:
+            self.fail(node, f"it copies a value sharded as {self.get(src)} into one sharded as {d}", d)
+        return d
 
     def _complex(self, node):
         """view_as_complex folds the last dim (the pairs) into the dtype; view_as_real unfolds it."""
