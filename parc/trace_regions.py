@@ -39,7 +39,7 @@ def inline_regions(gm: fx.GraphModule, user_path: Path) -> int:
             name = getattr(node.target, "__name__", str(node.target))
             what = "an autocast region (`with torch.autocast(...)`)" if "autocast" in name else f"`{name}`"
             raise TraceError(f"the model's forward uses {what}, a traced region with a body of its own, which "
-                             "parc cannot shard or schedule", _span(node, user_path),
+                             "parc cannot shard or schedule", _span(gm, node, user_path),
                              "compute it outside forward, or write it without the region (for autocast: set "
                              "`precision bf16` in the plan instead)")
         _inline(gm, node)
@@ -108,10 +108,14 @@ def _free_name(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def _span(node: fx.Node, user_path: Path) -> Span:
-    """The innermost line of the user's file in the node's stack trace, else the file's first line."""
-    trace = node.meta.get("stack_trace") or ""
-    for file, line in re.findall(r'File "([^"]+)", line (\d+)', trace)[::-1]:
-        if Path(file).resolve() == Path(user_path).resolve():
-            return Span(str(user_path), int(line), 1)
+def _span(gm: fx.GraphModule, node: fx.Node, user_path: Path) -> Span:
+    """The innermost line of the user's file in the stack trace of the region's first op (the op itself
+    carries none), else the file's first line."""
+    bodies = [getattr(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+    traces = [node.meta.get("stack_trace")] + [b.meta.get("stack_trace") for body in bodies
+                                                for b in body.graph.nodes if isinstance(body, fx.GraphModule)]
+    for trace in filter(None, traces):
+        for file, line in re.findall(r'File "([^"]+)", line (\d+)', trace)[::-1]:
+            if Path(file).resolve() == Path(user_path).resolve():
+                return Span(str(user_path), int(line), 1)
     return Span(str(user_path), 1, 1)
