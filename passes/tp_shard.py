@@ -18,6 +18,17 @@ class Shard:
     rule: object = field(default=None, compare=False)  # the plan rule it came from, for error spans
 
 
+# ops that read the argument at this index only for its dtype or shape: no value, no gradient flows
+SHAPE_ONLY = {"type_as.default": 1, "view_as.default": 1}
+
+
+def reads_only_meta(u: fx.Node, a: fx.Node) -> bool:
+    """Does op `u` read `a` only for its dtype or shape (`x.type_as(a)`), not for its values?"""
+    name = getattr(u.target, "_overloadname", None)
+    i = SHAPE_ONLY.get(f"{getattr(u.target, '_opname', '')}.{name}") if name is not None else None
+    return i is not None and len(u.args) > i and u.args[i] is a and a not in u.args[:i]
+
+
 def shape(n) -> tuple[int, ...]:
     return tuple(n.meta["val"].shape)
 

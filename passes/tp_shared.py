@@ -26,16 +26,18 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
+from parc.passes.tp_shard import reads_only_meta
 from parc.traced import module_path
 
 aten = torch.ops.aten
 
 
 def uses(p: fx.Node, views: dict) -> list[fx.Node]:
-    """The nodes that read parameter `p`; a `t(w)` view made for a Conv1D stands for the linear it feeds."""
+    """The nodes that read parameter `p`'s values; a `t(w)` view made for a Conv1D stands for the linear it
+    feeds. A read of its dtype or shape only (`x.type_as(w)`) is no use: it is the same on every shard."""
     out = []
     for u in p.users:
-        out.extend(u.users if views.get(u) is p else [u])
+        out.extend(u.users if views.get(u) is p else [] if reads_only_meta(u, p) else [u])
     return out
 
 
@@ -46,6 +48,8 @@ def role(u: fx.Node, p: fx.Node, views: dict) -> str:
         return "embedding"
     if u.target is aten.linear.default and args[1:2] == [p] and p not in args[:1] + args[2:]:
         return "weight"
+    if u.target is aten.linear.default and args[2:3] == [p] and p not in args[:2]:
+        return "bias"
     return getattr(u.target, "__name__", str(u.target))
 
 
@@ -60,6 +64,9 @@ def shared_rules(params: list[fx.Node], rule_for, views: dict) -> dict[fx.Node, 
         sharding = [(u, r) for u, r in ruled if r is not None and r.style != "replicate"]
         if not sharding:
             continue  # replicated everywhere: every use reads the whole tensor
+        if len({role(u, p, views) for u in us}) == 1 and role(us[0], p, views) in ("weight", "bias") \
+                and len({(r.style if r else None) for _, r in ruled}) == 1:
+            continue  # one linear applied again (a recurrent block, a looped layer): each call shards alike
         bad = next(((u, r) for u, r in sharding if r.style != "vocab"), None)
         if bad is None:
             odd = next((u for u, r in ruled if role(u, p, views) not in ("embedding", "weight")

@@ -15,7 +15,9 @@ of passes/tp_layouts.py and passes/tp_contract.py is trained under tensor parall
 - `new_empty` shaped like head-sharded k, filled by `copy_` of slices (DeepSeek's MLA keys): one from k,
   one from a replicated projection expanded over the heads;
 - `logsumexp` over the keys (the eager layer's softmax written out);
-- a `with torch.no_grad():` block in forward (a mask from the activations, as MoE routers compute).
+- a `with torch.no_grad():` block in forward (a mask from the activations, as MoE routers compute);
+- the second layer applied twice (a looped block, as HRM's recurrent modules are): each sharded linear
+  weight has two uses under one rule.
 
 Start here: `build_model`. Batches and loss are tests/models/llama_tiny.py's.
 """
@@ -114,7 +116,7 @@ class Model(nn.Module):
 
     def forward(self, input_ids, use_cache=False):
         x = self.embed(input_ids)
-        for layer in self.layers:
+        for layer in [*self.layers, self.layers[-1]]:
             x = layer(x)
         return _Out(self.lm_head(self.norm(x)))
 
