@@ -206,6 +206,18 @@ def _role(s: Shard | None, rank: int, row: str, col: str):
     return ("batch", rank - 1 - s.dim)
 
 
+def max_min(lay, node: fx.Node):
+    """max / min over one dim, with their indices: over an unsharded dim both move with the shard."""
+    s = lay.get(node.args[0])
+    n = len(shape(node.args[0]))
+    dim = node.args[1] % n
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if dim == s.dim:
+        lay.fail(node, f"it takes a max or min over dim {dim}, which is sharded across tp", s)
+    out = s if keep else Shard(s.dim - (dim < s.dim), s.blocks, s.seq, s.rule)
+    return [out, out]
+
+
 def stack(lay, node: fx.Node):
     tensors = node.args[0]
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
@@ -250,7 +262,8 @@ def index_select(lay, node: fx.Node):
 
 RULES = {aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
          aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
-         aten.amin.default: reduction, aten.logsumexp.default: reduction, aten.stack.default: stack, aten.select.int: select,
+         aten.amin.default: reduction, aten.logsumexp.default: reduction, aten.max.dim: max_min,
+         aten.min.dim: max_min, aten.stack.default: stack, aten.select.int: select,
          aten.unbind.int: unbind, aten.index_select.default: index_select, aten.gather.default: index_select,
          aten.var.dim: variance, aten.var.correction: variance, aten.std.dim: variance,
          aten.std.correction: variance, aten.einsum.default: einsum}

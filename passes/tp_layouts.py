@@ -301,13 +301,22 @@ class Layouts:
         return Shard(dim, 1, s.seq, s.rule)
 
     def _cat(self, node):
+        """Along an unsharded dim, of values sharded alike; a replicated one with the sharded dim's full
+        extent (a per-head attention sink beside head-sharded scores) keeps this rank's chunk."""
         tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
-        shards = {self.get(a) for a in tensors}
-        if len(shards) != 1 or None in shards:
-            self.fail(node, "it concatenates tensors with different layouts", next(s for s in shards if s))
+        shards = {self.get(a) for a in tensors} - {None}
+        if len(shards) != 1:
+            self.fail(node, f"it concatenates tensors sharded differently: {sorted(map(repr, shards))}",
+                      next(iter(shards)))
         (s,) = shards
         if dim == s.dim:
             self.fail(node, f"it concatenates along dim {dim}, which is sharded across tp", s)
+        for a in tensors:
+            if self.get(a) is None:
+                if s.blocks != 1 or shape(a)[s.dim] != shape(node)[s.dim]:
+                    self.fail(node, f"it concatenates replicated `{a.name}` {shape(a)} with values sharded on "
+                              f"dim {s.dim}", s)
+                self.localize(node, a, s.dim, s)
         return s
 
     def _split(self, node):

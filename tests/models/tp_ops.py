@@ -14,7 +14,8 @@ of passes/tp_layouts.py and passes/tp_contract.py is trained under tensor parall
 - `stack` / `unbind` of head-sharded q, k and v;
 - `new_empty` shaped like head-sharded k, filled by `copy_` of slices (DeepSeek's MLA keys): one from k,
   one from a replicated projection expanded over the heads;
-- `logsumexp` over the keys (the eager layer's softmax written out);
+- attention sinks (GPT-OSS): a per-head parameter concatenated to the head-sharded scores, `max` over
+  the keys subtracted, `logsumexp` for the softmax written out;
 - a `with torch.no_grad():` block in forward (a mask from the activations, as MoE routers compute);
 - the second layer applied twice (a looped block, as HRM's recurrent modules are): each sharded linear
   weight has two uses under one rule.
@@ -75,6 +76,7 @@ class Block(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
         self.q_norm, self.k_norm = RMSNorm(HD), RMSNorm(HD)
         self.k_extra = nn.Linear(D, HD, bias=False)
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x):  # (B, T, D)
@@ -98,7 +100,9 @@ class Block(nn.Module):
         bias = alibi(T, x.device)[None] + causal  # (1, H, T, T)
         if self.eager:
             scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(HD) + bias
-            y = torch.exp(scores - scores.logsumexp(-1, keepdim=True)) @ v
+            scores = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+            y = torch.exp(scores - scores.logsumexp(-1, keepdim=True))[..., :-1] @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         y = y.transpose(1, 2).reshape(B, T, -1) + x.new_zeros(B, T, D)
