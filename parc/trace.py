@@ -34,10 +34,14 @@ tensors fails exactly as it would on a GPU.
 State and where its values come from at run time (`state_values`):
 - "param", "buffer": `get(model, fqn)` on the real model; this covers
   non-persistent buffers (e.g. RoPE's `inv_freq`) that are not in its state_dict.
-- "constant", a plain tensor attribute of a module: the same attribute lookup.
-- "constant", a tensor the forward creates from data (`torch.tensor(3.0)`,
-  named `lifted_tensor_N`): its value is real even on meta (a CPU scalar), and is
-  stored in `Traced.constants`; one whose value was lost raises TraceError.
+- "constant", a plain tensor attribute of a module, also one held in a list or
+  dict: the same attribute lookup, by the path parc/trace_constants.py finds.
+- "constant", a tensor the forward creates from data (`torch.tensor([0.5, 2.0],
+  device=x.device)`, named `lifted_tensor_N`): made on CPU while tracing, so its
+  value is real, and stored in `Traced.constants` (plan.json carries it).
+
+While export runs, parc/trace_guards.py refuses what would change the backward
+behind the graph's back: custom autograd.Functions and backward hooks.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from torch.export.graph_signature import InputKind
 from parc import replicate
 from parc.errors import Span, TraceError
 from parc.pretrained import pretrained_as_config
+from parc.trace_constants import constant_source, keep_data_constants
+from parc.trace_guards import guarded
 from parc.trace_regions import inline_regions
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
@@ -135,7 +141,7 @@ def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:
 def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> Traced:
     """The whole model through torch.export (what `trace` does when replication does not apply)."""
     wrapper = _LossWrapper(model, user.loss_fn)
-    with _user_errors(user.path, "tracing the loss", model):
+    with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants():
         ep = torch.export.export(wrapper, batch, strict=False)
     gm = ep.graph_module
     _check_scalar_loss(user, gm)
@@ -155,8 +161,8 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
                              _def_span(user, "loss_fn"))
         fqn = _strip_wrapper(spec.target)
         kind = _KINDS[spec.kind]
-        if kind == "constant":
-            _record_constant(user, model, fqn, ep.constants[spec.target], constants)
+        if kind == "constant":  # where its value comes from at run time (parc/trace_constants.py)
+            fqn = constant_source(model, fqn, ep.constants[spec.target], list(node.users), user.path, constants)
         node.meta["parc_fqn"] = fqn  # lets module_path() place state placeholders
         state.append(StateInput(spec.arg.name, fqn, kind, tuple(val.shape), _dtype(val.dtype),
                                 kind == "param" and bool(get(model, fqn).requires_grad)))
@@ -248,19 +254,6 @@ def _check_scalar_loss(user: UserModel, gm: torch.fx.GraphModule) -> None:
         shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
         raise TraceError(f"loss_fn must return one scalar tensor, got {shapes}", _def_span(user, "loss_fn"),
                          hint="return a mean, e.g. F.cross_entropy(logits.flatten(0, 1), targets.flatten())")
-
-
-def _record_constant(user: UserModel, model: torch.nn.Module, fqn: str, value: torch.Tensor,
-                     constants: dict[str, torch.Tensor]) -> None:
-    try:
-        get(model, fqn)
-        return  # a module attribute: the real model has it at run time
-    except AttributeError:
-        pass
-    if value.device.type == "meta":
-        raise TraceError(f"the value of tensor constant `{fqn}` is lost on meta", _def_span(user, "loss_fn"),
-                         hint="create it in __init__ with register_buffer(..., persistent=False)")
-    constants[fqn] = value.detach().clone()
 
 
 def _strip_wrapper(fqn: str) -> str:

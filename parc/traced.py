@@ -63,10 +63,16 @@ def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def get(model: torch.nn.Module, fqn: str):
-    """The attribute at a dotted FQN (a parameter, buffer or plain tensor attribute)."""
+    """The attribute at a dotted FQN (a parameter, buffer or plain tensor attribute). A part below a list or
+    tuple is an index, below a dict a key: `tables.0` is `model.tables[0]` (parc/trace_constants.py)."""
     obj = model
     for part in fqn.split("."):
-        obj = getattr(obj, part)
+        if isinstance(obj, (list, tuple)):
+            obj = obj[int(part)]
+        elif isinstance(obj, dict):
+            obj = obj[part]
+        else:
+            obj = getattr(obj, part)
     return obj
 
 

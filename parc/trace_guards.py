@@ -1,0 +1,145 @@
+"""Backward behaviour torch.export would drop: refused at compile, located, never replaced silently.
+
+Start here: parc/trace.py wraps its export in `guarded(model, user_path)`. parc trains the
+program's backward as autograd of the traced forward. That is the model's backward
+unless the model changes its backward by hand, and torch.export (strict=False)
+keeps none of the ways it can:
+
+- a custom `torch.autograd.Function`: export inlines its `forward`; its `backward`
+  (a straight-through estimator's identity, say) is lost, and the program would
+  train with autograd of the forward instead;
+- `Tensor.register_hook` in forward: the hook is not in the graph;
+- module backward hooks (`register_full_backward_hook`, `register_backward_hook`,
+  `register_full_backward_pre_hook`, the global `register_module_*` ones) and hooks
+  on parameters (`p.register_hook`, `register_post_accumulate_grad_hook`): parc's
+  runtime makes its own parameter tensors and never runs the module's forward.
+
+Each is refused with a TraceError: `.apply` and `register_hook` at the call (the
+frame that made it, file:line:col), a registered hook at the hook function's `def`.
+Functions torch defines itself are let through (a custom op's backward is one,
+below). Only with grad on and a tensor argument that requires grad: under `torch.no_grad()`
+the backward never runs, and neither does a Function's on inputs without grad.
+The sound way to give an op its own backward is a custom op, which export keeps as
+one node and parc carries, backward and all (docs/model-convention.md):
+`torch.library.custom_op` with `register_fake` and `register_autograd`.
+
+Assumes tracing runs in this thread and nothing else applies Functions meanwhile.
+Guarantees: inside `guarded`, `Function.apply` and `Tensor.register_hook` are wrapped
+(restored on exit, also on error); outside it torch is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+from torch.autograd.function import Function
+
+from parc.errors import Span, TraceError
+
+_CUSTOM_OP_HINT = ("give the op its own backward as a custom op, which torch.export keeps as one node and parc "
+                   "carries with its backward: `@torch.library.custom_op(\"mylib::op\", mutates_args=())`, then "
+                   "`op.register_fake(...)` and `op.register_autograd(backward, setup_context=...)` "
+                   "(docs/model-convention.md, \"Custom backward\")")
+_TORCH = Path(torch.__file__).resolve().parent
+_ROOT = Path(__file__).resolve().parent.parent
+_PARC = tuple(_ROOT / d for d in ("parc", "passes", "runtime", "grammar"))  # parc's own code, not its tests
+
+
+@contextlib.contextmanager
+def guarded(model: torch.nn.Module, user_path: Path):
+    """Refuse hand-made backward behaviour while `model` is exported (module docstring)."""
+    check_hooks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    apply, register_hook = Function.__dict__["apply"], torch.Tensor.register_hook
+
+    def guarded_apply(cls, *args, **kwargs):
+        if torch.is_grad_enabled() and not _torch_own(cls) and _needs_grad(args, kwargs):
+            span = _caller_span()
+            where = _running_module(names)
+            raise TraceError(f"custom autograd.Function `{cls.__qualname__}` applied{where}: torch.export inlines its "
+                             f"forward, so its backward would not run; parc refuses rather than train autograd of "
+                             f"the forward instead", span, hint=_CUSTOM_OP_HINT)
+        return apply.__func__(cls, *args, **kwargs)
+
+    def guarded_register_hook(self, hook):
+        if torch.is_grad_enabled() and self.requires_grad:
+            raise TraceError(f"`Tensor.register_hook` in forward{_running_module(names)}: torch.export drops the "
+                             f"hook, so the gradient would flow without it", _caller_span(), hint=_CUSTOM_OP_HINT)
+        return register_hook(self, hook)
+
+    Function.apply = classmethod(guarded_apply)
+    torch.Tensor.register_hook = guarded_register_hook
+    try:
+        yield
+    finally:
+        Function.apply = apply
+        torch.Tensor.register_hook = register_hook
+    check_hooks(model)  # a hook registered while forward ran
+
+
+def check_hooks(model: torch.nn.Module) -> None:
+    """Refuse backward hooks on the model's modules, its parameters and buffers, or registered globally."""
+    mod = torch.nn.modules.module
+    found = [("a global module backward hook", h) for h in mod._global_backward_hooks.values()]
+    found += [("a global module backward pre-hook", h) for h in mod._global_backward_pre_hooks.values()]
+    for name, m in model.named_modules():
+        label = f"module `{name}`" if name else "the root module"
+        found += [(f"{label}'s backward hook", h) for h in m._backward_hooks.values()]
+        found += [(f"{label}'s backward pre-hook", h) for h in m._backward_pre_hooks.values()]
+    for name, t in [*model.named_parameters(remove_duplicate=True), *model.named_buffers()]:
+        found += [(f"a gradient hook on `{name}`", h) for h in (t._backward_hooks or {}).values()]
+        found += [(f"a post-accumulate-grad hook on `{name}`", h)
+                  for h in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values()]
+    if found:
+        what, hook = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise TraceError(f"{what} `{getattr(hook, '__qualname__', type(hook).__name__)}`{more}: parc trains the "
+                         f"traced graph, where backward hooks do not run", _def_span(hook),
+                         hint="remove the hook; to change an op's gradient, " + _CUSTOM_OP_HINT)
+
+
+def _torch_own(cls) -> bool:
+    """A Function torch defines: a custom op's generated autograd (torch._library.autograd; export keeps the
+    op as one node, so its registered backward runs) or torch's own (checkpointing), which export handles."""
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+
+
+def _needs_grad(args, kwargs) -> bool:
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in leaves)
+
+
+def _caller_span() -> Span | None:
+    """The innermost frame outside torch and parc: the line that called `.apply` / `register_hook`,
+    with the call's columns (the instruction's source position)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename).resolve()
+        if not (path.is_relative_to(_TORCH) or any(path.is_relative_to(p) for p in _PARC)) and path.is_file():
+            positions = list(frame.f_code.co_positions())
+            line, end_line, col, end_col = positions[frame.f_lasti // 2] if frame.f_lasti >= 0 else (None,) * 4
+            if line is None or col is None:
+                return Span(str(path), frame.f_lineno, 1)
+            one_line = end_line == line and end_col is not None
+            return Span(str(path), line, col + 1, line if one_line else None, end_col + 1 if one_line else None)
+        frame = frame.f_back
+    return None
+
+
+def _running_module(names: dict[int, str]) -> str:
+    """` in module `blocks.0.act`` for the innermost module of the model whose forward is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if id(owner) in names and names[id(owner)]:
+            return f" in module `{names[id(owner)]}`"
+        frame = frame.f_back
+    return ""
+
+
+def _def_span(fn) -> Span | None:
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return Span(code.co_filename, code.co_firstlineno, 1) if code is not None else None
