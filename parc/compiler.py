@@ -25,6 +25,7 @@ from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
+from parc.trace_constants import MAX_CARRIED_ELEMENTS
 from parc.grammar.validate import validate
 
 log = logging.getLogger("parc.compile")
@@ -63,7 +64,7 @@ def _plan_summary(plan: Plan) -> dict:
     }
 
 
-MAX_INLINE_CONSTANT = 4096  # elements; a bigger tensor made in forward belongs in a buffer
+MAX_INLINE_CONSTANT = MAX_CARRIED_ELEMENTS  # trace refuses a larger one where it is made; kept as a backstop
 
 
 def _state_entry(spec, shard, constants: dict) -> dict:
@@ -303,7 +304,7 @@ def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
             _tied(programs, plan.mesh.pp)
         for spec in traced.state:
             if spec.fqn in traced.constants:
-                _state_entry(spec, None, traced.constants, set())
+                _state_entry(spec, None, traced.constants)
     except ParcError as e:
         return e.diagnostics
     return []

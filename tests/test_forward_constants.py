@@ -1,0 +1,109 @@
+"""Tensors made in forward or held outside parameters and buffers (parc/trace_constants.py): each one's
+value reaches every rank, so tests/models/const_tiny.py trains under dp and tp exactly like the serial model;
+a data constant too large to carry in plan.json is refused where it is made."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, compile_text, parallel_vs_serial
+from parc.compiler import pass_errors
+from parc.errors import TraceError
+from parc.grammar.parser import parse
+from parc.passes import pipeline_split
+from parc.trace import load_user_module, trace
+from parc.trace_constants import MAX_CARRIED_ELEMENTS
+from parc.traced import state_values
+
+CONST = ROOT / "tests" / "models" / "const_tiny.py"
+
+# fp32, SGD. dp: the same sums in another order (mean of micro-batch means), ~1e-7 relative; tp: the row
+# projections' partial sums are all-reduced, again a reordering. Either stays far below 1e-5; a constant with
+# the wrong value on a rank (zeros, block 1's table on block 2) moves the loss by 1e-2 or more.
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def const():
+    user = load_user_module(CONST)
+    return user, trace(user, micro_batch=2)
+
+
+def test_every_constant_has_a_source(const):
+    user, traced = const
+    constants = {s.fqn for s in traced.state if s.kind == "constant"}
+    # attributes: read from each rank's own build, by the path that holds the tensor
+    assert {"out_scale", "blocks.0.tables.0", "blocks.2.tables.0", "blocks.1.freqs.gain"} <= constants
+    # made in forward from data: real CPU values, carried in plan.json
+    carried = traced.constants
+    assert len(carried) == 1 + 3  # new_tensor in the root, torch.tensor in each block
+    assert all(v.device.type == "cpu" for v in carried.values())
+    assert any(v.tolist() == user.module.FEATURE_SCALE for v in carried.values())
+    # made from shapes (mask, positions): ops of the graph, not constants
+    assert not any(s.shape == (6, 6) for s in traced.state if s.kind == "constant")
+    # exact: the graph runs the same CPU kernels as eager, on the real constants
+    torch.manual_seed(0)
+    model = user.build_model().train()
+    batch = user.get_batch(3, 2)
+    (out,) = traced.gm(*state_values(traced, model), *batch)
+    assert torch.equal(out, user.loss_fn(model, *batch))
+    plan = parse("mesh dp=2\nbatch global=4 micro=2\n", file="t.par")
+    pipeline_split.assign_stages(traced, plan, 1)
+    assert pass_errors(traced, plan) == []  # what `parc check --model` runs
+
+
+@pytest.mark.parametrize("mesh, rules", [
+    ("dp=2", ""),
+    ("tp=2", 'tensor_parallel {\n    "blocks.*.fc" : column\n    "blocks.*.proj" : row\n}\n'),
+])
+def test_trains_equal_to_serial(tmp_path, mesh, rules):
+    dp = 2 if "dp" in mesh else 1
+    plan = f"mesh {mesh}\nbatch global={2 * dp} micro=2\n{rules}optimizer sgd lr=0.1\n"
+    art = compile_text(plan, tmp_path / "c", model=CONST)
+    entries = art.plan["programs"]["stage0_tp0"]["state"]
+    assert sum("value" in e for e in entries) == 4  # the forward-made data constants travel in plan.json
+    verdict = parallel_vs_serial(art.root, steps=3)
+    assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, verdict.render()
+    assert verdict.serial_losses[0] != verdict.serial_losses[-1]
+
+
+BIG = f"""\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        table = torch.tensor([[0.5] * 8] * {MAX_CARRIED_ELEMENTS // 8 + 1}, device=x.device)
+        return (self.fc(x) @ table.T).mean()
+
+
+def build_model():
+    return Net()
+
+
+def get_batch(step, batch_size):
+    return (torch.randn(batch_size, 8),)
+
+
+def loss_fn(model, x):
+    return model(x)
+"""
+
+
+def test_too_large_data_constant_is_refused_where_it_is_made(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(BIG)
+    with pytest.raises(TraceError) as err:
+        trace(load_user_module(path), micro_batch=2)
+    span = err.value.span
+    assert (Path(span.file).resolve(), span.line) == (path.resolve(), 11)  # table = torch.tensor(...)
+    assert f"{(MAX_CARRIED_ELEMENTS // 8 + 1) * 8} elements > {MAX_CARRIED_ELEMENTS}" in err.value.message
+    assert "register_buffer" in str(err.value)
