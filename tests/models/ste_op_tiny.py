@@ -1,0 +1,54 @@
+"""tests/models/ste_tiny.py's straight-through estimator as a custom op, the form parc carries.
+
+`torch.library.custom_op` makes `round_ste` one opaque op: torch.export keeps it as one node
+(`torch.ops.parc_tests.round_ste.default` in the generated program), and autograd runs the
+backward registered with `register_autograd`, on every rank as in the serial model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FEATURES, WIDTH, CLASSES = 8, 16, 4
+
+
+@torch.library.custom_op("parc_tests::round_ste", mutates_args=())
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x * 4) / 4
+
+
+@round_ste.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:  # shapes for tracing on meta
+    return torch.empty_like(x)
+
+
+def _backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    return grad  # straight through
+
+
+round_ste.register_autograd(_backward)
+
+
+class QuantMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(FEATURES, WIDTH)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, F) → (B, classes)
+        return self.head(torch.tanh(round_ste(self.fc(x))))
+
+
+def build_model() -> nn.Module:
+    return QuantMLP()
+
+
+def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, FEATURES, generator=g), torch.randint(0, CLASSES, (batch_size,), generator=g)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
