@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from parc.errors import Span, TraceError
+from parc.traced import get
 
 # Elements of a tensor made in forward from data that plan.json carries inline (per program, as a JSON list):
 # 4096 (16 KiB of float32) holds lookup tables, scales and small codebooks; a larger value belongs in the
@@ -60,8 +61,6 @@ def constant_source(model: torch.nn.Module, fqn: str, value: torch.Tensor, user_
                     constants: dict[str, torch.Tensor]) -> str:
     """The FQN the runtime reads constant `fqn` from (its own, or the attribute path holding `value`);
     a value made in forward is recorded in `constants` instead. Raises a located TraceError otherwise."""
-    from parc.traced import get
-
     try:
         get(model, fqn)
         return fqn  # a plain tensor attribute: the real model has it at run time

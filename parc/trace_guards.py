@@ -119,8 +119,9 @@ def _caller_span() -> Span | None:
     while frame is not None:
         path = Path(frame.f_code.co_filename).resolve()
         if not (path.is_relative_to(_TORCH) or any(path.is_relative_to(p) for p in _PARC)) and path.is_file():
-            positions = list(frame.f_code.co_positions())
-            line, end_line, col, end_col = positions[frame.f_lasti // 2] if frame.f_lasti >= 0 else (None,) * 4
+            positions = list(getattr(frame.f_code, "co_positions", lambda: [])())  # Python ≥ 3.11
+            at = frame.f_lasti // 2
+            line, end_line, col, end_col = positions[at] if 0 <= at < len(positions) else (None,) * 4
             if line is None or col is None:
                 return Span(str(path), frame.f_lineno, 1)
             one_line = end_line == line and end_col is not None
