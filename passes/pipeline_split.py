@@ -202,20 +202,22 @@ def _check_parameters(gm: fx.GraphModule, traced, cuts, stages: int) -> None:
     users: list[list[str]] = [[] for _ in range(stages)]  # per stage: the modules that read a parameter, in order
     for n in _compute_nodes(gm):
         if any(a.op == "placeholder" and a.name in trainable for a in n.all_input_nodes):
-            users[n.meta[STAGE]].append(module_path(n) or "the loss function")
+            users[n.meta[STAGE]].append(module_path(n))
     for s in range(stages):
         if users[s]:
             continue
         cut = cuts[max(s - 1, 0)]
         where = f'cut {cut.where} "{cut.path}"'
-        ops = sorted({module_path(n) or "the loss function" for n in _compute_nodes(gm) if n.meta[STAGE] == s})
+        ops = sorted({module_path(n) or "top-level operations" for n in _compute_nodes(gm) if n.meta[STAGE] == s})
+        if ops == ["top-level operations"]:
+            ops = ["only top-level operations, such as the loss" if s == stages - 1 else "only top-level operations"]
         what = f"stage {s} of {stages} ({', '.join(ops[:4])}{', …' if len(ops) > 4 else ''})"
         if s == stages - 1:
             last = _last_user(users, s)
             hint = (f'move the cut before "{last}" (or earlier), so that the last stage holds it'
                     if last else "move the cut earlier")
         elif s == 0:
-            first = next((u[0] for u in users[1:] if u), None)
+            first = next((m for u in users[1:] for m in u if m), None)
             hint = (f'move the cut after "{first}" (or later), so that the first stage holds it'
                     if first else "move the cut later")
         else:
@@ -227,7 +229,7 @@ def _check_parameters(gm: fx.GraphModule, traced, cuts, stages: int) -> None:
 def _last_user(users: list[list[str]], s: int) -> str | None:
     """The last module before stage `s` that reads a trainable parameter."""
     for earlier in reversed(users[:s]):
-        named = [u for u in earlier if u != "the loss function"]
+        named = [u for u in earlier if u]
         if named:
             return named[-1]
     return None

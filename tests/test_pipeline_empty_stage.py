@@ -28,7 +28,7 @@ def _refusal(tmp_path, text: str) -> ParcError:
 
 def test_cut_after_the_last_module_is_refused_at_the_cut(tmp_path):
     err = _refusal(tmp_path, 'mesh pp=2\n' + BATCH + 'pipeline schedule=1f1b { cut after "lm_head" }\n')
-    assert err.message.startswith('cut after "lm_head" leaves stage 1 of 2 (the loss function) without parameters')
+    assert err.message.startswith('cut after "lm_head" leaves stage 1 of 2 (only top-level operations, such as the loss) without parameters')
     assert (err.span.line, err.span.col) == (3, 26)  # the cut statement
     assert err.diagnostics[0].hint.startswith('move the cut before "lm_head"')
 
