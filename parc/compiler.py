@@ -21,6 +21,7 @@ from parc import artifact, codegen, mesh as meshlib
 from parc.analysis import cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
 from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, portable, recompute, run_passes, tensor_parallel, zero
+from parc.passes import precision as precision_casts
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
@@ -35,6 +36,7 @@ log = logging.getLogger("parc.compile")
 PASSES: list = [("tensor_parallel", tensor_parallel.run), ("dropout", dropout.run)]
 PASSES.insert(1, ("expert_parallel", expert_parallel.run))  # before dropout, which counts sites over the model
 PASSES.insert(0, ("portable", portable.run))  # first: tensor_parallel's shape propagation runs CPU kernels
+PASSES.insert(1, ("precision", precision_casts.run))  # bf16: no dtype guard the traced fp32 invalidates
 
 
 @dataclass

@@ -186,7 +186,53 @@ def assign_stages(traced, plan, stages: int) -> tuple[list[dict], list[Diagnosti
     for n in nodes:  # a getitem stays with the multi-output node it unpacks: tuples are never sent
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             n.meta[STAGE] = n.args[0].meta[STAGE]
+    if cuts and stages > 1:
+        _check_parameters(gm, traced, cuts, stages)
     return _summaries(gm, traced, stages), warnings
+
+
+def _check_parameters(gm: fx.GraphModule, traced, cuts, stages: int) -> None:
+    """Refuse a stage that uses no trainable parameter, at the cut that opens it.
+
+    Such a stage (`cut after "lm_head"`: the last stage computes only the loss) has nothing for its pp
+    rank's optimizer, buckets or ZeRO partition to hold, and would fail at step 0. Only explicit cuts can
+    make one: `stages=auto` gives every stage a layer.
+    """
+    trainable = {s.name for s in traced.state if s.kind == "param" and s.requires_grad}
+    users: list[list[str]] = [[] for _ in range(stages)]  # per stage: the modules that read a parameter, in order
+    for n in _compute_nodes(gm):
+        if any(a.op == "placeholder" and a.name in trainable for a in n.all_input_nodes):
+            users[n.meta[STAGE]].append(module_path(n))
+    for s in range(stages):
+        if users[s]:
+            continue
+        cut = cuts[max(s - 1, 0)]
+        where = f'cut {cut.where} "{cut.path}"'
+        ops = sorted({module_path(n) or "top-level operations" for n in _compute_nodes(gm) if n.meta[STAGE] == s})
+        if ops == ["top-level operations"]:
+            ops = ["only top-level operations, such as the loss" if s == stages - 1 else "only top-level operations"]
+        what = f"stage {s} of {stages} ({', '.join(ops[:4])}{', …' if len(ops) > 4 else ''})"
+        if s == stages - 1:
+            last = _last_user(users, s)
+            hint = (f'move the cut before "{last}" (or earlier), so that the last stage holds it'
+                    if last else "move the cut earlier")
+        elif s == 0:
+            first = next((m for u in users[1:] for m in u if m), None)
+            hint = (f'move the cut after "{first}" (or later), so that the first stage holds it'
+                    if first else "move the cut later")
+        else:
+            hint = f"move the cuts around stage {s} so that it holds a module with parameters, e.g. a layer"
+        raise ParcError(f"{where} leaves {what} without parameters: each stage's pp rank trains the parameters "
+                        f"its stage uses, and this one uses none", cut.span, hint=hint)
+
+
+def _last_user(users: list[list[str]], s: int) -> str | None:
+    """The last module before stage `s` that reads a trainable parameter."""
+    for earlier in reversed(users[:s]):
+        named = [u for u in earlier if u]
+        if named:
+            return named[-1]
+    return None
 
 
 def _summaries(gm: fx.GraphModule, traced, stages: int) -> list[dict]:
