@@ -42,6 +42,9 @@ TINY = {
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
     "num_experts_per_token": 2, "num_dense_layers": 1, "num_expert_group": 1, "linear_head_dim": 16,
     "linear_num_heads": 4, "layer_group_size": 2,
+    # GPT-2-style names (CodeGen, …)
+    "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "n_ctx": 64, "n_inner": 128, "rotary_dim": 8,
+    "d_model": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128,
     "sliding_window": 8, "attention_chunk_size": 8, "pad_token_id": 0,
 }
 
@@ -121,16 +124,24 @@ def tiny_config(name: str):
     return cfg
 
 
+MAX_PARAMS = 2_000_000  # a tiny config has ~0.2M; more means a size field under a name TINY does not know
+
+
 def build(name: str) -> nn.Module:
     """The family's tiny model (on the current default device), sdpa attention where the family has it."""
     fam = families()[name]
     cfg = tiny_config(name)
-    try:
-        cfg._attn_implementation = "sdpa"
-        return fam.model_class(cfg)
-    except (ValueError, NotImplementedError):  # a family without sdpa: eager attention
-        cfg._attn_implementation = "eager"
-        return fam.model_class(cfg)
+    with torch.device("meta"):  # the size first: a config TINY does not shrink would fill the memory
+        try:
+            cfg._attn_implementation = "sdpa"
+            n = sum(p.numel() for p in fam.model_class(cfg).parameters())
+        except (ValueError, NotImplementedError):  # a family without sdpa: eager attention
+            cfg._attn_implementation = "eager"
+            n = sum(p.numel() for p in fam.model_class(cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"the tiny config of {name} still has {n:,} parameters > {MAX_PARAMS:,}: "
+                         "its size fields have names bench/zoo/families.py's TINY does not set")
+    return fam.model_class(cfg)
 
 
 def check(name: str) -> str | None:
