@@ -89,8 +89,9 @@ def _local_shape(shape, shard) -> list[int]:
 
 def _state_line(spec, shard) -> str:
     where = "full" if shard is None else f"dim {shard['dim']} part {shard['index']}/{shard['parts']}"
-    if shard is not None and shard.get("blocks", 1) > 1:
-        where += f" of each of {shard['blocks']} blocks"
+    if shard is not None and shard.get("blocks", 1) != 1:
+        blocks = shard["blocks"]
+        where += f" of each of {blocks} blocks" if isinstance(blocks, int) else f" of each block of {blocks}"
     return f"{spec.name} <- {spec.fqn}  {tuple(_local_shape(spec.shape, shard))}  {where}"
 
 

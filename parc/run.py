@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also train the serial model in-process on the same batches and compare; "
                         "exit 1 past the tolerance")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="relative tolerance for --verify (default 1e-4; bf16 1e-2)")
+                   help="relative tolerance of --verify's loss and parameter checks (default 1e-4; bf16 1e-2); "
+                        "its first-step gradient check keeps its own (runtime/verify_grads.py)")
     p.add_argument("--trace", type=Path, default=None, metavar="FILE",
                    help="pipeline (pp > 1): record every action of the last step on each rank, write "
                         "Chrome-trace JSON (open in Perfetto) to FILE and print the measured bubble fraction")
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from parc.runtime.metrics import Metrics
     from parc.runtime.train import Trainer
     from parc.runtime import verify as verifier
+    from parc.runtime import verify_grads
 
     if args.steps < 1:
         raise LaunchError(f"--steps {args.steps}: need at least 1 step")
@@ -207,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
         if lead:
             print(said, flush=True)
+    parallel_grads = verify_grads.FirstGrads()  # --verify: step 0's gradients (a resumed run has no step 0)
+    if args.verify and first == 0:
+        trainer.grad_observer = parallel_grads.of_trainer
     from parc.runtime.divergence import Guard
 
     guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
@@ -270,8 +275,12 @@ def run(args: argparse.Namespace) -> int:
             serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
                                                                 batch_of=trainer.data.whole,
                                                                 weights=args.weights)
+            worst_grad = verify_grads.check(parallel_grads, user, art.plan, args.seed, trainer.data.whole,
+                                            args.weights)
+            precision = art.plan["plan"]["precision"]
             verdict = verifier.compare(losses, serial_losses, state, serial_state,
-                                       args.tolerance or verifier.TOLERANCES[art.plan["plan"]["precision"]])
+                                       args.tolerance or verifier.TOLERANCES[precision],
+                                       worst_grad, verify_grads.GRAD_TOLERANCES[precision])
             print(verdict.render(), flush=True)
             status = 0 if verdict.ok else 1
         flag = [status]

@@ -60,6 +60,7 @@ from torch.export.graph_signature import InputKind
 from parc import replicate
 from parc.errors import Span, TraceError
 from parc.pretrained import pretrained_as_config
+from parc.trace_regions import inline_regions
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
 _SIGNATURES = {
@@ -138,6 +139,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         ep = torch.export.export(wrapper, batch, strict=False)
     gm = ep.graph_module
     _check_scalar_loss(user, gm)
+    inline_regions(gm, user.path)  # `with torch.no_grad():` blocks in forward: flat aten code, detached
     set_device(gm, torch.device("cpu"))  # `device=x.device` was traced as meta; parc trains on CPU ranks
 
     state, constants, inputs = [], {}, []

@@ -7,7 +7,7 @@ with keyed dropout on its probabilities; runtime/dropout.py). Their masks are a
 pure function of (seed, step, call site, the element's index in the serial
 run's tensor over the global batch), so data, tensor and sequence parallelism,
 micro-batching, pipeline stages and recompute all draw exactly the masks the
-serial model draws under `--verify` (runtime/verify.py keys it the same way).
+serial model draws under `--verify` (runtime/serial_reference.py keys it the same way).
 
 The call site is (module path, occurrence): the k-th dropout the module runs,
 counted in graph order, which is the eager model's call order. The op's

@@ -50,7 +50,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
 from parc.passes import tp_grads
-from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
+from parc.passes.tp_layouts import SDPA, Layouts, Shard, _clamp, is_param, shape
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
@@ -169,14 +169,18 @@ class _Rewriter:
         if t is not aten.dropout.default and t not in SDPA:
             return self.lay.fail(node, "a random op on a sharded value: parc keys only dropout and attention "
                                  "dropout by the global position of each element", self.lay.get(node.args[0]))
-        node.meta["parc_shard"] = self.lay.get(node.args[0])
+        s = self.lay.get(node.args[0])
+        if isinstance(s, Shard) and isinstance(s.blocks, tuple):
+            return self.lay.fail(node, f"dropout on a fused output of unequal blocks {list(s.blocks)}, before it is "
+                                 "split", s)
+        node.meta["parc_shard"] = s
 
     # --- helpers ------------------------------------------------------------------
 
     def is_weight(self, a) -> bool:
         return is_param(a) or a in self.conv1d
 
-    def shard_weight(self, node: fx.Node, w: fx.Node, dim: int, rule, blocks: int = 1) -> None:
+    def shard_weight(self, node: fx.Node, w: fx.Node, dim: int, rule, blocks: int | tuple = 1) -> None:
         """Shard a linear's (out, in) weight along `dim`; a Conv1D weight w (in, out), seen as `t(w)`, along 1 - dim."""
         if w in self.conv1d:
             return self.shard_param(self.conv1d[w], w, 1 - dim, rule, blocks)
@@ -205,16 +209,22 @@ class _Rewriter:
             self.seen.add(key)
             self.errors.append(d)
 
-    def shard_param(self, p: fx.Node, user: fx.Node, dim: int, rule, blocks: int = 1) -> None:
+    def shard_param(self, p: fx.Node, user: fx.Node, dim: int, rule, blocks: int | tuple = 1) -> None:
         full = shape(p)[dim]
-        if full % (self.tp * blocks):
+        if isinstance(blocks, tuple):  # a fused output split into unequal widths: each split by tp
+            if any(b % self.tp for b in blocks):
+                self.indivisible(rule, f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} "
+                                 f"dim {dim} is fused from blocks {list(blocks)}, not each divisible by tp {self.tp}",
+                                 "use a tp that divides every block (grouped-query attention: the kv heads), or "
+                                 f"mark `{module_path(user)}` `replicate`")
+        elif full % (self.tp * blocks):
             what = f"{blocks} blocks × tp {self.tp}" if blocks > 1 else f"tp {self.tp}"
             self.indivisible(rule, f"`{rule.style}` on `{module_path(user)}`: {p.meta.get('parc_fqn', p.name)} dim "
                              f"{dim} has size {full}, not divisible by {what} = {self.tp * blocks}",
                              f"use a tp that divides {full // blocks}")
         spec = {"dim": dim, "parts": self.tp, "index": self.rank}
-        if blocks > 1:
-            spec["blocks"] = blocks
+        if blocks != 1:
+            spec["blocks"] = list(blocks) if isinstance(blocks, tuple) else blocks
         if p in self.sharded and self.sharded[p][0] != spec:  # two uses of a tied weight that disagree
             _, first, other = self.sharded[p]
             raise ParcError(f"`{rule.style}` on `{module_path(user)}` shards {p.meta.get('parc_fqn', p.name)} as "
@@ -392,15 +402,37 @@ def _handled(node: fx.Node, is_weight) -> bool:
     return node.target is aten.embedding.default and params == [0]
 
 
-def _fused_blocks(node: fx.Node) -> int:
-    """k when the linear's output is only split into k equal pieces along its features (a fused qkv)."""
-    users = list(node.users)
-    if len(users) != 1 or users[0].target not in SPLIT_OPS:
+def _fused_blocks(node: fx.Node) -> int | tuple[int, ...]:
+    """How a fused linear's output (q, k, v or gate, up side by side) is cut along its features: k when
+    it is only split into k equal pieces, the pieces' widths when they differ (grouped-query attention's
+    q, k, v), as a split or as slices that tile the features (Phi-3's `qkv_proj`); else 1."""
+    users, last = list(node.users), len(shape(node)) - 1
+    if len(users) == 1 and users[0].target in SPLIT_OPS:
+        u = users[0]
+        dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
+        pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
+    elif len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
+        runs = sorted(_slice_range(u, last) or (-1, -1) for u in users)
+        if any(lo < 0 for lo, _ in runs) or runs[0][0] != 0 or runs[-1][1] != shape(node)[last] \
+                or any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
+            return 1
+        dim, pieces = last, [hi - lo for lo, hi in runs]
+    else:
         return 1
-    u, last = users[0], len(shape(node)) - 1
-    dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
-    pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
-    return len(pieces) if dim == last and len(set(pieces)) == 1 and len(pieces) > 1 else 1
+    if dim != last or len(pieces) < 2:
+        return 1
+    return len(pieces) if len(set(pieces)) == 1 else tuple(pieces)
+
+
+def _slice_range(u: fx.Node, last: int) -> tuple[int, int] | None:
+    """[lo, hi) of a step-1 `slice` along the last dim, clamped to the size; None for any other slice."""
+    x = u.args[0]
+    n = shape(x)[last]
+    dim = (u.args[1] if len(u.args) > 1 else 0) % (last + 1)
+    lo, hi, step = (list(u.args[2:5]) + [None, None, 1][len(u.args[2:5]):])[:3]
+    if dim != last or step != 1 or not all(isinstance(v, int) or v is None for v in (lo, hi)):
+        return None
+    return _clamp(0 if lo is None else lo, n), _clamp(n if hi is None else hi, n)
 
 
 def _local_shapes(gm: fx.GraphModule, ctx) -> None:

@@ -11,8 +11,10 @@ insert a collective where one makes the op exact:
 - a **replicated operand meeting a sharded one** along a dim of the same extent keeps this rank's
   chunk (`parc.split_allgather`: slice forward, all-gather of the gradient backward), so the
   replicated side's gradient stays whole on every rank (`Layouts.localize`).
-- batched matmuls (`matmul`, `bmm`, `mm`) follow a shard through the batch dims and the free
-  row (n) and column (m) dims; the contracted dim k is the reduction case.
+- batched matmuls (`matmul`, `bmm`, `mm`, `einsum`) follow a shard through the batch dims and the
+  free row (n) and column (m) dims; the contracted dim k is the reduction case.
+- a **variance** (`var`, `std`) over the sharded dim is computed in two passes with two sums over
+  tp (the mean, then the squared deviations), as the serial op does.
 
 Gradients: passes/tp_grads.py completes every gradient after the walk, whatever these rules
 produce; the collectives here carry their own backward.
@@ -58,12 +60,108 @@ def reduction(lay, node: fx.Node):
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if s.dim not in dims:
         return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
-    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.blocks != 1:
+    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or s.blocks != 1:  # amax, amin, logsumexp
         lay.fail(node, f"it reduces over dim {s.dim}, which is sharded across tp (parc sums only sum and mean "
                  "over tp)", s)
     if node.kwargs.get("dtype") is not None or (len(node.args) > 3 and node.args[3] is not None):
         lay.fail(node, f"it reduces over sharded dim {s.dim} with a dtype argument", s)
     return _sum_over_tp(lay, node, float(lay.tp) if node.target is aten.mean.dim else None)
+
+
+def variance(lay, node: fx.Node):
+    """var / std over dims. Over unsharded dims the shard moves. Over the sharded dim, in two passes as
+    the serial op computes it (not E[x²] − E[x]², which loses digits): the mean from a sum over tp, then
+    the squared deviations' sum over tp, divided by N − correction (N: the full count of reduced elements)."""
+    x, s = node.args[0], lay.get(node.args[0])
+    full = shape(x)
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(full)))
+    dims = sorted(d % len(full) for d in ([dims] if isinstance(dims, int) else dims))
+    if node.target in (aten.var.dim, aten.std.dim):
+        correction = int(node.args[2] if len(node.args) > 2 else node.kwargs.get("unbiased", True))
+        keep = node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False)
+    else:
+        correction = node.kwargs.get("correction")
+        correction = 1 if correction is None else correction
+        keep = node.kwargs.get("keepdim", False)
+    if s.dim not in dims:
+        return s if keep else Shard(s.dim - sum(d < s.dim for d in dims), s.blocks, s.seq, s.rule)
+    if s.blocks != 1:
+        lay.fail(node, f"a variance over a fused output of {s.blocks} blocks", s)
+    count = 1
+    for d in dims:
+        count *= full[d]
+    kept = [1 if d in dims else n for d, n in enumerate(full)]
+    dtype = node.meta["val"].dtype
+
+    def make(op, args, layout, size):
+        with lay.gm.graph.inserting_before(node):
+            n = lay.gm.graph.call_function(op, args)
+        n.meta["val"] = torch.empty(size, dtype=dtype, device="meta")
+        n.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        lay.made.append(n)
+        lay.of[n] = layout
+        return n
+
+    local_sum = make(aten.sum.dim_IntList, (x, dims, True), "partial", kept)
+    mean = make(aten.div.Tensor, (make(parc_ops.allreduce_identity.default, (local_sum, "tp"), None, kept), count),
+                None, kept)
+    dev = make(aten.sub.Tensor, (x, mean), s, full)
+    sq = make(aten.sum.dim_IntList, (make(aten.mul.Tensor, (dev, dev), s, full), dims, keep), "partial",
+              list(node.meta["val"].shape))
+    out = make(aten.div.Tensor, (make(parc_ops.allreduce_identity.default, (sq, "tp"), None, list(node.meta["val"].shape)),
+                                 max(count - correction, 0)), None, list(node.meta["val"].shape))
+    if node.target in (aten.std.dim, aten.std.correction):
+        out = make(aten.sqrt.default, (out,), None, list(node.meta["val"].shape))
+    node.replace_all_uses_with(out)
+    return None
+
+
+def einsum(lay, node: fx.Node):
+    """`torch.einsum`: the sharded operands' sharded dims must carry one subscript. In the output it
+    stays sharded there (replicated operands that have it keep this rank's chunk); summed over, each rank
+    holds a partial sum, summed over tp by g."""
+    eq, tensors = node.args[0].replace(" ", ""), list(node.args[1])
+    subs = _einsum_subscripts(eq, [len(shape(t)) for t in tensors])
+    if subs is None:
+        lay.fail(node, f"an einsum equation parc cannot read: {eq!r}", next(lay.get(t) for t in tensors if lay.get(t)))
+    ins, out = subs
+    sharded = [(t, lay.get(t), sub) for t, sub in zip(tensors, ins) if lay.get(t) is not None]
+    letters = {sub[s.dim] for _, s, sub in sharded}
+    s = sharded[0][1]
+    if len(letters) != 1 or any(x.blocks != 1 for _, x, _ in sharded) or len({x for _, x, _ in sharded}) != 1:
+        lay.fail(node, f"einsum {eq!r} with operands sharded on different subscripts or layouts", s)
+    (letter,) = letters
+    for t, sub in zip(tensors, ins):
+        if lay.get(t) is None and letter in sub and shape(t)[sub.index(letter)] != 1:
+            lay.localize(node, t, sub.index(letter), s)
+    if letter in out:
+        return Shard(out.index(letter), 1, s.seq, s.rule)
+    return _sum_over_tp(lay, node)
+
+
+def _einsum_subscripts(eq: str, ranks: list[int]) -> tuple[list[str], str] | None:
+    """Each operand's subscripts and the output's, one character per dim ('...' spelled out as its
+    broadcast dims, right-aligned across operands as torch aligns them); None if malformed."""
+    left, arrow, right = eq.partition("->")
+    ins = left.split(",")
+    if len(ins) != len(ranks):
+        return None
+    pool = [chr(0x3B1 + i) for i in range(24)]  # Greek letters: never an einsum subscript
+    ell = max((r - (len(sub) - 3) for sub, r in zip(ins, ranks) if "..." in sub), default=0)
+    spelled = []
+    for sub, r in zip(ins, ranks):
+        if "..." in sub:
+            k = r - (len(sub) - 3)
+            sub = sub.replace("...", "".join(pool[ell - k:ell]))
+        if len(sub) != r:
+            return None
+        spelled.append(sub)
+    if arrow:
+        out = right.replace("...", "".join(pool[:ell]))
+    else:  # implicit: the broadcast dims, then the subscripts seen once, in alphabetical order
+        once = sorted(c for c in set("".join(ins)) if c.isalpha() and "".join(ins).count(c) == 1)
+        out = "".join(pool[:ell]) + "".join(once)
+    return spelled, out
 
 
 def matmul(lay, node: fx.Node):
@@ -152,5 +250,7 @@ def index_select(lay, node: fx.Node):
 
 RULES = {aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
          aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
-         aten.amin.default: reduction, aten.stack.default: stack, aten.select.int: select,
-         aten.unbind.int: unbind, aten.index_select.default: index_select, aten.gather.default: index_select}
+         aten.amin.default: reduction, aten.logsumexp.default: reduction, aten.stack.default: stack, aten.select.int: select,
+         aten.unbind.int: unbind, aten.index_select.default: index_select, aten.gather.default: index_select,
+         aten.var.dim: variance, aten.var.correction: variance, aten.std.dim: variance,
+         aten.std.correction: variance, aten.einsum.default: einsum}

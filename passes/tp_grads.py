@@ -47,6 +47,8 @@ PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._t
 NO_GRAD = {aten.detach.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
            aten.full_like.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
            aten.new_full.default, aten._assert_tensor_metadata.default, aten.sym_size.int}
+# ops whose argument at this index gives only a dtype or a shape: no gradient flows to it
+SHAPE_ONLY = {aten.type_as.default: 1, aten.view_as.default: 1}
 # parc ops whose backward sums the gradient over tp: Megatron's f, and the all-gather of a sequence slice
 # before a column layer (its backward reduce-scatters)
 SUMMING = {parc_ops.identity_allreduce.default, parc_ops.allgather_reducescatter.default}
@@ -120,6 +122,9 @@ def complete(gm: fx.GraphModule, lay, shards: dict, ctx, count=lambda: None) -> 
             return False  # already summed over tp by its own backward (checked above)
         if u.op != "call_function" or getattr(u.target, "namespace", None) == "parc":
             return False  # parc's collectives carry their own backward (runtime/ops.py)
+        i = SHAPE_ONLY.get(u.target)
+        if i is not None and u.args[i] is a and a not in u.args[:i]:
+            return False  # only its dtype or shape is read
         return sharded(lay.get(u))
 
     edges = [(a, u) for u in gm.graph.nodes if u.op == "call_function"

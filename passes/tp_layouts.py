@@ -110,8 +110,8 @@ class Layouts:
             return self._pointwise(node)
         if t in LIKE or t is aten.type_as.default:  # the first input's shape (or values) in a new dtype or fill
             return self.get(node.args[0])
-        if t in NEW:  # sizes written out in full (the traced ones): a whole tensor on every rank
-            return None
+        if t in NEW:
+            return self._new(node)
         if t is aten.view_as.default:  # `view` to the traced shape, which `_view` then makes local
             node.target, node.args = aten.view.default, (node.args[0], list(shape(node)))
             return self._view(node)
@@ -126,7 +126,8 @@ class Layouts:
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
                    aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
                    aten.linear.default: self._linear, aten.embedding.default: self._embedding,
-                   aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex}.get(t)
+                   aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex,
+                   aten.copy_.default: self._copy}.get(t)
         if handler is not None:
             return handler(node)
         if t in SOFTMAX:
@@ -243,6 +244,34 @@ class Layouts:
             node.args = (node.args[0], sizes, *node.args[2:])
         return Shard(o, s.blocks, s.seq, s.rule)
 
+    def _new(self, node):
+        """`x.new_empty(sizes)` shaped like sharded x (its sizes are x's, as `x.shape[:-1] + (w,)` writes
+        them) holds nothing until written: it is sharded like x, to be filled by x's kind of values
+        (`_copy`), with the sharded size made local. Any other `new_*` is a whole tensor of its written
+        sizes on every rank (zeros, ones, a fill: the same numbers everywhere)."""
+        s, sizes = self.get(node.args[0]), list(node.args[1])
+        full = shape(node.args[0])
+        if node.target is aten.new_empty.default and s is not None and s.blocks == 1 and len(sizes) == len(full) \
+                and sizes[s.dim] == full[s.dim]:
+            sizes[s.dim] //= self.tp
+            node.args = (node.args[0], sizes, *node.args[2:])
+            return Shard(s.dim, 1, s.seq, s.rule)
+        return None
+
+    def _copy(self, node):
+        """`dst.copy_(src)` in place: dst keeps its layout; src must match it (a replicated src keeps this
+        rank's chunk, or broadcasts); a sharded src into a whole dst would leave the other ranks' part stale."""
+        d, src = self.get(node.args[0]), node.args[1]
+        if d is None:
+            self.fail(node, "it copies a sharded value into a whole (replicated) tensor", self.get(src))
+        if self.get(src) is None:
+            k = d.dim - (len(shape(node.args[0])) - len(shape(src)))
+            if k >= 0 and shape(src)[k] != 1:
+                self.localize(node, src, k, d)
+        elif self.get(src) != d:
+            self.fail(node, f"it copies a value sharded as {self.get(src)} into one sharded as {d}", d)
+        return d
+
     def _complex(self, node):
         """view_as_complex folds the last dim (the pairs) into the dtype; view_as_real unfolds it."""
         s = self.get(node.args[0])
@@ -251,11 +280,25 @@ class Layouts:
         return s
 
     def _slice(self, node):
+        """Along another dim the shard stays. Along the sharded dim, only one whole block of a fused output
+        (Phi-3's q, k, v sliced from `qkv_proj`): this rank's chunk of it, a plain shard."""
         s = self.get(node.args[0])
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
-        if dim == s.dim:
-            self.fail(node, f"it slices dim {dim}, which is sharded across tp", s)
-        return s
+        if dim != s.dim:
+            return s
+        n = shape(node.args[0])[dim]
+        lo, hi, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])[:3]
+        lo, hi = _clamp(0 if lo is None else lo, n), _clamp(n if hi is None else hi, n)
+        bounds, at = [], 0
+        for size in _block_sizes(n, s.blocks):
+            bounds.append((at, at + size))
+            at += size
+        if s.blocks == 1 or step != 1 or (lo, hi) not in bounds:
+            self.fail(node, f"it slices dim {dim}, which is sharded across tp" + (
+                f", at [{lo}:{hi}], not one of the fused blocks {bounds}" if s.blocks != 1 else ""), s)
+        # every block before it is cut by tp too: this rank's chunk of the block starts at lo / tp
+        node.args = (node.args[0], dim, lo // self.tp, hi // self.tp, *node.args[5:])
+        return Shard(dim, 1, s.seq, s.rule)
 
     def _cat(self, node):
         tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
@@ -275,9 +318,9 @@ class Layouts:
         pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
         if dim != s.dim:
             return [s] * len(pieces)
-        if s.blocks != len(pieces) or len(set(pieces)) != 1:
-            self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the {s.blocks} equal blocks "
-                      "the weight was sharded by", s)
+        if s.blocks == 1 or pieces != _block_sizes(full[dim], s.blocks):
+            self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the blocks "
+                      f"{_block_sizes(full[dim], s.blocks) if s.blocks != 1 else [full[dim]]} the weight was sharded by", s)
         arg = node.args[1]
         local = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
         if node.target is aten.chunk.default:
@@ -337,6 +380,16 @@ class Layouts:
         if self.get(node.args[0]) is not None:
             self.fail(node, "a sharded embedding table without a `vocab` rule", s)
         return s
+
+
+def _clamp(i: int, n: int) -> int:
+    """A slice bound as Python reads it: negative from the end, then clamped to [0, n]."""
+    return max(0, min(i + n if i < 0 else i, n))
+
+
+def _block_sizes(n: int, blocks) -> list[int]:
+    """A sharded dim's blocks: k equal ones (an int) or their widths (a tuple: a fused q, k, v under GQA)."""
+    return [n // blocks] * blocks if isinstance(blocks, int) else list(blocks)
 
 
 def _raise(e: ParcError) -> None:

@@ -34,7 +34,7 @@ binding in runtime/ops.py: a program's text cannot carry it. The runtime sets
 it around each micro-batch's forward AND backward, so a recomputed region
 (which re-runs forward inside backward) sees its own micro-batch's key.
 `serial_keys(model, sites, batch, micro)` keys the user's eager model the same way,
-for the serial reference of `--verify` (runtime/verify.py).
+for the serial reference of `--verify` (runtime/serial_reference.py).
 """
 
 from __future__ import annotations

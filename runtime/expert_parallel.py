@@ -186,6 +186,10 @@ class ExpertZero:
         """This rank's parameters whole, by placeholder name (its ep rank's experts: `gather_experts`)."""
         return {**self.dense.full_params(), **self.experts.full_params()}
 
+    def full_grads(self) -> dict[str, Tensor]:
+        """This rank's reduced gradients whole, by placeholder name (as `full_params`)."""
+        return {**self.dense.full_grads(), **self.experts.full_grads()}
+
     def full_optimizer_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
         """(per-parameter state whole, by placeholder name; scalar state), as ZeroOptimizer's: the dense
         ranges gathered over dp, then the experts' over edp (the same order on every rank). The two

@@ -29,7 +29,7 @@
 - fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
   scaling, which parc does not implement; silently training in fp32 would lie.
 
-The serial reference (runtime/verify.py) applies the same layout, so --verify
+The serial reference (runtime/serial_reference.py) applies the same layout, so --verify
 compares bf16 with bf16.
 """
 

@@ -32,19 +32,32 @@ def build_reference(user, seed: int) -> torch.nn.Module:
     return model
 
 
+def block_sizes(n: int, blocks: int | list[int]) -> list[int]:
+    """The sizes of a sharded dim's blocks: `blocks` k, k pieces as `torch.chunk` cuts n (a fused qkv of
+    equal parts); a list, the sizes themselves (a fused q, k, v of unequal widths: grouped-query attention)."""
+    if isinstance(blocks, int):
+        c = -(-n // blocks)
+        return [min(c, n - i * c) for i in range(blocks) if i * c < n]
+    if sum(blocks) != n:
+        raise ValueError(f"blocks {list(blocks)} do not add up to the dim's size {n}")
+    return list(blocks)
+
+
 def shard(tensor: torch.Tensor, spec: dict | None) -> torch.Tensor:
-    """This rank's slice. With `blocks` k (a fused qkv), chunk `index` of each of k equal blocks, concatenated."""
+    """This rank's slice. With `blocks` (a fused qkv), chunk `index` of each block, concatenated."""
     if spec is None:
         return tensor
-    blocks = tensor.chunk(spec.get("blocks", 1), dim=spec["dim"])
-    return torch.cat([b.chunk(spec["parts"], dim=spec["dim"])[spec["index"]] for b in blocks], dim=spec["dim"])
+    dim = spec["dim"]
+    blocks = tensor.split(block_sizes(tensor.shape[dim], spec.get("blocks", 1)), dim=dim)
+    return torch.cat([b.chunk(spec["parts"], dim=dim)[spec["index"]] for b in blocks], dim=dim)
 
 
 def unshard(parts: list[torch.Tensor], spec: dict) -> torch.Tensor:
     """The full tensor from every rank's `shard(..., spec)`, in rank order (inverse of `shard`)."""
-    k, dim = spec.get("blocks", 1), spec["dim"]
-    per_rank = [p.chunk(k, dim=dim) for p in parts]
-    return torch.cat([per_rank[r][b] for b in range(k) for r in range(len(parts))], dim=dim)
+    dim, n = spec["dim"], len(parts)
+    local = [size // n for size in block_sizes(parts[0].shape[dim] * n, spec.get("blocks", 1))]
+    per_rank = [p.split(local, dim=dim) for p in parts]
+    return torch.cat([per_rank[r][b] for b in range(len(local)) for r in range(n)], dim=dim)
 
 
 def materialize(entries: list[dict], model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:

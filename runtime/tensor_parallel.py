@@ -1,9 +1,10 @@
 """Step-time piece of tensor parallelism: partial gradients.
 
 Start here after `runtime/ops.py`. The compiled program's collectives make every
-gradient right per micro-batch except one kind: under sequence parallelism a
-replicated parameter used on a sequence slice (a LayerNorm weight) gets only its
-slice's share on each tp rank. The compiler lists those parameters in plan.json
+gradient right per micro-batch except one kind: a replicated parameter whose every
+use computes on sharded values (a LayerNorm weight on a sequence slice, a per-head
+q/k norm's weight on head-sharded values) gets only its slice's share on each tp
+rank (passes/tp_grads.py proves which). The compiler lists those parameters in plan.json
 (`programs.<name>.tp_partial_grads`); `sum_partial_grads` all-reduces them over
 tp once per step, in one flat buffer. Clipping is `parc.runtime.grad_norm`, shared
 by every parallelism.

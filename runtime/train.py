@@ -165,6 +165,9 @@ class Trainer:
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
             self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
+        # --verify: called once, with this trainer, when the first step's gradients are complete (reduced over
+        # every axis) and not yet clipped or applied; every rank must be given one (runtime/verify_grads.py)
+        self.grad_observer = None
         self.compile_seconds = compiled.warm_up(self)  # `compile inductor`: compiled now, not in step 0
 
     @classmethod
@@ -246,6 +249,9 @@ class Trainer:
                     total = loss.detach() if total is None else total + loss.detach()
             self.buckets.finish()
         self._complete_grads()
+        if self.grad_observer is not None:
+            observe, self.grad_observer = self.grad_observer, None
+            observe(self)
         found = None
         if skip_nonfinite:  # a device flag: the optimizer leaves params and state unchanged where it is set
             updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
@@ -327,21 +333,28 @@ class Trainer:
             stacked /= self.ctx.degree["dp"]
         return stacked.tolist()
 
-    def gathered_state(self) -> dict[str, torch.Tensor]:
-        """Full parameters by model FQN, on CPU; tp shards are gathered along their dim."""
+    def gathered_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full parameters by model FQN, on CPU; tp shards are gathered along their dim. `grads`: their
+        gradients instead, gathered the same way, as the optimizer would read them now (zeros where a
+        parameter has none); they may alias the live buffers."""
         out = {}
-        whole = self.zero.full_params() if self.zero else {}  # ZeRO-3 keeps only shards: gather over dp
-        for e, t in zip(self.entry["state"], self.state):
+        if grads:
+            whole = self.zero.full_grads() if self.zero else {n: p.grad for n, p in self.params.items()
+                                                              if p.grad is not None}
+        else:
+            whole = self.zero.full_params() if self.zero else {}  # ZeRO-3 keeps only shards: gather over dp
+        local = [whole.get(e["name"], torch.zeros_like(t) if grads else t).detach()
+                 for e, t in zip(self.entry["state"], self.state)]
+        for e, full in zip(self.entry["state"], local):
             if e["kind"] != "param":
                 continue
-            full = whole.get(e["name"], t).detach()
             if e["shard"] is not None:
                 parts = [torch.empty_like(full) for _ in range(e["shard"]["parts"])]
                 dist.all_gather(parts, full.contiguous(), group=self.ctx.groups["tp"])
                 full = unshard(parts, e["shard"])
             out[e["fqn"]] = full.cpu()
         if self.entry.get("experts"):  # each ep rank holds E/ep experts: gather every one
-            out.update(expert_parallel.gather_experts(self.entry, self.state, self.ctx))
+            out.update(expert_parallel.gather_experts(self.entry, local, self.ctx))
         if self.pp > 1:  # every stage's parameters, merged on rank 0 (tied copies are equal)
             parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
             dist.gather_object(out, parts, dst=0)

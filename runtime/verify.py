@@ -1,18 +1,26 @@
 """`--verify`: train the serial model in-process and compare with the parallel run.
 
-The serial reference is the user's own model and loss, built under the same seed,
-trained with the same optimizer on the same global batches — each step one
-forward and backward over the whole global batch, with no micro-batching and no
-communication. Agreement is measured as relative differences: per-step loss
-|a − b| / |b|, and for the parameters ‖a − b‖₂ / ‖b‖₂ over the whole model.
+Start here: `compare`, which parc.run calls on rank 0 after training. The serial reference
+(runtime/serial_reference.py) is the user's own model and loss, built under the same seed, trained with
+the same optimizer on the same global batches — each step one forward and backward over the whole global
+batch, with no micro-batching and no communication. Three checks, each named when it fails:
 
-Why model-wide: some parameters have a gradient that is zero in exact arithmetic
-(an attention key bias: softmax ignores a shift of its row). In fp32 that
-gradient is rounding noise, and Adam divides it by its own magnitude, so any two
-summation orders move such an entry by a different ±lr. Per tensor this looks
-like an O(1) error; model-wide it is the ~1e-6 it really is. A real mistake — a
-wrong shard, a lost micro-batch — moves whole tensors and shows at 1e-3 or more.
-The worst single tensor is still reported, for diagnosis.
+  loss        per-step |a − b| / |b|, the worst step;
+  gradients   the first step's gradients, each tensor whole, before clipping and the update
+              (runtime/verify_grads.py): a wrong gradient shows as itself, not through an optimizer;
+  parameters  after the last step, ‖a − b‖₂ / ‖b‖₂ over the whole model.
+
+Why parameters are judged model-wide: some parameters have a gradient that is zero in exact arithmetic
+(an attention key bias: softmax ignores a shift of its row). In fp32 that gradient is rounding noise,
+and Adam divides it by its own magnitude, so any two summation orders move such an entry by a different
+±lr. Per tensor this looks like an O(1) error; model-wide it is the ~1e-6 it really is. A real mistake
+that moves whole tensors (a wrong shard, a lost micro-batch) shows at 1e-3 or more; one confined to a
+small tensor (a 16-element norm weight) is drowned model-wide, which is what the gradient check is for.
+
+Which tensor: every check that compares tensors ranks them by `rank_tensors`, the largest elementwise
+difference relative to the tensor's own scale (with a floor, explained there), so a small broken tensor
+outranks a big healthy one whose absolute differences are larger. The worst is named with its relative
+and absolute difference.
 
 Dropout. The compiled programs key every dropout mask by (seed, step, call
 site, global element index) (passes/dropout.py, runtime/dropout.py); the serial
@@ -24,15 +32,11 @@ training by `dropout_refusal`, naming their modules.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from parc.runtime import param_groups, schedule_lr
-from parc.runtime.dropout import key_scope, serial_keys
-from parc.runtime.precision import autocast, compute_dtype
-from parc.runtime.state import build_reference
+from parc.runtime.serial_reference import train_serial  # noqa: F401  (the reference --verify trains; tests import it here)
 
 # fp32: the parallel run sums the same products in another order (micro-batch
 # means, then a dp all-reduce) — rounding differences of ~1e-7 relative per op,
@@ -56,91 +60,96 @@ BF16_TOLERANCE = 1e-2
 TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE}
 
 
+# The floor of a tensor's scale in `rank_tensors`, as a fraction of the largest |serial| element over all
+# the tensors compared. Without it a tensor whose exact value is zero (a key bias's gradient, see above)
+# would be divided by its own rounding noise and read as an O(1) error in a healthy run. That noise is
+# ~1e-7 (fp32) of the values summed into it, themselves at most the model's largest gradient elements, so
+# against 1e-3 of the largest element it reads ~1e-4 at the very worst; measured, examples/gpt.py's key
+# biases stay under 1e-7 (runtime/verify_grads.py's figures). The price: a tensor whose whole scale is
+# under 1e-3 of the largest element reads its error against the floor, smaller than against its own
+# scale (a missing half of it reads 0.5 × its scale / the floor), so it is named later than it deserves.
+SCALE_FLOOR = 1e-3
+
+
+@dataclass
+class Worst:
+    """One tensor's difference: `rel` = max|parallel − serial| / max(max|serial|, floor), `abs` = max|…|."""
+    name: str
+    rel: float
+    abs: float
+
+    def render(self) -> str:
+        return f"{self.name}: {self.rel:.1e} of its scale, max |Δ| {self.abs:.1e}"
+
+
+def rank_tensors(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor],
+                 floor: float = SCALE_FLOOR) -> list[Worst]:
+    """Every tensor's difference relative to its own scale (floored at `floor` × the largest |serial| element
+    of them all), worst first; nan counts as infinite. `serial` may hold several names of one tied tensor."""
+    pairs = _paired(parallel, serial)
+    scale = {name: b.abs().max().item() if b.numel() else 0.0 for name, _, b in pairs}
+    least = floor * max(scale.values(), default=0.0)
+    out = []
+    for name, a, b in pairs:
+        d = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
+        d = float("inf") if d != d else d  # nan: a diverged tensor
+        s = max(scale[name], least)
+        out.append(Worst(name, d / s if s > 0 else (0.0 if d == 0 else float("inf")), d))
+    return sorted(out, key=lambda w: -w.rel)
+
+
+def _paired(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]):
+    """(name, parallel, serial) for each serial tensor, under the name the parallel run kept (the trace
+    may have kept either name of a tied tensor: wte.weight and lm_head.weight are one)."""
+    aliases: dict[int, list[str]] = {}
+    for fqn, ref in serial.items():
+        aliases.setdefault(ref.data_ptr(), []).append(fqn)
+    missing = sorted(names[0] for names in aliases.values() if not any(n in parallel for n in names))
+    if missing:
+        raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
+    return [(fqn, parallel[fqn], ref) for fqn, ref in serial.items() if fqn in parallel]
+
+
 @dataclass
 class Verdict:
     loss_rel: float
     param_rel: float
-    worst_param: str
-    tolerance: float
+    worst_param: Worst | None   # the parameter worst relative to its own scale (None: no parameters)
+    tolerance: float            # losses and parameters
     serial_losses: list[float]
+    worst_grad: Worst | None = None      # the first-step gradient check (None: not made)
+    grad_tolerance: float | None = None
+
+    @property
+    def failed(self) -> list[str]:
+        """The checks past their tolerance (`not <=`: a nan fails)."""
+        out = [] if self.loss_rel <= self.tolerance else ["loss"]
+        if self.worst_grad is not None and not self.worst_grad.rel <= self.grad_tolerance:
+            out.append("gradients")
+        return out + ([] if self.param_rel <= self.tolerance else ["parameters"])
 
     @property
     def ok(self) -> bool:
-        return self.loss_rel <= self.tolerance and self.param_rel <= self.tolerance
+        return not self.failed
 
     def render(self) -> str:
-        word = "PASS" if self.ok else "FAIL"
-        return (f"verify {word}: largest relative difference vs serial — losses {self.loss_rel:.2e}, "
-                f"parameters {self.param_rel:.2e} ({self.worst_param}); tolerance {self.tolerance:.0e}")
-
-
-def train_serial(user, plan_json: dict, seed: int, steps: int,
-                 batch_of=None, weights=None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
-    default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
-    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
-    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model."""
-    from parc.runtime.train import make_optimizer
-    from parc.runtime.weights import reference
-
-    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
-    cfg = plan_json["plan"]["optimizer"]
-    decay = param_groups.decays(param_groups.classify(model), cfg)
-    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
-    global_batch = plan_json["plan"]["batch"]["global"]
-    batch_of = batch_of or (lambda step: user.get_batch(step, global_batch))
-    losses = []
-    compute = plan_json["plan"].get("precision", "fp32")
-    # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
-    # PER_MICRO_BATCH: its serial run is one forward per micro-batch, as each dp rank runs it.
-    micro = plan_json["plan"]["batch"]["micro"] if getattr(user.module, "PER_MICRO_BATCH", False) else global_batch
-    keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
-                       plan_json["plan"]["batch"]["micro"])
-    for step in range(steps):
-        batch = batch_of(step)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for first in range(0, global_batch, micro):
-            keys.new_forward()
-            # the forward's first global sample keys its dropouts (runtime/dropout.py keys by global sample)
-            with key_scope(seed, step, first), keys:
-                # same layout as the parallel run (runtime/precision.py): bf16 copies of the fp32 masters, autocast
-                with autocast(compute, "cpu"), compute_copies(model, compute_dtype(compute)):
-                    loss = user.loss_fn(model, *(t[first:first + micro] for t in batch)).float()
-                (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
-            total += loss.item() * micro / global_batch
-        if cfg["grad_clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
-        schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
-        optimizer.step()
-        losses.append(total)
-    # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
-    # have kept either name
-    return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
-
-
-@contextlib.contextmanager
-def compute_copies(model: torch.nn.Module, dtype: torch.dtype | None):
-    """Inside: `model`'s trainable parameters read as their `dtype` copies (differentiable casts of the fp32
-    masters, so gradients accumulate in the masters' fp32 `.grad`); nothing changes for dtype None.
-    Tied parameters stay tied: one copy per tensor."""
-    if dtype is None:
-        yield
-        return
-    copies = {id(p): p.to(dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
-    swapped = []  # (module, attribute, master)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) in copies:
-                swapped.append((module, name, p))
-                del module._parameters[name]
-                setattr(module, name, copies[id(p)])  # a plain attribute while inside
-    try:
-        yield
-    finally:
-        for module, name, p in swapped:
-            delattr(module, name)
-            module._parameters[name] = p
+        failed = self.failed
+        word = f"FAIL ({', '.join(failed)})" if failed else "PASS"
+        grads = (f"first-step gradients {self.worst_grad.rel:.2e} (worst {self.worst_grad.render()}; "
+                 f"tolerance {self.grad_tolerance:.0e})" if self.worst_grad else "first-step gradients not compared")
+        worst = f" (worst {self.worst_param.render()})" if self.worst_param else ""
+        line = (f"verify {word}: relative difference vs serial — losses {self.loss_rel:.2e}; {grads}; "
+                f"parameters {self.param_rel:.2e} model-wide{worst}; tolerance {self.tolerance:.0e}")
+        if not failed:
+            return line
+        # the tensor to look at first: the gradient check's when it has one (no optimizer between it and
+        # the cause), else the parameters'
+        culprit, what = ((self.worst_grad, "first-step gradient") if self.worst_grad is not None
+                         else (self.worst_param, "parameter"))
+        if culprit is None:
+            return line
+        return line + (f"\nverify: worst tensor {culprit.name} — its {what} differs by {culprit.rel:.1e} of its "
+                       f"scale (max |Δ| {culprit.abs:.1e})")
 
 
 def dropout_refusal(plan_json: dict) -> str | None:
@@ -157,24 +166,15 @@ def dropout_refusal(plan_json: dict) -> str | None:
 
 
 def compare(parallel_losses: list[float], serial_losses: list[float], parallel_state: dict[str, torch.Tensor],
-            serial_state: dict[str, torch.Tensor], tolerance: float = DEFAULT_TOLERANCE) -> Verdict:
+            serial_state: dict[str, torch.Tensor], tolerance: float = DEFAULT_TOLERANCE,
+            worst_grad: Worst | None = None, grad_tolerance: float | None = None) -> Verdict:
+    """`worst_grad`, `grad_tolerance`: the first-step gradient check's result (runtime/verify_grads.py)."""
     loss_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(parallel_losses, serial_losses)), default=0.0)
-    aliases: dict[int, list[str]] = {}
-    for fqn, ref in serial_state.items():
-        aliases.setdefault(ref.data_ptr(), []).append(fqn)
-    missing = sorted(names[0] for names in aliases.values() if not any(n in parallel_state for n in names))
-    if missing:
-        raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
     diff2 = ref2 = 0.0
-    worst, worst_rel = "-", 0.0
-    for fqn, ref in serial_state.items():
-        if fqn not in parallel_state:  # another name of a tied tensor, compared under that name
-            continue
-        d2 = (parallel_state[fqn].double() - ref.double()).square().sum().item()
-        r2 = ref.double().square().sum().item()
-        diff2, ref2 = diff2 + d2, ref2 + r2
-        rel = (d2 / max(r2, 1e-30)) ** 0.5
-        if rel > worst_rel:
-            worst, worst_rel = fqn, rel
+    for _, a, b in _paired(parallel_state, serial_state):
+        diff2 += (a.double() - b.double()).square().sum().item()
+        ref2 += b.double().square().sum().item()
     param_rel = (diff2 / max(ref2, 1e-30)) ** 0.5
-    return Verdict(loss_rel, param_rel, f"worst tensor {worst}: {worst_rel:.1e}", tolerance, serial_losses)
+    ranked = rank_tensors(parallel_state, serial_state)
+    return Verdict(loss_rel, param_rel, ranked[0] if ranked else None, tolerance, serial_losses,
+                   worst_grad, grad_tolerance)

@@ -206,13 +206,16 @@ def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
     return min(i * c, n), min((i + 1) * c, n)
 
 
-def _runs(n: int, blocks: int, parts: int, index: int) -> list[tuple[int, int]]:
-    """Ranges [lo, hi) of a dim of n that shard `index` of `parts` takes: its chunk of each of `blocks`."""
-    out = []
-    for b in range(blocks):
-        blo, bhi = _chunk(n, blocks, b)
-        lo, hi = _chunk(bhi - blo, parts, index)
+def _runs(n: int, blocks: int | list[int], parts: int, index: int) -> list[tuple[int, int]]:
+    """Ranges [lo, hi) of a dim of n that shard `index` of `parts` takes: its chunk of each of `blocks`
+    (runtime/state.py's `shard`)."""
+    from parc.runtime.state import block_sizes
+
+    out, blo = [], 0
+    for size in block_sizes(n, blocks):
+        lo, hi = _chunk(size, parts, index)
         out.append((blo + lo, blo + hi))
+        blo += size
     return out
 
 

@@ -70,7 +70,8 @@ class ZeroOptimizer:
 
     Interface used by the Trainer: `start_micro_batch(sync)`, `finish()`,
     `grad_ranges()`, `step()`, `zero()`, `active()` (context for
-    the micro-batch loop), `full_params()` (gathered, for --verify/checkpoints).
+    the micro-batch loop), `full_params()` (gathered, for --verify/checkpoints), `full_grads()` (gathered,
+    for --verify's first-step gradient check).
     """
 
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
@@ -390,9 +391,29 @@ class ZeroOptimizer:
                 work, full = self._start_gather(b, self.master[b].dtype)  # the fp32 masters, not bf16 copies
                 if work is not None:
                     work.wait()
-            for s in bucket["params"]:
-                out[s["name"]] = full[s["offset"]:s["offset"] + s["numel"]].view(s["shape"]).detach()
+            out.update(self._split(bucket, full))
         return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """After `finish`: every parameter's reduced gradient whole, by placeholder name, as the optimizer is
+        about to read it (collective over the dp group: each rank holds only its ranges; --verify's
+        first-step check, runtime/verify_grads.py)."""
+        out = {}
+        for b, bucket in enumerate(self.buckets):
+            mine = self.master[b].grad.detach().contiguous()
+            full = torch.empty(bucket["padded"], dtype=mine.dtype, device=mine.device)
+            if self.dp > 1:
+                dist.all_gather_into_tensor(full, mine, group=self.group)
+            else:
+                full.copy_(mine)
+            out.update(self._split(bucket, full))
+        return out
+
+    @staticmethod
+    def _split(bucket: dict, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A whole flat bucket as its parameters' shapes, by placeholder name (views, padding dropped)."""
+        return {s["name"]: full[s["offset"]:s["offset"] + s["numel"]].view(s["shape"]).detach()
+                for s in bucket["params"]}
 
     def full_optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """(per-parameter state by placeholder name, whole; scalar state such as Adam's `step`)."""

@@ -77,3 +77,18 @@ def test_partial_edges_are_listed(tmp_path):
     f_values = {r["value"]: r["module"] for r in prog["tp_grad_reductions"] if r["how"] == "per micro-batch"}
     assert "layers.0.scale" in f_values  # mixed: sharded and replicated uses
     assert any(m == "layers.0" for m in f_values.values())  # the gate's activation, at the multiply
+
+
+def test_report_prices_the_sums(tmp_path):
+    """`parc report compiled/` charges the per-step sum (fp32, one flat all-reduce) and the f's (per
+    micro-batch, compute dtype) to the step, as rows of their own; volume = 2 (tp − 1) / tp × bytes."""
+    from parc.analysis import report
+
+    art = compile_text(_plan(PARTIAL_RULES, False), tmp_path / "c", MODELS / "partial_grads.py")
+    reds = art.plan["programs"]["stage0_tp0"]["tp_grad_reductions"]
+    per_step = sum(r["numel"] for r in reds if r["how"] == "per step")
+    per_micro = sum(r["numel"] for r in reds if r["how"] == "per micro-batch")
+    rep = report.build(art.root)
+    rows = [r for r in rep["communication"]["rows"] if r["collective"] == "all-reduce (partial gradients)"]
+    assert [r["bytes_per_rank"] for r in rows] == [round(per_step * 4), round(per_micro * 4 * 2)]  # fp32; 2 micro
+    assert any("tp partial gradients" in n for n in rep["notes"])

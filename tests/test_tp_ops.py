@@ -3,7 +3,8 @@ program traced on meta that runs on CPU ranks (passes/portable.py).
 
 tests/models/tp_ops.py uses type_as, view_as, view_as_complex/real rotary, zeros_like, new_zeros,
 eager attention with a per-head ALiBi bias, SDPA with a per-head mask, stack/unbind: every one on
-head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Qwen2-MoE, traced on meta,
+head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Llama with one kv head keeps k and v whole at tp 2.
+HF Phi-3 slices q, k, v out of one fused projection: equal blocks (MHA) and unequal ones (GQA). HF Qwen2-MoE, traced on meta,
 counts tokens per expert with histc on int32, which no CPU kernel runs: compiled, it died at step 0
 on CPU ranks. The check is test_tp_grads.py's: one SGD step with lr 1, per-tensor update error.
 """
@@ -36,9 +37,23 @@ ATTN_RULES = """tensor_parallel {
 }
 """
 
+MQA_RULES = llama_tp_rules().replace('k_proj" : column', 'k_proj" : replicate').replace(
+    'v_proj" : column', 'v_proj" : replicate')
+
+PHI3_RULES = """tensor_parallel {
+    "model.layers.*.self_attn.qkv_proj" : column
+    "model.layers.*.self_attn.o_proj" : row
+    "model.layers.*.mlp.gate_up_proj" : column
+    "model.layers.*.mlp.down_proj" : row
+}
+"""
+
 CASES = {
     "ops_tp2": (MODELS / "tp_ops.py", OPS_RULES, False, "mesh tp=2"),
     "ops_tp2_sp": (MODELS / "tp_ops.py", OPS_RULES, True, "mesh tp=2"),
+    "llama_mqa_tp2": (MODELS / "llama_mqa.py", MQA_RULES, False, "mesh tp=2"),
+    "phi3_sliced_qkv_tp2": (MODELS / "phi3_tiny.py", PHI3_RULES, False, "mesh tp=2"),
+    "phi3_gqa_sliced_qkv_tp2_sp": (MODELS / "phi3_gqa.py", PHI3_RULES, True, "mesh tp=2"),
     "gemma3_tp2": (MODELS / "gemma3_tiny.py", llama_tp_rules(), False, "mesh tp=2"),
     "qwen2_moe_dp2": (MODELS / "qwen2_moe_tiny.py", "", False, "mesh dp=2"),
     "qwen2_moe_tp2": (MODELS / "qwen2_moe_tiny.py", ATTN_RULES, False, "mesh tp=2"),

@@ -66,7 +66,9 @@ CASES = {
                                                             "lm_head?": "vocab"}),  # the head's name by version
                       "ok"),
     "neox_sp_plain_head": (MODELS / "neox_tiny.py", rules({**NEOX, "gpt_neox.embed_in": "vocab"}, sp=True), "train"),
-    "phi3_fused_qkv": (MODELS / "phi3_tiny.py", rules(PHI3_ATTN), "it slices dim 2, which is sharded"),
+    "phi3_fused_qkv": (MODELS / "phi3_tiny.py", rules(PHI3_ATTN), "ok"),  # sliced blocks: trained in test_tp_ops
+    "fused_qkv_bad_slice": (MODELS / "fused_odd_slices.py", rules({"attn.qkv": "column", "attn.o": "row"}),
+                            "it slices dim 2, which is sharded"),
     "phi3_fused_gate_up": (MODELS / "phi3_tiny.py", rules({**PHI3_MLP, "model.embed_tokens": "vocab",
                                                            "lm_head": "vocab"}), "train"),
 }

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from parc.analysis import cost, experts
+from parc.analysis import cost, experts, tp_grad_sums
 from parc.errors import ParcError
 
 GiB = cost.GiB
@@ -34,7 +34,7 @@ def _size(b: float) -> str:
 
 
 def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
-    """(plan, stats, notes, artifact params per pp rank or None)."""
+    """(plan, stats, notes, artifact params per pp rank or None, plan.json or None)."""
     from parc.grammar.parser import load_plan, parse
 
     notes = []
@@ -54,13 +54,13 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
             stats = _trace_stats(compiled / "model" / "model.py", plan)
         if plan.mesh.ep > 1:
             stats = dict(stats, experts=experts.from_artifact(pj))
-        return plan, stats, notes, _artifact_params(pj)
+        return plan, stats, notes, _artifact_params(pj), pj
     if model is None or plan_path is None:
         raise ParcError("parc report needs a compiled/ directory, or both --model and --plan",
                         hint="parc report compiled/   or   parc report --model model.py --plan plan.par")
     plan = load_plan(plan_path)
     notes.append("analytic: traced the model under the plan; no compile pass ran")
-    return plan, _trace_stats(model, plan), notes, None
+    return plan, _trace_stats(model, plan), notes, None, None
 
 
 def _trace_stats(model: Path, plan) -> dict:
@@ -99,7 +99,7 @@ def _artifact_params(pj: dict) -> list[int]:
 
 def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path | None = None,
           preset: str | None = None, allreduce: str | None = None) -> dict:
-    plan_obj, stats, notes, art_params = _inputs(compiled, model, plan)
+    plan_obj, stats, notes, art_params, pj = _inputs(compiled, model, plan)
     topo = plan_obj.topology
     name = preset or topo.preset
     if name is None:
@@ -111,6 +111,15 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
     if ep is not None:
         est = experts.charge(est, ep["row"])
+    if pj is not None:  # the gradient sums tensor parallelism inserted (plan.json), on the step
+        rows, per_step, per_micro = tp_grad_sums.section(pj, plan_obj, hw, allreduce or "ring")
+        est = tp_grad_sums.charge(est, rows)
+        if rows:
+            notes.append(f"tp partial gradients: {per_step:,} parameter elements summed over tp once a step, "
+                         f"{per_micro:,} elements' gradients per micro-batch (plan.json tp_grad_reductions)")
+    elif plan_obj.mesh.tp > 1:
+        notes.append("tp partial gradients (replicated values on sharded ones, passes/tp_grads.py) are priced "
+                     "from a compiled/ directory only: this analytic report does not run the pass")
     if art_params is not None:
         notes.append("parameters per rank: counted from the compiled programs' state (their shard shapes)")
     notes += est.notes

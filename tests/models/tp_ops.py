@@ -6,10 +6,16 @@ of passes/tp_layouts.py and passes/tp_contract.py is trained under tensor parall
 - `view_as_complex` / `view_as_real`: rotary embeddings as complex rotations (Llama 4, DeepSeek style),
   the rotations built in forward from `arange` (traced on meta, never data);
 - `zeros_like`, `new_zeros`: a zero added to q, a zero bias made with full sizes;
-- eager attention: `matmul` of q and kᵀ over head-sharded batch dims, a per-head ALiBi bias (H, T, T)
+- eager attention: `einsum` of q and k over head-sharded batch dims, a per-head ALiBi bias (H, T, T)
   added to the scores, softmax, `matmul` with v;
+- `mean` and `var` over the whole (sharded) hidden of q: a LayerNorm written out, as OLMo-style norms
+  over the full q width are;
 - `scaled_dot_product_attention` with a per-head float mask (1, H, T, T) in the second layer;
-- `stack` / `unbind` / `select` of head-sharded q, k and v.
+- `stack` / `unbind` of head-sharded q, k and v;
+- `new_empty` shaped like head-sharded k, filled by `copy_` of slices (DeepSeek's MLA keys): one from k,
+  one from a replicated projection expanded over the heads;
+- `logsumexp` over the keys (the eager layer's softmax written out);
+- a `with torch.no_grad():` block in forward (a mask from the activations, as MoE routers compute).
 
 Start here: `build_model`. Batches and loss are tests/models/llama_tiny.py's.
 """
@@ -66,22 +72,31 @@ class Block(nn.Module):
         self.ln = RMSNorm(D)
         self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
         self.q_norm, self.k_norm = RMSNorm(HD), RMSNorm(HD)
+        self.k_extra = nn.Linear(D, HD, bias=False)
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x):  # (B, T, D)
         B, T, _ = x.shape
         h = self.ln(x)
+        with torch.no_grad():
+            keep = (h.abs() < 3.0).to(h.dtype)
+        h = h * keep
         qf = self.q(h)
+        qf = (qf - qf.mean(-1, keepdim=True)) * torch.rsqrt(qf.var(-1, keepdim=True, correction=0) + 1e-5)
         kf = self.k(h).view_as(qf)
         q = rotate(self.q_norm(qf.view(B, T, -1, HD))) + torch.zeros_like(qf).view(B, T, -1, HD)
         k = rotate(self.k_norm(kf.view(B, T, -1, HD)))
+        both = k.new_empty(*k.shape[:-1], 2 * HD)
+        both[..., :HD].copy_(k)
+        both[..., HD:].copy_(self.k_extra(h)[:, :, None, :].expand(-1, -1, k.shape[2], -1))
+        k = both[..., :HD] + 0.5 * both[..., HD:]
         v = self.v(h).view(B, T, -1, HD)
         q, k, v = torch.stack([q, k, v]).transpose(2, 3).unbind(0)  # (B, nh, T, hd) each
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         bias = alibi(T, x.device)[None] + causal  # (1, H, T, T)
         if self.eager:
-            scores = q @ k.transpose(-1, -2) / math.sqrt(HD) + bias
-            y = torch.softmax(scores, dim=-1) @ v
+            scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(HD) + bias
+            y = torch.exp(scores - scores.logsumexp(-1, keepdim=True)) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         y = y.transpose(1, 2).reshape(B, T, -1) + x.new_zeros(B, T, D)

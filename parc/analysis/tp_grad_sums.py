@@ -1,0 +1,67 @@
+"""The price of the gradient sums tensor parallelism inserts (passes/tp_grads.py), for `parc report`.
+
+Start at `section`. A replicated value computed with on tp-sharded values gets only its slice's share of
+the gradient on each tp rank; the compiler completes each such gradient and lists it in plan.json
+(`programs.<name>.tp_grad_reductions`):
+
+- "per step": a parameter all of whose uses are such (a q/k norm's weight on head-sharded values, a
+  LayerNorm weight on a sequence slice): its accumulated fp32 gradient is all-reduced over tp once a
+  step, all of them in one flat buffer (runtime/tensor_parallel.py), after the backward;
+- "per micro-batch": Megatron's f before the op (an activation, or a parameter that also meets
+  replicated values): an all-reduce of that value's gradient in every micro-batch's backward, in the
+  compute dtype, on the critical path like tp's other collectives.
+
+Both are charged to the step, not overlapped. The numbers are those of the busiest pp rank's programs
+(all tp ranks of a stage insert the same sums). The analytic report (--model and --plan, no compile)
+does not run the pass, so it cannot see them: it says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from parc import mesh as meshlib
+
+
+def section(pj: dict, plan, hw, allreduce: str):
+    """(rows, elements per step, elements per micro-batch) of the busiest pp rank; rows empty if none."""
+    from parc.analysis.cost import _collective
+
+    pp, tp = pj["mesh"]["pp"], plan.mesh.tp
+    if tp == 1:
+        return [], 0, 0
+    per_rank: dict[int, list[int]] = {}
+    for prog in pj["programs"].values():
+        if prog.get("tp_rank", 0) != 0:
+            continue
+        sums = per_rank.setdefault(prog["stage"] % pp, [0, 0, 0])
+        for r in prog.get("tp_grad_reductions", []):
+            if r["how"] == "per step":
+                sums[0] += r["numel"]
+            else:
+                sums[1] += r["numel"]
+                sums[2] += 1
+    if not per_rank:
+        return [], 0, 0
+    step_el, micro_el, fs = max(per_rank.values(), key=lambda s: 4 * s[0] + 2 * s[1])
+    groups = meshlib.groups(plan.mesh, "tp")
+    act_b = 4 if plan.precision == "fp32" else 2
+    acc = plan.accumulation
+    rows = []
+    if step_el:
+        rows.append(_collective("tp", "all-reduce", tp, step_el * 4, groups, hw, allreduce, calls=1))
+    if micro_el:
+        rows.append(_collective("tp", "all-reduce", tp, micro_el * act_b * acc, groups, hw, allreduce,
+                                calls=fs * acc))
+    return rows, step_el, micro_el
+
+
+def charge(est, rows):
+    """`est` with the sums' time on the step and their rows (named apart from tp's activation all-reduces)."""
+    if not rows:
+        return est
+    rows = [dataclasses.replace(c, collective=f"{c.collective} (partial gradients)") for c in rows]
+    seconds = sum(c.seconds for c in rows)
+    step = est.step_seconds + seconds
+    return dataclasses.replace(est, comms=[*est.comms, *rows], step_seconds=step, tp_seconds=est.tp_seconds + seconds,
+                               mfu=est.mfu * est.step_seconds / step if step else 0.0)

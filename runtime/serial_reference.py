@@ -1,0 +1,102 @@
+"""The serial reference of `--verify` and the equivalence tests: the user's own model and loss, trained
+in one process.
+
+Start here: `train_serial`. It builds the model under the run's seed (or loads its --weights whole),
+and trains it with the plan's optimizer, weight-decay groups and lr schedule on the same global batches
+as the parallel run — each step one forward and backward over the whole global batch (one per
+micro-batch for a model that declares PER_MICRO_BATCH), with no communication. Dropout draws the
+compiled programs' masks (`serial_keys`, runtime/dropout.py); `precision bf16` computes with bf16
+copies of fp32 masters, as the parallel run does (`compute_copies`, runtime/precision.py).
+runtime/verify.py compares its losses and parameters with the parallel run's, runtime/verify_grads.py
+its first step's gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from parc.runtime import param_groups, schedule_lr
+from parc.runtime.dropout import key_scope, serial_keys
+from parc.runtime.precision import autocast, compute_dtype
+from parc.runtime.state import build_reference
+
+
+def train_serial(user, plan_json: dict, seed: int, steps: int,
+                 batch_of=None, weights=None, grad_observer=None,
+                 per_micro_batch: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
+    default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
+    parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
+    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model.
+    `grad_observer(model)`: called once, after step 0's backward and before clipping and the update (the
+    parallel run's `Trainer.grad_observer` is called at the same point; runtime/verify_grads.py).
+    `per_micro_batch`: one forward and backward per micro-batch of the plan, summed into the gradients,
+    as every model declaring PER_MICRO_BATCH is run (runtime/verify_grads.py: bf16 rounds each
+    micro-batch's gradient, so the grouping decides the rounding)."""
+    from parc.runtime.train import make_optimizer
+    from parc.runtime.weights import reference
+
+    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
+    cfg = plan_json["plan"]["optimizer"]
+    decay = param_groups.decays(param_groups.classify(model), cfg)
+    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
+    global_batch = plan_json["plan"]["batch"]["global"]
+    batch_of = batch_of or (lambda step: user.get_batch(step, global_batch))
+    losses = []
+    compute = plan_json["plan"].get("precision", "fp32")
+    # A model whose forward couples its samples (an MoE's capacity and balance loss) declares
+    # PER_MICRO_BATCH: its serial run is one forward per micro-batch, as each dp rank runs it.
+    # `per_micro_batch` asks the same of any model: its sums then group as the parallel run's do.
+    per_micro_batch = per_micro_batch or getattr(user.module, "PER_MICRO_BATCH", False)
+    micro = plan_json["plan"]["batch"]["micro"] if per_micro_batch else global_batch
+    keys = serial_keys(model, plan_json.get("dropout", {}).get("sites", []), micro,
+                       plan_json["plan"]["batch"]["micro"])
+    for step in range(steps):
+        batch = batch_of(step)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for first in range(0, global_batch, micro):
+            keys.new_forward()
+            # the forward's first global sample keys its dropouts (runtime/dropout.py keys by global sample)
+            with key_scope(seed, step, first), keys:
+                # same layout as the parallel run (runtime/precision.py): bf16 copies of the fp32 masters, autocast
+                with autocast(compute, "cpu"), compute_copies(model, compute_dtype(compute)):
+                    loss = user.loss_fn(model, *(t[first:first + micro] for t in batch)).float()
+                (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
+            total += loss.item() * micro / global_batch
+        if step == 0 and grad_observer is not None:
+            grad_observer(model)
+        if cfg["grad_clip"] is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
+        schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
+        optimizer.step()
+        losses.append(total)
+    # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
+    # have kept either name
+    return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+@contextlib.contextmanager
+def compute_copies(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Inside: `model`'s trainable parameters read as their `dtype` copies (differentiable casts of the fp32
+    masters, so gradients accumulate in the masters' fp32 `.grad`); nothing changes for dtype None.
+    Tied parameters stay tied: one copy per tensor."""
+    if dtype is None:
+        yield
+        return
+    copies = {id(p): p.to(dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    swapped = []  # (module, attribute, master)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in copies:
+                swapped.append((module, name, p))
+                del module._parameters[name]
+                setattr(module, name, copies[id(p)])  # a plain attribute while inside
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            delattr(module, name)
+            module._parameters[name] = p
