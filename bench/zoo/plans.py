@@ -2,7 +2,8 @@
 
 The optimizer is plain SGD, not AdamW: Adam divides each gradient by its own magnitude, so a parameter whose
 gradient is rounding noise (an attention key bias) moves by ±lr in both runs, differently; with SGD a final
-parameter's difference from serial is lr × the gradients' difference, and run.py compares it per tensor.
+parameter's difference from serial stays lr × the gradients' difference (run.py also compares step 0's
+gradients directly, as `--verify` does).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def table(results: list[dict]) -> str:
             elif r["status"] == "PASS":
                 cells.append("PASS")
             elif r["status"] == "WRONG":
-                cells.append(f"**WRONG** {r['worst_update'][0]} {r['worst_update'][1]:.1e}")
+                cells.append(f"**WRONG** {r['worst_grad'][0]} {r['worst_grad'][1]:.1e}")
             else:
                 word = {"REFUSED": "refused", "CRASH": "**CRASH**", "UNBUILT": "unbuilt"}[r["status"]]
                 cells.append(f"{word}: {(r.get('reason') or '')[:90].replace('|', '/')}")
