@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     names = args.families.split(",") if args.families else list(families.families())
+    if unknown := [n for n in names if n not in families.families()]:
+        ap.error(f"not zoo families: {', '.join(unknown)} (bench/zoo/families.py lists them)")
     data = load(args.out)
     done = {_key(r): r for r in data["results"]}
     todo = []
