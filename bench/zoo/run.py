@@ -1,0 +1,138 @@
+"""One zoo family under one plan: compile, train 3 steps on gloo CPU ranks, train the serial model on the same
+batches, compare, and classify.
+
+    python -m bench.zoo.run llama tp2 [--source hf|graph] [--out DIR]
+
+Start at `run(family, plan, source, out)`. Its result's `status` is one of
+- PASS: compiled, and 3 steps equal serial by parc's own `--verify` checks (runtime/verify.py `compare`,
+  runtime/verify_grads.py): losses, the model-wide parameter difference, and every tensor's first-step gradient
+  against its own scale;
+- REFUSED: a ParcError before training (`reason`: its first line, `where`: its file:line:col), or no tp rules
+  from the source (`where`: "rules");
+- WRONG: trained, and differs from serial (`error`: `Verdict.render()`, which names the worst tensor);
+- CRASH: any other exception, at compile or in a rank (`reason`: the exception's last line, `where`: the phase);
+- UNBUILT: the family's tiny model does not run one forward in eager PyTorch (families.check), so parc is not tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.zoo import families, plans, rules
+
+STEPS = 3
+
+
+def _train_body(ctx, root: str):
+    from parc.runtime.train import Trainer
+    from parc.runtime.verify_grads import FirstGrads
+
+    trainer = Trainer.load(root, 0)
+    grads = FirstGrads()
+    trainer.grad_observer = grads.of_trainer  # step 0's complete gradients, gathered whole on rank 0
+    losses = trainer.global_losses([trainer.step(s).loss for s in range(STEPS)])
+    state = trainer.gathered_state()
+    return {"losses": losses, "state": state if ctx.rank == 0 else None, "grads": grads.grads}
+
+
+def _where(e) -> str:
+    span = next((d.span for d in getattr(e, "diagnostics", []) if d.span is not None), None)
+    return str(span) if span is not None else "-"
+
+
+def _first_line(e) -> str:
+    d = getattr(e, "diagnostics", None)
+    msg = d[0].message if d else str(e)
+    return (msg.strip().splitlines() or [""])[0][:400]
+
+
+def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> dict:
+    from parc import artifact
+    from parc.compiler import compile_model
+    from parc.errors import ParcError
+    from parc.grammar.parser import parse
+    from parc.runtime.launch import spawn
+    from parc.runtime import verify_grads
+    from parc.runtime.serial_reference import train_serial
+    from parc.runtime.verify import TOLERANCES, compare
+    from parc.trace import load_user_module
+
+    spec = plans.PLANS[plan]
+    result = {"family": family, "plan": plan, "source": source if spec.tp else "-"}
+    t0 = time.monotonic()
+    out = Path(out or tempfile.mkdtemp(prefix=f"zoo_{family}_{plan}_"))
+    model = families.model_file(family, out / "model")
+    phase = "rules"
+    try:
+        block = None
+        if spec.tp:
+            r = rules.derive(family, source, model)
+            result["dropped"] = r.dropped
+            if r.block is None:
+                return {**result, "status": "REFUSED", "reason": r.why_not, "where": "rules"}
+            block = rules.block(r, spec.sequence_parallel)
+        text = plans.text(spec, block)
+        (out / "plan.par").write_text(text)
+        phase = "compile"
+        compile_model(model, parse(text, file=str(out / "plan.par")), out / "compiled", force=True)
+        phase = "train"
+        got = spawn(spec.world_size, _train_body, str(out / "compiled"), timeout=300)[0]
+        phase = "serial"
+        art = artifact.load(out / "compiled")
+        user = load_user_module(art.root / "model" / "model.py")
+        serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS)
+        first = verify_grads.FirstGrads()
+        first.grads = got["grads"]
+        worst_grad = verify_grads.check(first, user, art.plan, 0)
+    except ParcError as e:
+        # a family whose tiny model fails in eager PyTorch too is not parc's to refuse (checked only here: a
+        # forward on CPU costs seconds)
+        if phase == "compile" and (why := families.check(family)) is not None:
+            return {**result, "status": "UNBUILT", "reason": why, "where": "tiny config"}
+        return {**result, "status": "REFUSED", "reason": _first_line(e), "where": _where(e), "phase": phase,
+                "seconds": round(time.monotonic() - t0, 1)}
+    except Exception as e:  # noqa: BLE001 — a crash is a result to report, with its traceback's last line
+        tb = traceback.format_exception(e)
+        last = next((x.strip() for x in reversed("".join(tb).splitlines()) if x.strip()), repr(e))
+        return {**result, "status": "CRASH", "reason": last[:400], "where": phase,
+                "traceback": "".join(tb)[-3000:], "seconds": round(time.monotonic() - t0, 1)}
+    precision = art.plan["plan"].get("precision", "fp32")
+    verdict = compare(got["losses"], serial_losses, got["state"], serial_state, TOLERANCES[precision],
+                      worst_grad, verify_grads.GRAD_TOLERANCES[precision])
+    ok = verdict.ok and serial_losses[0] != serial_losses[-1]  # and the model trained
+    worst = verdict.worst_grad or verdict.worst_param
+    return {**result, "status": "PASS" if ok else "WRONG", "error": verdict.render().replace("\n", " "),
+            "loss_rel": verdict.loss_rel, "param_rel": verdict.param_rel,
+            "worst_grad": [worst.name, worst.rel] if worst else None, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("family")
+    ap.add_argument("plan", choices=sorted(plans.PLANS))
+    ap.add_argument("--source", choices=rules.SOURCES, default="hf")
+    ap.add_argument("--out", type=Path, help="working folder (default: a new temporary one)")
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = ap.parse_args(argv)
+    res = run(args.family, args.plan, args.source, args.out)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['family']} {res['plan']} [{res['source']}]: {res['status']}  "
+              f"{res.get('error') or res.get('reason', '')}  {res.get('where', '')}")
+        if res["status"] == "CRASH":
+            print(res["traceback"], file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
