@@ -24,7 +24,7 @@ from bench.zoo import families, run, sweep  # noqa: E402
 # head-sharded values: its gradient needs the heads' sum); olmo2: RMSNorm over the whole q/k width (a
 # reduction over the sharded dim); phi3: fused qkv sliced, fused gate_up chunked; starcoder2: LayerNorm with
 # bias, GELU MLP with biases, sliding window; gemma2: sandwich norms, logit soft-capping, tied embeddings;
-# mixtral: MoE (router, experts); deepseek_v2: MLA; eurobert: the encoder (masked LM); vit: the vision classifier (graph rules).
+# mixtral: MoE (router, experts); deepseek_v2: MLA; phimoe: a router with a custom autograd.Function; eurobert: the encoder (masked LM); vit: the vision classifier (graph rules).
 EXPECTED = {
     ("llama", "tp2", "hf"): "PASS",
     ("llama", "tp2", "graph"): "PASS",
@@ -43,7 +43,9 @@ EXPECTED = {
     ("vit", "tp2", "hf"): "declares no base_model_tp_plan",
     ("vit", "tp2", "graph"): "PASS",
     # MLA (DeepSeek-V2): its rotary half-split does not trace on meta (a known gap, issue 24)
-    ("deepseek_v2", "tp2", "hf"): "Attempting to broadcast a dimension of length",
+    ("deepseek_v2", "tp2", "hf"): "PASS",
+    ("llama", "tp2_bf16", "hf"): "PASS",  # the RMSNorm's float32 upcast under bf16 (passes/precision.py)
+    ("phimoe", "tp2", "hf"): "custom autograd.Function",  # its router's Function: refused, was silently wrong
 }
 
 

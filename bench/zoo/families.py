@@ -111,6 +111,11 @@ def tiny_config(name: str):
     if "head_dim" in have and "head_dim" not in OVERRIDES.get(name, {}):
         # MLA families (DeepSeek-V3, …) rotate head_dim = qk_rope_head_dim dims
         kw["head_dim"] = kw.get("qk_rope_head_dim", TINY["hidden_size"] // TINY["num_attention_heads"])
+    if "qk_rope_head_dim" in kw and "num_key_value_heads" in kw:
+        # MLA expands its latent keys and values to every query head: a grouped kv count below the heads
+        # is not a configuration these models run with (their meta trace fails on it, their eager CPU
+        # forward does not use it), so the tiny config keeps kv heads = heads
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", TINY["num_attention_heads"])
     while True:
         try:
             cfg = fam.config_class(**kw)
