@@ -51,6 +51,7 @@ import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
 from parc.passes import tp_grads
 from parc.passes.tp_layouts import SDPA, Layouts, Shard, _clamp, is_param, shape
+from parc.passes.tp_shard import reads_only_meta
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
@@ -136,14 +137,16 @@ class _Rewriter:
         if node in self.conv1d:  # the transposed view of a Conv1D weight: sharded with the linear it feeds
             self.lay.of[node] = None
             return
-        rule = self.rule_at(node) if any(self.is_weight(a) for a in node.all_input_nodes) else None
+        rule = self.rule_at(node) if any(self.is_weight(a) and not reads_only_meta(node, a)
+                                         for a in node.all_input_nodes) else None
         if rule is not None and rule.style != "replicate" and not _handled(node, self.is_weight):
             p = next(a for a in node.all_input_nodes if is_param(a))
             raise ParcError(f"`{rule.style}` on module `{module_path(node)}`: its parameter `{p.name}` is used by "
                             f"`{node.name}` ({getattr(t, '__name__', t)}), which parc cannot shard; parc shards "
                             "`aten.linear` weights/biases and `aten.embedding` tables",
                             rule.span, "write the layer as nn.Linear / F.linear, or mark the module `replicate`")
-        if rule is not None and self.is_weight(node.args[0 if t is aten.embedding.default else 1]):
+        at = 0 if t is aten.embedding.default else 1  # where a layer's weight sits (a guard has one argument)
+        if rule is not None and len(node.args) > at and self.is_weight(node.args[at]):
             style = rule.style
             if t is aten.embedding.default:
                 if style not in ("vocab", "replicate"):

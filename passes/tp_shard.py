@@ -19,7 +19,7 @@ class Shard:
 
 
 # ops that read the argument at this index only for its dtype or shape: no value, no gradient flows
-SHAPE_ONLY = {"type_as.default": 1, "view_as.default": 1}
+SHAPE_ONLY = {"type_as.default": 1, "view_as.default": 1, "_assert_tensor_metadata.default": 0}
 
 
 def reads_only_meta(u: fx.Node, a: fx.Node) -> bool:
