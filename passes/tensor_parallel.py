@@ -50,8 +50,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
 from parc.passes import tp_grads
-from parc.passes.tp_layouts import SDPA, Layouts, Shard, _clamp, is_param, shape
-from parc.passes.tp_shard import reads_only_meta
+from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
+from parc.passes.tp_shard import reads_only_meta, slice_bounds
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import shared_rules
 from parc.traced import module_path
@@ -415,7 +415,7 @@ def _fused_blocks(node: fx.Node) -> int | tuple[int, ...]:
         dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
         pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
     elif len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
-        runs = sorted(_slice_range(u, last) or (-1, -1) for u in users)
+        runs = sorted(_slice_range(u, last) for u in users)
         if any(lo < 0 for lo, _ in runs) or runs[0][0] != 0 or runs[-1][1] != shape(node)[last] \
                 or any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
             return 1
@@ -427,15 +427,12 @@ def _fused_blocks(node: fx.Node) -> int | tuple[int, ...]:
     return len(pieces) if len(set(pieces)) == 1 else tuple(pieces)
 
 
-def _slice_range(u: fx.Node, last: int) -> tuple[int, int] | None:
-    """[lo, hi) of a step-1 `slice` along the last dim, clamped to the size; None for any other slice."""
-    x = u.args[0]
-    n = shape(x)[last]
-    dim = (u.args[1] if len(u.args) > 1 else 0) % (last + 1)
-    lo, hi, step = (list(u.args[2:5]) + [None, None, 1][len(u.args[2:5]):])[:3]
-    if dim != last or step != 1 or not all(isinstance(v, int) or v is None for v in (lo, hi)):
-        return None
-    return _clamp(0 if lo is None else lo, n), _clamp(n if hi is None else hi, n)
+def _slice_range(u: fx.Node, last: int) -> tuple[int, int]:
+    """[lo, hi) of a step-1 `slice` along the last dim; (-1, -1) for any other slice."""
+    dim, lo, hi, step = slice_bounds(u)
+    if dim != last or step != 1 or not (isinstance(lo, int) and isinstance(hi, int)):
+        return -1, -1
+    return lo, hi
 
 
 def _local_shapes(gm: fx.GraphModule, ctx) -> None:

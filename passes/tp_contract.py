@@ -31,21 +31,23 @@ aten = torch.ops.aten
 parc_ops = torch.ops.parc
 
 
+def _insert(lay, node: fx.Node, op, args, val, layout, after: bool = False) -> fx.Node:
+    """A new node computing `op(*args)` just before (or after) `node`, in its module, with traced value
+    `val` and the given layout; recorded in `lay.made`, so a refused attempt can be undone."""
+    with (lay.gm.graph.inserting_after(node) if after else lay.gm.graph.inserting_before(node)):
+        n = lay.gm.graph.call_function(op, args)
+    n.meta["val"], n.meta["nn_module_stack"] = val, node.meta.get("nn_module_stack")
+    lay.made.append(n)
+    lay.of[n] = layout
+    return n
+
+
 def _sum_over_tp(lay, node: fx.Node, scale: float | None = None):
     """Insert g after `node` (and a division by tp for a mean): the node's users get the full value."""
-    users = list(node.users)
-    with lay.gm.graph.inserting_after(node):
-        red = lay.gm.graph.call_function(parc_ops.allreduce_identity.default, (node, "tp"))
-    red.meta["val"], red.meta["nn_module_stack"] = node.meta["val"], node.meta.get("nn_module_stack")
-    lay.made.append(red)
-    lay.of[red] = None
-    out = red
+    users, val = list(node.users), node.meta["val"]
+    out = _insert(lay, node, parc_ops.allreduce_identity.default, (node, "tp"), val, None, after=True)
     if scale is not None:
-        with lay.gm.graph.inserting_after(red):
-            out = lay.gm.graph.call_function(aten.div.Tensor, (red, scale))
-        out.meta["val"], out.meta["nn_module_stack"] = node.meta["val"], node.meta.get("nn_module_stack")
-        lay.made.append(out)
-        lay.of[out] = None
+        out = _insert(lay, out, aten.div.Tensor, (out, scale), val, None, after=True)
     for u in users:
         u.replace_input_with(node, out)
     return "partial"
@@ -91,27 +93,21 @@ def variance(lay, node: fx.Node):
     for d in dims:
         count *= full[d]
     kept = [1 if d in dims else n for d, n in enumerate(full)]
-    dtype = node.meta["val"].dtype
+    result = node.meta["val"]
 
     def make(op, args, layout, size):
-        with lay.gm.graph.inserting_before(node):
-            n = lay.gm.graph.call_function(op, args)
-        n.meta["val"] = torch.empty(size, dtype=dtype, device="meta")
-        n.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
-        lay.made.append(n)
-        lay.of[n] = layout
-        return n
+        return _insert(lay, node, op, args, torch.empty(size, dtype=result.dtype, device="meta"), layout)
 
     local_sum = make(aten.sum.dim_IntList, (x, dims, True), "partial", kept)
-    mean = make(aten.div.Tensor, (make(parc_ops.allreduce_identity.default, (local_sum, "tp"), None, kept), count),
-                None, kept)
+    total = make(parc_ops.allreduce_identity.default, (local_sum, "tp"), None, kept)
+    mean = make(aten.div.Tensor, (total, count), None, kept)
     dev = make(aten.sub.Tensor, (x, mean), s, full)
     sq = make(aten.sum.dim_IntList, (make(aten.mul.Tensor, (dev, dev), s, full), dims, keep), "partial",
-              list(node.meta["val"].shape))
-    out = make(aten.div.Tensor, (make(parc_ops.allreduce_identity.default, (sq, "tp"), None, list(node.meta["val"].shape)),
-                                 max(count - correction, 0)), None, list(node.meta["val"].shape))
+              result.shape)
+    out = make(aten.div.Tensor, (make(parc_ops.allreduce_identity.default, (sq, "tp"), None, result.shape),
+                                 max(count - correction, 0)), None, result.shape)
     if node.target in (aten.std.dim, aten.std.correction):
-        out = make(aten.sqrt.default, (out,), None, list(node.meta["val"].shape))
+        out = make(aten.sqrt.default, (out,), None, result.shape)
     node.replace_all_uses_with(out)
     return None
 

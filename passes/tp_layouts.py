@@ -18,7 +18,8 @@ import torch.fx as fx
 
 from parc.errors import ParcError
 from parc.passes import tp_contract
-from parc.passes.tp_shard import Shard, is_param, shape  # noqa: F401 (is_param: tensor_parallel imports it here)
+from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
+from parc.runtime.state import block_sizes
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -283,14 +284,11 @@ class Layouts:
         """Along another dim the shard stays. Along the sharded dim, only one whole block of a fused output
         (Phi-3's q, k, v sliced from `qkv_proj`): this rank's chunk of it, a plain shard."""
         s = self.get(node.args[0])
-        dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+        dim, lo, hi, step = slice_bounds(node)
         if dim != s.dim:
             return s
-        n = shape(node.args[0])[dim]
-        lo, hi, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])[:3]
-        lo, hi = _clamp(0 if lo is None else lo, n), _clamp(n if hi is None else hi, n)
         bounds, at = [], 0
-        for size in _block_sizes(n, s.blocks):
+        for size in block_sizes(shape(node.args[0])[dim], s.blocks):
             bounds.append((at, at + size))
             at += size
         if s.blocks == 1 or step != 1 or (lo, hi) not in bounds:
@@ -329,9 +327,9 @@ class Layouts:
         pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
         if dim != s.dim:
             return [s] * len(pieces)
-        if s.blocks == 1 or pieces != _block_sizes(full[dim], s.blocks):
+        if s.blocks == 1 or pieces != block_sizes(full[dim], s.blocks):
             self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the blocks "
-                      f"{_block_sizes(full[dim], s.blocks) if s.blocks != 1 else [full[dim]]} the weight was sharded by", s)
+                      f"{block_sizes(full[dim], s.blocks)} the weight was sharded by", s)
         arg = node.args[1]
         local = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
         if node.target is aten.chunk.default:
@@ -391,16 +389,6 @@ class Layouts:
         if self.get(node.args[0]) is not None:
             self.fail(node, "a sharded embedding table without a `vocab` rule", s)
         return s
-
-
-def _clamp(i: int, n: int) -> int:
-    """A slice bound as Python reads it: negative from the end, then clamped to [0, n]."""
-    return max(0, min(i + n if i < 0 else i, n))
-
-
-def _block_sizes(n: int, blocks) -> list[int]:
-    """A sharded dim's blocks: k equal ones (an int) or their widths (a tuple: a fused q, k, v under GQA)."""
-    return [n // blocks] * blocks if isinstance(blocks, int) else list(blocks)
 
 
 def _raise(e: ParcError) -> None:

@@ -1,11 +1,14 @@
-"""The layout of a tensor-parallel value, and two small facts about graph nodes (passes/tp_layouts.py
+"""The layout of a tensor-parallel value, and small facts about graph nodes (passes/tp_layouts.py
 and passes/tp_contract.py use them; passes/tensor_parallel.py starts the walk)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -19,14 +22,27 @@ class Shard:
 
 
 # ops that read the argument at this index only for its dtype or shape: no value, no gradient flows
-SHAPE_ONLY = {"type_as.default": 1, "view_as.default": 1, "_assert_tensor_metadata.default": 0}
+SHAPE_ONLY = {aten.type_as.default: 1, aten.view_as.default: 1, aten._assert_tensor_metadata.default: 0}
 
 
 def reads_only_meta(u: fx.Node, a: fx.Node) -> bool:
     """Does op `u` read `a` only for its dtype or shape (`x.type_as(a)`), not for its values?"""
-    name = getattr(u.target, "_overloadname", None)
-    i = SHAPE_ONLY.get(f"{getattr(u.target, '_opname', '')}.{name}") if name is not None else None
+    i = SHAPE_ONLY.get(u.target)
     return i is not None and len(u.args) > i and u.args[i] is a and a not in u.args[:i]
+
+
+def slice_bounds(u: fx.Node) -> tuple[int, int, int, object]:
+    """(dim, lo, hi, step) of an `aten.slice` node, the bounds as Python reads them (negative from the
+    end, clamped to the dim's size); lo or hi stay as given when they are not ints (a symbolic size)."""
+    x = u.args[0]
+    dim = (u.args[1] if len(u.args) > 1 else 0) % len(shape(x))
+    n = shape(x)[dim]
+    lo, hi, step = (list(u.args[2:5]) + [None, None, 1][len(u.args[2:5]):])[:3]
+
+    def clamp(i):
+        return max(0, min(i + n if i < 0 else i, n)) if isinstance(i, int) else i
+
+    return dim, clamp(0 if lo is None else lo), clamp(n if hi is None else hi), step
 
 
 def shape(n) -> tuple[int, ...]:

@@ -64,8 +64,8 @@ def shared_rules(params: list[fx.Node], rule_for, views: dict) -> dict[fx.Node, 
         sharding = [(u, r) for u, r in ruled if r is not None and r.style != "replicate"]
         if not sharding:
             continue  # replicated everywhere: every use reads the whole tensor
-        if len({role(u, p, views) for u in us}) == 1 and role(us[0], p, views) in ("weight", "bias") \
-                and len({(r.style if r else None) for _, r in ruled}) == 1:
+        roles = {role(u, p, views) for u in us}
+        if roles in ({"weight"}, {"bias"}) and len({(r.style if r else None) for _, r in ruled}) == 1:
             continue  # one linear applied again (a recurrent block, a looped layer): each call shards alike
         bad = next(((u, r) for u, r in sharding if r.style != "vocab"), None)
         if bad is None:

@@ -14,21 +14,12 @@ from __future__ import annotations
 import pytest
 
 from helpers import ROOT, compile_text, llama_tp_rules, train_parallel
-from parc import artifact
 from parc.runtime.verify import train_serial
 from parc.trace import load_user_module
+from test_tp_grads import PARTIAL_RULES as OPS_RULES  # tp_ops.py names its layers alike
 from test_tp_grads import TOL, _per_tensor, _plan
 
 MODELS = ROOT / "tests" / "models"
-OPS_RULES = """tensor_parallel {
-    "layers.*.q" : column
-    "layers.*.k" : column
-    "layers.*.v" : column
-    "layers.*.o" : row
-    "layers.*.up" : column
-    "layers.*.down" : row
-}
-"""
 ATTN_RULES = """tensor_parallel {
     "model.layers.*.self_attn.q_proj" : column
     "model.layers.*.self_attn.k_proj" : column

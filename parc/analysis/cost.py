@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 from parc.errors import ParcError
@@ -334,6 +334,15 @@ def _span(group: list[int], per_node: int) -> tuple[int, int]:
     for r in group:
         count[r // per_node] = count.get(r // per_node, 0) + 1
     return len(count), max(count.values(), default=0)
+
+
+def on_step(est: "Estimate", comms: list[Comm], part: str) -> "Estimate":
+    """`est` with `comms` charged to the step, not overlapped: their rows added, their seconds added to the
+    step and to `part` (the Estimate field counting that communication), the MFU that of the longer step."""
+    seconds = sum(c.seconds for c in comms)
+    step = est.step_seconds + seconds
+    return replace(est, comms=[*est.comms, *comms], step_seconds=step, **{part: getattr(est, part) + seconds},
+                   mfu=est.mfu * est.step_seconds / step if step else 0.0)
 
 
 def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1, gap=0.0) -> Comm:

@@ -16,7 +16,6 @@ parc/analysis/support.py requires with ep); `section` returns None otherwise.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from parc.mesh import expert_groups
@@ -85,13 +84,11 @@ def from_artifact(pj: dict) -> dict:
 
 def charge(est, row: dict):
     """`est` with the all-to-all's time on the step (not overlapped: the experts wait on it) and its row."""
-    from parc.analysis.cost import Comm
+    from parc.analysis.cost import Comm, on_step
 
-    step = est.step_seconds + row["seconds"]
     comm = Comm(row["axis"], row["collective"], row["group"], row["bytes_per_rank"], row["intra_bytes"],
                 row["inter_bytes"], row["seconds"])
-    return dataclasses.replace(est, comms=[*est.comms, comm], step_seconds=step, ep_seconds=row["seconds"],
-                               mfu=est.mfu * est.step_seconds / step if step else 0.0)
+    return on_step(est, [comm], "ep_seconds")
 
 
 def line(experts: dict) -> str:

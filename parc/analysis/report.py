@@ -34,7 +34,7 @@ def _size(b: float) -> str:
 
 
 def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
-    """(plan, stats, notes, artifact params per pp rank or None, plan.json or None)."""
+    """(plan, stats, notes, plan.json or None for the analytic report)."""
     from parc.grammar.parser import load_plan, parse
 
     notes = []
@@ -54,13 +54,13 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
             stats = _trace_stats(compiled / "model" / "model.py", plan)
         if plan.mesh.ep > 1:
             stats = dict(stats, experts=experts.from_artifact(pj))
-        return plan, stats, notes, _artifact_params(pj), pj
+        return plan, stats, notes, pj
     if model is None or plan_path is None:
         raise ParcError("parc report needs a compiled/ directory, or both --model and --plan",
                         hint="parc report compiled/   or   parc report --model model.py --plan plan.par")
     plan = load_plan(plan_path)
     notes.append("analytic: traced the model under the plan; no compile pass ran")
-    return plan, _trace_stats(model, plan), notes, None, None
+    return plan, _trace_stats(model, plan), notes, None
 
 
 def _trace_stats(model: Path, plan) -> dict:
@@ -99,7 +99,8 @@ def _artifact_params(pj: dict) -> list[int]:
 
 def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path | None = None,
           preset: str | None = None, allreduce: str | None = None) -> dict:
-    plan_obj, stats, notes, art_params, pj = _inputs(compiled, model, plan)
+    plan_obj, stats, notes, pj = _inputs(compiled, model, plan)
+    art_params = _artifact_params(pj) if pj is not None else None
     topo = plan_obj.topology
     name = preset or topo.preset
     if name is None:

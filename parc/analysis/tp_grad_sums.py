@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 from parc import mesh as meshlib
+from parc.analysis.cost import _collective, on_step
 
 
 def section(pj: dict, plan, hw, allreduce: str):
     """(rows, elements per step, elements per micro-batch) of the busiest pp rank; rows empty if none."""
-    from parc.analysis.cost import _collective
-
     pp, tp = pj["mesh"]["pp"], plan.mesh.tp
     if tp == 1:
         return [], 0, 0
@@ -58,10 +57,5 @@ def section(pj: dict, plan, hw, allreduce: str):
 
 def charge(est, rows):
     """`est` with the sums' time on the step and their rows (named apart from tp's activation all-reduces)."""
-    if not rows:
-        return est
-    rows = [dataclasses.replace(c, collective=f"{c.collective} (partial gradients)") for c in rows]
-    seconds = sum(c.seconds for c in rows)
-    step = est.step_seconds + seconds
-    return dataclasses.replace(est, comms=[*est.comms, *rows], step_seconds=step, tp_seconds=est.tp_seconds + seconds,
-                               mfu=est.mfu * est.step_seconds / step if step else 0.0)
+    return on_step(est, [dataclasses.replace(c, collective=f"{c.collective} (partial gradients)") for c in rows],
+                   "tp_seconds")

@@ -7,11 +7,16 @@ backward registered with `register_autograd`, on every rank as in the serial mod
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-FEATURES, WIDTH, CLASSES = 8, 16, 4
+import parc
+
+sys.path.insert(0, str(Path(parc.__file__).resolve().parents[1] / "tests" / "models"))
+from ste_tiny import CLASSES, FEATURES, WIDTH, get_batch, loss_fn  # noqa: E402,F401  (the same data and loss)
 
 
 @torch.library.custom_op("parc_tests::round_ste", mutates_args=())
@@ -43,12 +48,3 @@ class QuantMLP(nn.Module):
 
 def build_model() -> nn.Module:
     return QuantMLP()
-
-
-def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(batch_size, FEATURES, generator=g), torch.randint(0, CLASSES, (batch_size,), generator=g)
-
-
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x), y)
