@@ -23,7 +23,7 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from parc.runtime.train import Trainer, make_optimizer
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
 
     trainer = Trainer.load(compiled, 0)
     user = trainer.user

@@ -65,7 +65,7 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     import torch
     import torch.distributed as dist
 
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
 
     trainer = Trainer.load(compiled, 0)

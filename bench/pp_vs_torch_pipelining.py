@@ -68,9 +68,9 @@ def _body(ctx, compiled: dict, rounds: int, steps: int):
     from parc import artifact
     from parc.passes.schedule import Schedule
     from parc.passes.simulate import simulate
-    from parc.runtime import pipeline
+    from parc.runtime.parallel import pipeline
     from parc.runtime.context import ParallelContext
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
     from parc.trace import load_user_module
 

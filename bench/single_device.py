@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     import torch
 
     from parc.runtime.context import init_distributed
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
 
     init_distributed()

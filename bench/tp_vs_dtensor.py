@@ -58,7 +58,7 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
 
     trainer = Trainer.load(compiled, 0)

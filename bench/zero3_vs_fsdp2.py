@@ -25,7 +25,7 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
 
     trainer = Trainer.load(compiled, 0)

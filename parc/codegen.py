@@ -39,13 +39,13 @@ def program_source(gm: fx.GraphModule, *, stage: int, tp_rank: int, tp: int, mod
     # From the graph, not gm.code: a recompile of a GPT-3-sized graph costs ~0.3 s per program.
     python = gm.graph.python_code(root_module="self")
     body = "\n\n\n".join([*_regions(python.globals), _flat(python.src)])
-    imports = "import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*\n" if "torch.ops.parc." in body else ""
+    imports = "import parc.runtime.parallel.ops  # noqa: F401 — registers torch.ops.parc.*\n" if "torch.ops.parc." in body else ""
     if "torch.ops.parc.alltoall_alltoall" in body:
-        imports += "import parc.runtime.expert_parallel  # noqa: F401 — registers the ep all-to-all (passes/expert_parallel.py)\n"
+        imports += "import parc.runtime.parallel.expert_parallel  # noqa: F401 — registers the ep all-to-all (passes/expert_parallel.py)\n"
     if "torch.utils.checkpoint." in body:
         imports += "import torch.utils.checkpoint  # recomputed regions (passes/recompute.py)\n"
-    if "context_fn=parc.runtime.checkpoint_policy." in body:
-        imports += "import parc.runtime.checkpoint_policy  # selective recompute under `compile`\n"
+    if "context_fn=parc.runtime.recompute_policy." in body:
+        imports += "import parc.runtime.recompute_policy  # selective recompute under `compile`\n"
     header = HEADER.format(imports=imports, stage=stage, tp_rank=tp_rank, tp=tp, model=model, plan=plan,
                            state="\n".join("    " + s for s in state_lines) or "    (none)",
                            inputs=", ".join(inputs),

@@ -204,7 +204,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             if n_stages > 1:
                 programs[name].update(recv=split["recv"], send=split["send"], last=split["last"])
             programs[name].update(expert_parallel.program_fields(gm, state, ctx, grad_buckets.assign))
-            for e in programs[name]["state"]:  # which expert each slot is on each ep rank (runtime/expert_parallel.py)
+            for e in programs[name]["state"]:  # which expert each slot is on each ep rank (runtime/parallel/expert_parallel.py)
                 if e["name"] in ctx.notes.get("expert_parallel", {}):
                     e["ep_fqns"] = ctx.notes["expert_parallel"][e["name"]]
 

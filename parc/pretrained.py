@@ -7,7 +7,7 @@ returns the model with the checkpoint directories any `from_pretrained` call nam
 `pretrained_as_config()` is the part the tracer (parc/trace.py) also uses: inside it,
 `transformers.PreTrainedModel.from_pretrained(path, ...)` builds the model from
 `path`'s config.json (`_from_config`) and reads no weights, so it works on meta. The
-runtime then reads each rank's own slices from `path` (runtime/weights.py).
+runtime then reads each rank's own slices from `path` (runtime/checkpoint/weights.py).
 
 Assumes: a parameter is created by assigning an `nn.Parameter` to a module (which calls
 `register_parameter`), as torch's and transformers' modules do. Guarantees: the skeleton's
@@ -60,12 +60,12 @@ def params_on_meta(order: list | None = None, on_create=None):
     """Within: every parameter a module registers moves to meta at once (its CPU value, at most one
     parameter at a time, is dropped); buffers stay where they were made. `accelerate`'s
     `init_empty_weights(include_buffers=False)` does the same. Each meta parameter made is appended to
-    `order`, and `on_create(cpu_value, meta)` sees it (runtime/init_shards.py)."""
+    `order`, and `on_create(cpu_value, meta)` sees it (runtime/checkpoint/init_shards.py)."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):
         register(module, name, param)
-        # TensorBase's own is_meta: during a replay (runtime/init_shards.py) torch.Tensor's says False
+        # TensorBase's own is_meta: during a replay (runtime/checkpoint/init_shards.py) torch.Tensor's says False
         if param is not None and not torch._C.TensorBase.is_meta.__get__(param):
             kind = type(param)
             meta = module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)

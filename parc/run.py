@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify and (why := verifier.dropout_refusal(art.plan)):  # before training, not after it
         raise LaunchError(why)
     _check_eval_args(args, art.plan)
-    from parc.runtime import checkpoint_dir
+    from parc.runtime.checkpoint import files as checkpoint_dir
 
     # files only, before any process group, at start rather than at the first save; rank 0 alone stats the
     # shard files (a rank that refuses here exits, and torchrun stops the others)
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         metrics.close()
     losses = trainer.global_losses(local)
     if args.trace and trainer.pipeline is not None:
-        from parc.runtime import pipeline
+        from parc.runtime.parallel import pipeline
 
         events = trainer.pipeline.gather_trace()
         if lead:

@@ -18,7 +18,7 @@ and rewrites it so that ep rank r computes only its experts r·L … r·L+L-1 (L
 
 Experts L … E-1 and their parameters leave the program. Slot j keeps expert j's parameter
 placeholders; `ctx.notes["expert_parallel"]` maps each to the FQNs it stands for on ep ranks
-0 … ep-1 (experts r·L + j), which the runtime loads (runtime/expert_parallel.py).
+0 … ep-1 (experts r·L + j), which the runtime loads (runtime/parallel/expert_parallel.py).
 
 Exactness. The router, the capacity rule and the combine stay on the rank, as in the serial
 model run on that rank's micro-batch: the same tokens compete for the same slots, so the same
@@ -43,8 +43,8 @@ from fnmatch import fnmatchcase
 import torch
 import torch.fx as fx
 
-import parc.runtime.expert_parallel  # noqa: F401 — registers torch.ops.parc.alltoall_alltoall
-import parc.runtime.ops  # noqa: F401 — registers tp's torch.ops.parc ops, which an expert may hold
+import parc.runtime.parallel.expert_parallel  # noqa: F401 — registers torch.ops.parc.alltoall_alltoall
+import parc.runtime.parallel.ops  # noqa: F401 — registers tp's torch.ops.parc ops, which an expert may hold
 from parc.errors import ParcError
 from parc.traced import module_path
 

@@ -16,13 +16,13 @@ What runs inside a region is unchanged, collectives included, so a
 tensor-parallel block re-runs its forward all-reduces in backward, as
 Megatron's full recompute does. Dropout draws the same masks the second time:
 checkpoint restores the default generators' state, and parc's tensor-parallel
-dropout streams are a function of that state (runtime/ops.py).
+dropout streams are a function of that state (runtime/parallel/ops.py).
 
 Under `compile inductor | aot_eager` a region that holds a forward collective is
 recomputed selectively instead: its checkpoint call passes
-`context_fn=parc.runtime.checkpoint_policy.save_collectives`, which keeps the
+`context_fn=parc.runtime.recompute_policy.save_collectives`, which keeps the
 collectives' outputs and recomputes the rest, because torch's inductor cannot
-compile an ordered op recomputed in backward (runtime/checkpoint_policy.py says
+compile an ordered op recomputed in backward (runtime/recompute_policy.py says
 why). `compile none` keeps full recompute.
 
 Assumes: runs last, on one program's graph (after tensor_parallel,
@@ -46,7 +46,7 @@ from parc.traced import module_path
 
 NAME = "recompute"
 REGIONS = "parc_recompute"  # gm.meta key: {function name: (instance, body fx.Graph)}
-POLICY = "parc.runtime.checkpoint_policy.save_collectives"  # the context_fn of a selective region
+POLICY = "parc.runtime.recompute_policy.save_collectives"  # the context_fn of a selective region
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
@@ -71,11 +71,11 @@ def region_function(inst: str, body: fx.Graph, selective: bool = False):
     """The callable a region's call node targets: checkpoint(body). FX prints it as `recompute_<inst>`.
     The runtime runs the generated program's text; in-process, the body's module is built on first call
     (building one per region eagerly costs a recompile each, seconds for a GPT-3-sized plan).
-    `selective`: keep the outputs of the region's collectives (runtime/checkpoint_policy.py)."""
+    `selective`: keep the outputs of the region's collectives (runtime/recompute_policy.py)."""
     module = []
     extra = {}
     if selective:
-        from parc.runtime.checkpoint_policy import save_collectives
+        from parc.runtime.recompute_policy import save_collectives
         extra["context_fn"] = save_collectives
 
     def fn(*args):
@@ -89,8 +89,8 @@ def region_function(inst: str, body: fx.Graph, selective: bool = False):
 
 
 def _communicates(n: fx.Node) -> bool:
-    """Does node `n` call one of parc's collectives (an ordered effect, runtime/ops.py)?"""
-    from parc.runtime.checkpoint_policy import communicates
+    """Does node `n` call one of parc's collectives (an ordered effect, runtime/parallel/ops.py)?"""
+    from parc.runtime.recompute_policy import communicates
     return n.op == "call_function" and communicates(n.target)
 
 

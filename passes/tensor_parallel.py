@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-import parc.runtime.ops  # noqa: F401 — registers torch.ops.parc.*
+import parc.runtime.parallel.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
 from parc.passes import tp_grads
 from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape

@@ -11,7 +11,7 @@ inserts the reductions that make it so. The rule it rests on is DTensor's and Me
 
 Every other edge keeps gradients complete: an op with replicated inputs and a replicated output
 runs the same full computation on every rank; an op with sharded inputs gives each input the
-gradient of its own slice; parc's collectives (runtime/ops.py) are written with their backward
+gradient of its own slice; parc's collectives (runtime/parallel/ops.py) are written with their backward
 (Megatron's f all-reduces, an all-gather's backward reduce-scatters, …). So the Partial edges are
 exactly the (replicated value → op with sharded output) edges that are not a parc collective,
 and completing each one makes every gradient complete, by induction over the backward.
@@ -20,7 +20,7 @@ Each Partial edge is completed in one of two ways:
 
 - a **parameter** all of whose uses are Partial edges (a q/k norm's weight on head-sharded
   values; a LayerNorm weight on a sequence slice) is listed in `ctx.notes["tp_partial_grads"]`: the
-  runtime sums its accumulated gradient over tp once per step (runtime/tensor_parallel.py);
+  runtime sums its accumulated gradient over tp once per step (runtime/parallel/tensor_parallel.py);
 - any other value (an activation; a parameter used both on sharded and on replicated values) gets
   Megatron's f (`parc.identity_allreduce`: identity forward, all-reduce of the gradient backward)
   between it and the op, so that edge's share is summed before it meets the complete shares.
@@ -120,7 +120,7 @@ def complete(gm: fx.GraphModule, lay, shards: dict, ctx, count=lambda: None) -> 
         if a.target in SUMMING:
             return False  # already summed over tp by its own backward (checked above)
         if u.op != "call_function" or getattr(u.target, "namespace", None) == "parc":
-            return False  # parc's collectives carry their own backward (runtime/ops.py)
+            return False  # parc's collectives carry their own backward (runtime/parallel/ops.py)
         if reads_only_meta(u, a):
             return False  # only its dtype or shape is read: no gradient
         return sharded(lay.get(u))

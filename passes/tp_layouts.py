@@ -19,7 +19,7 @@ import torch.fx as fx
 from parc.errors import ParcError
 from parc.passes import tp_contract
 from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
-from parc.runtime.state import block_sizes
+from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
 
 aten = torch.ops.aten

@@ -6,7 +6,7 @@ parallel, pipeline split), so the graph's parameter placeholders and
 0–3 and `plan.mesh.dp` is the size of the dp group the table is cut for.
 
 Guarantees: with stage ≥ 1, `ctx.notes["zero"]` holds the partition table the
-runtime (`parc.runtime.zero`) executes, which the compiler writes into the
+runtime (`parc.runtime.parallel.zero`) executes, which the compiler writes into the
 program's plan.json entry. A bucket is one *unit* — a layer (`blocks.3`) or a
 top-level module (`wte`, `ln_f`) — so ZeRO-3 gathers a whole layer at once.
 Buckets are in the order their gradients become ready in backward (the order
@@ -17,7 +17,7 @@ ranges of a multiple of `ALIGN` elements each: dp rank r owns
 into one flat tensor need; ranges may cut through a parameter (as FSDP's flat
 parameter does). With expert parallelism the expert slots are left out of that
 table and cut into their own, `ctx.notes["zero_experts"]`, over the edp group
-(dp / ep ranks: those holding the same experts; runtime/expert_parallel.py
+(dp / ep ranks: those holding the same experts; runtime/parallel/expert_parallel.py
 `ExpertZero`). The graph is returned unchanged.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from parc.passes import PassCtx, grad_buckets
-from parc.runtime import zero as zero_runtime  # registers torch.ops.parc.zero_unshard
+from parc.runtime.parallel import zero as zero_runtime  # registers torch.ops.parc.zero_unshard
 
 ALIGN = 16  # elements per rank range: 64 bytes in fp32, a cache line; keeps every shard vector-aligned
 
@@ -87,7 +87,7 @@ def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, d
 def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     if plan.zero.stage == 0:
         return gm
-    experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/expert_parallel.py)
+    experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/parallel/expert_parallel.py)
     dense = [s for s in ctx.traced.state if s.name not in experts]
     ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp)
     if experts:

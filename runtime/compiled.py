@@ -1,7 +1,7 @@
 """The plan's `compile`: each generated program run through torch.compile (see docs/compile.md).
 
 Start at `program`, which the runtime applies where it loads a program (runtime/train.py,
-runtime/pipeline.py), then `warm_up`, which the Trainer calls once at start-up.
+runtime/parallel/pipeline.py), then `warm_up`, which the Trainer calls once at start-up.
 
 - `none` (the default): the program runs as written, op by op (eager), each `torch.ops` callee bound
   once when it is loaded (runtime/eager.py: `load_program(..., eager=True)`).
@@ -14,12 +14,12 @@ runtime/pipeline.py), then `warm_up`, which the Trainer calls once at start-up.
 
 What lets a program with parc's ops compile whole: every `torch.ops.parc.*` op is a
 `torch.library.custom_op` with a fake (shape) implementation, and every backward formula
-that communicates calls an opaque op (runtime/ops.py `bwd_*`, runtime/zero.py
+that communicates calls an opaque op (runtime/parallel/ops.py `bwd_*`, runtime/parallel/zero.py
 `zero_reduce_grad`), never torch.distributed directly; ops that communicate are registered
 ORDERED effects, so the compiled graph keeps the program's order of collectives on every
 rank. Keyed dropout reads its key when the op runs (runtime/dropout.py), never at trace time.
 A recomputed region that holds a collective keeps the collective's output instead of running it
-again in backward (runtime/checkpoint_policy.py): inductor cannot compile an ordered op recomputed.
+again in backward (runtime/recompute_policy.py): inductor cannot compile an ordered op recomputed.
 
 Compile time is paid once, before step 0: `warm_up` runs one forward and backward of every
 program on this rank and returns the seconds it took (parc.run prints them). It leaves no
@@ -49,7 +49,7 @@ def program(forward, mode: str):
         return forward
     if mode not in MODES:
         raise ValueError(f"compile {mode!r}: not one of {', '.join(MODES)}")  # validate.py refuses it first
-    from parc.runtime import ops
+    from parc.runtime.parallel import ops
 
     if not ops.ORDERED_EFFECTS:
         raise ParcError(f"compile {mode}: torch {torch.__version__} cannot mark parc's collectives as ordered "

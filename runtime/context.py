@@ -38,7 +38,7 @@ class ParallelContext:
         rank = dist.get_rank()
         me = plan_json["ranks"][rank]
         groups, group_ranks = {}, {}
-        # ep and edp (expert parallelism, runtime/expert_parallel.py) only in plans with mesh ep > 1
+        # ep and edp (expert parallelism, runtime/parallel/expert_parallel.py) only in plans with mesh ep > 1
         for axis in ("dp", "pp", "tp", *(a for a in ("ep", "edp") if a in plan_json["groups"])):
             for ranks in plan_json["groups"][axis]:
                 # every rank creates every group, in the same order: new_group is collective

@@ -30,7 +30,7 @@ The ops:
   q, k, v are saved, as a fused kernel would).
 
 `key_scope(seed, step, sample0)` is a per-process setting, like the group
-binding in runtime/ops.py: a program's text cannot carry it. The runtime sets
+binding in runtime/parallel/ops.py: a program's text cannot carry it. The runtime sets
 it around each micro-batch's forward AND backward, so a recomputed region
 (which re-runs forward inside backward) sees its own micro-batch's key.
 `serial_keys(model, sites, batch, micro)` keys the user's eager model the same way,

@@ -10,7 +10,7 @@ costs at each call, on top of the kernel:
   frame whose whole body is `self._op(*args, **kwargs)`; `bind` calls `_op`, the C++ entry, under
   a module name bound once at load (about 0.35 µs an op, some 300 ops a micro-batch's forward
   of examples/moe.py);
-- a parc op with a backward (runtime/ops.py, expert_parallel.py, dropout.py): torch.library's
+- a parc op with a backward (runtime/parallel/ops.py, expert_parallel.py, dropout.py): torch.library's
   custom-op machinery, a dispatcher round trip and two Python autograd wrappers in each
   direction (about 50 µs a forward and backward more than an autograd.Function, on one CPU
   core; 5% of a micro-batch of examples/moe.py, whose experts call four all-to-alls, and

@@ -23,7 +23,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from parc.runtime.pipeline import rank_programs
+from parc.runtime.parallel.pipeline import rank_programs
 
 
 def refusal(plan_json: dict) -> str | None:

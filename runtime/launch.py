@@ -42,7 +42,7 @@ def oversubscribe_env(env: dict[str, str], gpus: int) -> dict[str, str]:
     own NCCL_HOSTID, so NCCL sees N one-GPU hosts and connects them with its socket transport
     over loopback (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1; the user's values win); LOCAL_RANK
     becomes the GPU this rank uses (local rank mod gpus, so ranks fill the GPUs round-robin) and
-    LOCAL_WORLD_SIZE 1, so each rank builds its own copy of the model (runtime/state.py). NCCL
+    LOCAL_WORLD_SIZE 1, so each rank builds its own copy of the model (runtime/checkpoint/state.py). NCCL
     reads these when the process group starts: call this before `init_process_group`.
     Slow (every message crosses a socket), but the collectives and kernels are the real ones.
     """

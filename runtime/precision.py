@@ -25,7 +25,7 @@
   * Pipeline: floating values crossing a stage cut travel and wait in bf16
     (`boundary_specs`, `wrap`); the loss stays fp32.
   * ZeRO-3 keeps no whole weight to copy: its gather casts the rank's fp32
-    range to bf16 and gathers bf16 (runtime/zero.py), so no `StepCasts` there.
+    range to bf16 and gathers bf16 (runtime/parallel/zero.py), so no `StepCasts` there.
 - fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
   scaling, which parc does not implement; silently training in fp32 would lie.
 

@@ -20,7 +20,7 @@ import torch
 from parc.runtime import param_groups, schedule_lr
 from parc.runtime.dropout import key_scope, serial_keys
 from parc.runtime.precision import autocast, compute_dtype
-from parc.runtime.state import build_reference
+from parc.runtime.checkpoint.state import build_reference
 
 
 def train_serial(user, plan_json: dict, seed: int, steps: int,
@@ -29,14 +29,14 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
     """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
     default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
     parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
-    `weights`: the run's --weights (runtime/weights.py), loaded whole into the serial model.
+    `weights`: the run's --weights (runtime/checkpoint/weights.py), loaded whole into the serial model.
     `grad_observer(model)`: called once, after step 0's backward and before clipping and the update (the
     parallel run's `Trainer.grad_observer` is called at the same point; runtime/verify_grads.py).
     `per_micro_batch`: one forward and backward per micro-batch of the plan, summed into the gradients,
     as every model declaring PER_MICRO_BATCH is run (runtime/verify_grads.py: bf16 rounds each
     micro-batch's gradient, so the grouping decides the rounding)."""
     from parc.runtime.train import make_optimizer
-    from parc.runtime.weights import reference
+    from parc.runtime.checkpoint.weights import reference
 
     model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
     cfg = plan_json["plan"]["optimizer"]

@@ -1,8 +1,8 @@
 """The training loop a rank runs under `torchrun -m parc.run`.
 
 Start here for the runtime. `Trainer` loads this rank's program from the
-artifact, gets its own shards of the starting weights (docs/weights.md: runtime/weights.py,
-runtime/init_shards.py, else the model built once per host under the seed, runtime/state.py),
+artifact, gets its own shards of the starting weights (docs/weights.md: runtime/checkpoint/weights.py,
+runtime/checkpoint/init_shards.py, else the model built once per host under the seed, runtime/checkpoint/state.py),
 and runs steps: the rank's slice of the global batch is split into micro-batches,
 each runs forward and backward with the loss scaled by 1/accumulation, gradients
 are all-reduced across the dp group in buckets overlapped with the last
@@ -26,15 +26,17 @@ from parc.artifact import Artifact
 from parc.codegen import load_program
 from parc.errors import ParcError
 from parc.runtime.context import ParallelContext
-from parc.runtime import pipeline
-from parc.runtime.data_parallel import GradBuckets
+from parc.runtime.parallel import pipeline
+from parc.runtime.parallel.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
-from parc.runtime.zero import ZeroOptimizer
-from parc.runtime.state import load_state, unshard
-from parc.runtime.init_shards import own_init
-from parc.runtime import compiled, dropout, grad_norm, ops, precision, tensor_parallel
-from parc.runtime import data, expert_parallel, param_groups, schedule_lr
-from parc.runtime import weights as pretrained
+from parc.runtime.parallel.zero import ZeroOptimizer
+from parc.runtime.checkpoint.state import load_state, unshard
+from parc.runtime.checkpoint.init_shards import own_init
+from parc.runtime import compiled, dropout, precision
+from parc.runtime.parallel import grad_norm, ops, tensor_parallel
+from parc.runtime import data, param_groups, schedule_lr
+from parc.runtime.parallel import expert_parallel
+from parc.runtime.checkpoint import weights as pretrained
 from parc.runtime.optim_step import kernel_kwargs, step_unless
 
 
@@ -111,31 +113,31 @@ class Trainer:
         stand_ins = pretrained.zero3_params(self.entry) if self.weights else set()
         if self.weights:
             self.state = self.weights.materialize(self.entry["state"], skeleton, ctx.device, stand_ins)
-        else:  # the model's own init replayed per shard (runtime/init_shards.py), else built once per host
+        else:  # the model's own init replayed per shard (runtime/checkpoint/init_shards.py), else built once per host
             self.state = own_init(self.entry["state"], user, seed, ctx.device)
             if self.state is None:
                 self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
                                         ctx.device)
         low = precision.compute_dtype(plan["plan"]["precision"])
-        zero3 = (self.entry.get("zero") or {}).get("stage") == 3  # gathers bf16 itself (runtime/zero.py)
+        zero3 = (self.entry.get("zero") or {}).get("stage") == 3  # gathers bf16 itself (runtime/parallel/zero.py)
         self.casts = precision.StepCasts(  # bf16: each fp32 master's compute copy, made once per step
             [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zero3 else [])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
-        ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/ops.py resolves them to groups
+        ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/parallel/ops.py resolves them to groups
         self.tp_partial = [self.params[n] for n in self.entry.get("tp_partial_grads", []) if n in self.params]
         self.opt_cfg = plan["plan"]["optimizer"]
         # weight decay by the serial model's parameter, whatever the plan (runtime/param_groups.py)
         decay = param_groups.decays(param_groups.classify_user(user), self.opt_cfg)
         self.decay_of = {e["name"]: decay.get(e["fqn"], True) for e in self.entry["state"] if e["name"] in self.params}
         self.zero = None
-        if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.zero)
+        if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.parallel.zero)
             self.zero = ZeroOptimizer(expert_parallel.dense_params(self.params, self.entry), self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
                                       ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
                                       self.decay_of,
                                       pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None,
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]))
-            if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/expert_parallel.py)
+            if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/parallel/expert_parallel.py)
                 self.zero = expert_parallel.ExpertZero(self.zero, self.params, self.entry, ctx,
                                                        lambda shards: make_optimizer(shards, self.opt_cfg), self.decay_of,
                                                        low, precision.reduce_dtype(plan["plan"]))
@@ -152,7 +154,7 @@ class Trainer:
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
         batch = plan["plan"]["batch"]
         self.global_batch, self.micro, self.accumulation = batch["global"], batch["micro"], batch["accumulation"]
-        self.resumed_step = 0  # steps the checkpoint this run resumed from holds (runtime/checkpoint.py)
+        self.resumed_step = 0  # steps the checkpoint this run resumed from holds (runtime/checkpoint/sharded.py)
         # the rows of each step, read by this rank only (runtime/data.py); parc.run may pick another source
         self.data = data.source_for(user, self.entry["inputs"], self.global_batch, seed, None)
         torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
@@ -160,7 +162,7 @@ class Trainer:
         self.pipeline = None
         self.tied: list[tuple[str, object]] = []  # (placeholder name, group of the pp ranks holding it)
         self.tied_elsewhere: set[str] = set()     # tied copies another pp rank counts in the grad norm
-        if self.pp > 1:  # runtime/pipeline.py runs the micro-batch loop; it calls back `before_grad`
+        if self.pp > 1:  # runtime/parallel/pipeline.py runs the micro-batch loop; it calls back `before_grad`
             self.pipeline = pipeline.build_executor(self)
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
@@ -184,7 +186,7 @@ class Trainer:
         """Rank `rank`'s program entry; with pp, every stage program of the rank, one state list in stage order."""
         plan = self.art.plan
         entry = pipeline.merged_entry(plan, rank) if self.pp > 1 else plan["programs"][plan["ranks"][rank]["program"]]
-        # an ep rank's expert entries name its own experts (runtime/expert_parallel.py)
+        # an ep rank's expert entries name its own experts (runtime/parallel/expert_parallel.py)
         return expert_parallel.localize(entry, plan["ranks"][rank].get("ep", 0))
 
     def _groups(self) -> list[dict]:
@@ -300,7 +302,7 @@ class Trainer:
                 view.copy_(full[a:e])
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """Clip to the serial model's global norm (`parc.runtime.grad_norm`); return that norm."""
+        """Clip to the serial model's global norm (`parc.runtime.parallel.grad_norm`); return that norm."""
         owned, grads, axes = self._owned_grads()
         return grad_norm.clip_(owned, grads, max_norm, self.ctx, axes)
 
@@ -319,7 +321,7 @@ class Trainer:
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         experts = set(self.entry.get("experts") or ())
         owned = grad_norm.owned_pieces(self.params, names - experts)
-        if experts:  # each ep rank's experts differ: their squares are summed over ep (runtime/expert_parallel.py)
+        if experts:  # each ep rank's experts differ: their squares are summed over ep (runtime/parallel/expert_parallel.py)
             owned.append(expert_parallel.ep_norm_piece(grad_norm.owned_pieces(self.params, names & experts), self.ctx))
         return owned, grads, ("tp", "pp")
 

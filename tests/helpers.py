@@ -53,7 +53,7 @@ def compile_text(plan_text: str, out: Path, model: Path = GPT):
     """Compile `plan_text` for `model` into `out`. With PARC_TEST_COMPILE=<mode> set, the plan gets
     `compile <mode>` unless it says `compile` itself (docs/compile.md: the equivalence tests rerun
     compiled). No plan is refused for its `compile` (the last refusal, inductor with recompute and
-    tp > 1, was lifted by runtime/checkpoint_policy.py), so every plan then runs compiled."""
+    tp > 1, was lifted by runtime/recompute_policy.py), so every plan then runs compiled."""
     mode = os.environ.get("PARC_TEST_COMPILE")
     if mode and "\ncompile " not in "\n" + plan_text:
         plan_text = plan_text.rstrip("\n") + f"\ncompile {mode}\n"

@@ -9,7 +9,7 @@ costs more to start than a case to run):
     vocab-parallel shard and SP with any head are tests/test_tp_tied.py and test_tp_sp_heads.py);
   - the GPT under dp2 pp2 tp2, SP, without ZeRO (bucketed dp all-reduce per stage).
 Each must match the serial model (`parc.runtime.verify`), and the global grad norm
-each rank clips by must be the serial model's (`parc.runtime.grad_norm`), with
+each rank clips by must be the serial model's (`parc.runtime.parallel.grad_norm`), with
 clipping active (the norm is above `clip`).
 """
 
@@ -27,7 +27,7 @@ from parc.compiler import compile_model
 from parc.errors import PlanError
 from parc.grammar.parser import load_plan, parse
 from parc.runtime.launch import spawn
-from parc.runtime.state import build_reference
+from parc.runtime.checkpoint.state import build_reference
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module

@@ -9,7 +9,7 @@ import torch
 
 from helpers import ROOT, compile_text, train_parallel
 from parc.errors import TraceError
-from parc.runtime.state import build_reference
+from parc.runtime.checkpoint.state import build_reference
 from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module, trace
 

@@ -16,7 +16,7 @@ from parc.cli import main as cli_main
 from parc.errors import LaunchError
 from parc.run import main as run_main, parser as run_parser
 from parc.runtime import checkpoint
-from parc.runtime.checkpoint_dir import check_saving
+from parc.runtime.checkpoint.files import check_saving
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 
@@ -230,8 +230,8 @@ def test_shard_damaged_past_the_file_check_is_one_line(world, tmp_path):
     fails (on every rank alike: DCP gathers failures) and that too is one line."""
     import torch
 
-    from parc.runtime.checkpoint import _read
-    from parc.runtime.checkpoint_dir import open_checkpoint
+    from parc.runtime.checkpoint.sharded import _read
+    from parc.runtime.checkpoint.files import open_checkpoint
 
     ckpt = _damage(world[0] / "ckpt", tmp_path / "ckpt", "truncated_shard")
     saved = open_checkpoint(ckpt, shards=False)

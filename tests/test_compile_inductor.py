@@ -58,10 +58,10 @@ def test_compile_statement_parses_prints_and_is_checked():
 
 def test_recomputed_regions_keep_their_collectives_under_compile(tmp_path):
     """tp 2 with recompute under `compile`: each block's region keeps its collectives' outputs
-    (runtime/checkpoint_policy.py), so inductor, which cannot compile an ordered op recomputed in backward,
+    (runtime/recompute_policy.py), so inductor, which cannot compile an ordered op recomputed in backward,
     compiles it. `compile none` keeps full recompute, collectives and all; a region without a collective
     (dp) stays a plain checkpoint under `compile` too."""
-    policy = "context_fn=parc.runtime.checkpoint_policy.save_collectives"
+    policy = "context_fn=parc.runtime.recompute_policy.save_collectives"
     tp = "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + 'recompute "blocks.*"\n'
     for name, text, selective in (("inductor", tp + "compile inductor\n", True), ("none", tp, False),
                                   ("dp", 'mesh dp=2\nrecompute "blocks.*"\ncompile inductor\n', False)):
@@ -70,12 +70,12 @@ def test_recomputed_regions_keep_their_collectives_under_compile(tmp_path):
             assert src.count("torch.utils.checkpoint.checkpoint(") == 2, name  # one region per block
             assert src.count(policy) == (2 if selective else 0), name
             if selective:
-                assert "import parc.runtime.checkpoint_policy" in src
+                assert "import parc.runtime.recompute_policy" in src
 
 
 def _snapshot(tr) -> list[torch.Tensor]:
     """Every tensor of training state a warm-up could touch, copied."""
-    from parc.runtime.data_parallel import GradBuckets
+    from parc.runtime.parallel.data_parallel import GradBuckets
 
     ts = list(tr.state) + [p.grad for p in tr.params.values() if p.grad is not None]
     opt = tr.zero.optimizer if tr.zero else tr.optimizer
@@ -92,7 +92,8 @@ def _snapshot(tr) -> list[torch.Tensor]:
 def _body(ctx, compiled: str, steps: int):
     import torch._dynamo
 
-    from parc.runtime import compiled as compiled_mod, ops
+    from parc.runtime import compiled as compiled_mod
+    from parc.runtime.parallel import ops
     from parc.runtime.train import Trainer
 
     warm_up = compiled_mod.warm_up
@@ -130,10 +131,10 @@ CASES = {
     "tp2_sp_aot_eager": "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + "compile aot_eager\n",
     "dp2_zero2_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=2\ncompile aot_eager\n",
     # ZeRO-3: the gathers run inside the compiled graph, the backward's re-gathers in the saved-tensor hook
-    # (runtime/zero.py `_pack`, decided by storage identity: it once hung, see docs/compile.md)
+    # (runtime/parallel/zero.py `_pack`, decided by storage identity: it once hung, see docs/compile.md)
     "dp2_zero3_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=3\ncompile aot_eager\n",
     # tp with recompute: each block's region keeps its collectives' outputs under `compile`
-    # (runtime/checkpoint_policy.py); backward issues no forward collective again. Inductor itself once
+    # (runtime/recompute_policy.py); backward issues no forward collective again. Inductor itself once
     # refused this plan (it cannot compile an ordered op recomputed in backward), so one case runs it:
     # about 40 s on a quiet 2-core machine (both ranks compile at once), minutes under load
     "tp2_sp_recompute_inductor": TP2_SP_RECOMPUTE + "compile inductor\n",

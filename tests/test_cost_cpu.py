@@ -77,7 +77,7 @@ def test_collective_priced_per_call_from_the_table():
 
 
 def test_zero3_prices_a_call_per_bucket_per_micro_batch(traced):
-    """runtime/zero.py gathers every bucket (one per layer or top-level module) in each micro-batch's
+    """runtime/parallel/zero.py gathers every bucket (one per layer or top-level module) in each micro-batch's
     forward and backward and reduce-scatters it in each backward: one collective call each."""
     from parc.passes import zero
 

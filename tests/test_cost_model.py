@@ -215,7 +215,7 @@ def test_dp_all_reduce_overlaps_backward():
 
 
 def test_zero3_gathers_every_micro_batch():
-    """runtime/zero.py: ZeRO-2/3 reduce-scatter in every micro-batch, ZeRO-3 gathers in F and B."""
+    """runtime/parallel/zero.py: ZeRO-2/3 reduce-scatter in every micro-batch, ZeRO-3 gathers in F and B."""
     hw = cost.hardware("h100")
     psi = 1_000_000
     z3 = cost.estimate(parse("mesh dp=4\nbatch global=16 micro=1\nzero stage=3\n"), _stats([1e12], psi=psi), hw)

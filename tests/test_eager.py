@@ -62,7 +62,7 @@ def test_twin_without_autograd_is_the_plain_function():
 
 
 def test_tensor_list_ops_keep_the_custom_op():
-    import parc.runtime.zero  # noqa: F401 — registers parc::zero_unshard (params: list[Tensor])
+    import parc.runtime.parallel.zero  # noqa: F401 — registers parc::zero_unshard (params: list[Tensor])
 
     assert eager._has_tensor_list(torch.ops.parc.zero_unshard.default._schema)
     assert not eager._has_tensor_list(torch.ops.parc.keyed_dropout.default._schema)
@@ -72,7 +72,7 @@ def test_tensor_list_ops_keep_the_custom_op():
 
 PROGRAM = textwrap.dedent('''\
     import torch
-    import parc.runtime.ops  # noqa: F401
+    import parc.runtime.parallel.ops  # noqa: F401
 
     DEVICE = torch.device("cpu")
 
@@ -115,7 +115,7 @@ def test_bind_changes_the_callees_not_the_results():
 def _all_to_all_body(ctx):
     import torch.distributed as dist
 
-    from parc.runtime import expert_parallel, ops
+    from parc.runtime.parallel import expert_parallel, ops
 
     ops._GROUPS["ep"] = dist.group.WORLD
     x = torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 2) * (ctx.rank + 1)

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from helpers import GPT
 from parc.passes import grad_buckets
-from parc.runtime.data_parallel import GradBuckets
+from parc.runtime.parallel.data_parallel import GradBuckets
 from parc.runtime.launch import spawn
 from parc.trace import load_user_module, trace
 
@@ -68,7 +68,7 @@ def test_all_reduce_overlaps_backward():
 
 
 def test_dp1_keeps_autograds_gradients_and_zeros_the_unused():
-    """dp 1, nothing to reduce (runtime/data_parallel.py): no buffers, no hooks. Each step's gradients are
+    """dp 1, nothing to reduce (runtime/parallel/data_parallel.py): no buffers, no hooks. Each step's gradients are
     autograd's own, bit for bit a plain backward's; a parameter without one gets zeros, as a bucket gave it;
     the last step's gradients stay held until the next step starts."""
     traced = _traced()

@@ -1,4 +1,4 @@
-"""The model's own init per shard (runtime/init_shards.py): a rank replays build_model() under the seed with
+"""The model's own init per shard (runtime/checkpoint/init_shards.py): a rank replays build_model() under the seed with
 parameters on meta and keeps only its slices, which equal, bit for bit, the same slices of the full CPU
 build; a build that reads a parameter's values is refused (`Unsupported`) so the runtime builds on CPU.
 Trainer uses it for every run without --weights, so every parallel-vs-serial test also covers it."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import GPT, ROOT
-from parc.runtime.init_shards import Unsupported, init_shards, own_init
-from parc.runtime.state import build_reference, shard
+from parc.runtime.checkpoint.init_shards import Unsupported, init_shards, own_init
+from parc.runtime.checkpoint.state import build_reference, shard
 from parc.trace import load_user_module
 
 MODELS = ROOT / "tests" / "models"

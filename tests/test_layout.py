@@ -9,7 +9,8 @@ import ast
 from helpers import ROOT
 
 PACKAGES = {"parc": ROOT / "parc", "parc.grammar": ROOT / "grammar", "parc.passes": ROOT / "passes",
-            "parc.runtime": ROOT / "runtime", "parc.analysis": ROOT / "parc" / "analysis"}
+            "parc.runtime": ROOT / "runtime", "parc.runtime.checkpoint": ROOT / "runtime" / "checkpoint",
+            "parc.runtime.parallel": ROOT / "runtime" / "parallel", "parc.analysis": ROOT / "parc" / "analysis"}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -88,7 +88,7 @@ RUNS = {2: ((1, 0.5), (2, 2.0)), 4: ((2, 0.5), (1, 4.0))}
 
 
 def _body(ctx, compiled: str):
-    from parc.runtime import expert_parallel, ops
+    from parc.runtime.parallel import expert_parallel, ops
 
     trainer = Trainer.load(compiled, 0)
     with expert_parallel.traffic() as sent, ops.record() as kinds:

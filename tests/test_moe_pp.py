@@ -6,7 +6,7 @@ serial model run one forward per micro-batch (`PER_MICRO_BATCH`) on the same bat
 weights. Block 1 is top-1 below capacity (tokens dropped), block 3 top-2 above it. Each ep group
 holds the two dp ranks of one stage (parc/mesh.py expert_groups), so both run that stage's schedule
 in the same order and their all-to-alls pair up; each stage's expert gradients are reduced over its
-edp group (runtime/pipeline.py StageBuckets). Also checks every rank issued one stage's all-to-alls.
+edp group (runtime/parallel/pipeline.py StageBuckets). Also checks every rank issued one stage's all-to-alls.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _compile(name: str, tmp_path) -> str:
 
 
 def _body(ctx, roots: dict[str, str]):
-    from parc.runtime import expert_parallel
+    from parc.runtime.parallel import expert_parallel
 
     out = {}
     for name, root in roots.items():

@@ -22,7 +22,7 @@ from parc.grammar.parser import parse
 from parc.passes import PassCtx, pipeline_split
 from parc.passes.schedule import Schedule
 from parc.passes.simulate import simulate
-from parc.runtime import pipeline
+from parc.runtime.parallel import pipeline
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial

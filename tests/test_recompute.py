@@ -31,7 +31,7 @@ from parc.grammar.parser import parse
 from parc.passes import PassCtx, recompute
 from parc.runtime.launch import spawn
 from parc.grammar.plan import Recompute
-from parc.runtime.state import build_reference, materialize
+from parc.runtime.checkpoint.state import build_reference, materialize
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module, trace

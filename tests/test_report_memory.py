@@ -44,7 +44,7 @@ PP_BF16 = "mesh pp=2\nbatch global=16 micro=2\npipeline schedule=1f1b\nprecision
 MICRO8 = {name: f"mesh dp=1\nbatch global=8 micro=8\nprecision {name.removeprefix('micro8_')}\n"
           for name in ("micro8_fp32", "micro8_bf16")}
 # tp 2 with recompute under `compile`: each recomputed block keeps its collectives' outputs
-# (runtime/checkpoint_policy.py), which the report counts (parc/analysis/activations.py); measured on the
+# (runtime/recompute_policy.py), which the report counts (parc/analysis/activations.py); measured on the
 # compiled program by the saved-tensor hook (runtime/memory.py `saved_only`)
 TP_RECOMPUTE_COMPILED = (ROOT / "examples" / "tp.par").read_text() + 'recompute "blocks.*"\ncompile aot_eager\n'
 TEXTS = {"pp_bf16": PP_BF16, **MICRO8, "tp_recompute_compiled": TP_RECOMPUTE_COMPILED}

@@ -4,7 +4,7 @@ The plan bench/single_device.py times (dp 1, micro 8, fp32, `compile none`) and 
 times against (the model built under the same seed, `get_batch(i, 8)`, `loss_fn`, backward, the
 plan's AdamW, `zero_grad(set_to_none=True)`) must compute the same losses and parameters exactly:
 the generated program runs the model's own aten ops, and at dp 1 the trainer hands autograd's
-gradients to the optimizer as eager does (runtime/data_parallel.py), so there is no tolerance to
+gradients to the optimizer as eager does (runtime/parallel/data_parallel.py), so there is no tolerance to
 explain. A difference here means parc computes something eager does not, or eager something parc
 does not, and the benchmark compares two different computations.
 """
@@ -21,7 +21,7 @@ STEPS = 3
 
 
 def _body(ctx, compiled: str):
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
     from parc.runtime.train import Trainer, make_optimizer
 
     trainer = Trainer.load(compiled, 0)

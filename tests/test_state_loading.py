@@ -1,4 +1,4 @@
-"""Starting state: one rank per host builds the model and sends the others their shards (runtime/state.py).
+"""Starting state: one rank per host builds the model and sends the others their shards (runtime/checkpoint/state.py).
 
 Each rank's tensors must equal, bit for bit, its shards of the model built under
 the seed, and the model must be built once per host, not once per rank.
@@ -16,7 +16,7 @@ from helpers import compile_text, gpt_tp_rules
 from parc import artifact
 from parc.runtime.context import ParallelContext
 from parc.runtime.launch import spawn
-from parc.runtime.state import build_reference, host_ranks, load_state, materialize
+from parc.runtime.checkpoint.state import build_reference, host_ranks, load_state, materialize
 from parc.trace import load_user_module
 
 # dp 2 × tp 2: the two tp ranks hold different shards, the two dp ranks the same ones

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from helpers import compile_text
-from parc.runtime import ops
+from parc.runtime.parallel import ops
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 from test_tensor_parallel import gpt_plan

@@ -4,7 +4,7 @@ the weight along dim 1 (the fused c_attn per q/k/v block), row along dim 0; tp=2
 import torch
 
 from helpers import ROOT, compile_text, parallel_vs_serial
-from parc.runtime.state import shard, unshard
+from parc.runtime.checkpoint.state import shard, unshard
 
 MODEL = ROOT / "tests" / "models" / "gpt2_tiny.py"
 # lm_head is tied to transformer.wte (one placeholder, used by the embedding and the head); here both stay

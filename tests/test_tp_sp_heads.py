@@ -6,7 +6,7 @@ layer. Parallel equals serial on HF Qwen2 and examples/gpt.py with a plain lm he
 import pytest
 
 from helpers import GPT, ROOT, compile_text, gpt_tp_rules, llama_tp_rules, parallel_vs_serial
-from parc.runtime import ops
+from parc.runtime.parallel import ops
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
 

@@ -48,7 +48,7 @@ def test_tied_gpt_tp2_matches_serial(tmp_path, rules):
 
 def test_tied_gpt_pp2_tp2_matches_serial(tmp_path):
     """The table sits on the first stage (embedding) and the last (head), each holding rows [V/tp·r, V/tp·(r+1));
-    runtime/pipeline.py sums each tp rank's two copies' gradients over pp."""
+    runtime/parallel/pipeline.py sums each tp rank's two copies' gradients over pp."""
     art = compile_text(_plan("pp=2 tp=2", gpt_tp_rules(), "pipeline schedule=1f1b\n"), tmp_path / "c", TIED_GPT)
     assert art.plan["tied"] == [{"fqn": "lm_head.weight", "stages": [0, 1], "pp_ranks": [0, 1]}]
     assert _shard(art, "lm_head.weight", "stage0_tp1") == _shard(art, "lm_head.weight", "stage1_tp1")

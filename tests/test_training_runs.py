@@ -223,7 +223,7 @@ def test_per_rank_samples_zero3_decay_groups_and_schedule_match_serial(run):
 
 def _model_with(user, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The user's model holding `state` (train_serial's trained parameters, by every FQN)."""
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
 
     model = build_reference(user, 0)
     model.load_state_dict(state, strict=False)

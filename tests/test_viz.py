@@ -123,7 +123,7 @@ def test_without_dot_one_line_and_no_files(compiled, tmp_path, monkeypatch, caps
 
 
 def test_reads_the_trace_parc_run_writes(compiled, tmp_path):
-    from parc.runtime.pipeline import write_chrome_trace
+    from parc.runtime.parallel.pipeline import write_chrome_trace
 
     events = [[("F(s0,m0)", 0.0, 0.01), ("post SEND_F(s0,m0>r1)", 0.01, 0.011), ("B(s0,m0)", 0.04, 0.06)],
               [("wait RECV_F", 0.0, 0.011), ("F(s1,m0)", 0.011, 0.021), ("B(s1,m0)", 0.021, 0.041)]]

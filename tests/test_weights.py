@@ -1,4 +1,4 @@
-"""Pretrained weights per shard (runtime/weights.py, parc/pretrained.py): each rank reads only its own
+"""Pretrained weights per shard (runtime/checkpoint/weights.py, parc/pretrained.py): each rank reads only its own
 slices of a safetensors checkpoint, and training from them equals the serial model loaded whole from the
 same file. Also: `from_pretrained` inside build_model compiles and trains, reading the checkpoint per
 shard; a file, a sharded directory with its index and an HF directory all load."""
@@ -17,10 +17,10 @@ from parc.errors import LaunchError, ParcError
 from parc.export_hf import export_hf
 from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
-from parc.runtime.state import build_reference, shard
+from parc.runtime.checkpoint.state import build_reference, shard
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
-from parc.runtime.weights import Weights, reference
+from parc.runtime.checkpoint.weights import Weights, reference
 from parc.trace import load_user_module
 
 MODELS = ROOT / "tests" / "models"
@@ -82,7 +82,7 @@ def test_serial_reference_loads_the_file(gpt_file):
                                   {"dim": 0, "parts": 2, "index": 0, "blocks": 3},  # a fused qkv's 3 blocks
                                   {"dim": 1, "parts": 2, "index": 1}])              # row
 def test_reads_are_the_shards_and_ranges_of_the_whole(gpt_file, spec):
-    """Weights.read / read_range give exactly runtime/state.py's `shard` of the whole tensor (and ZeRO-3's
+    """Weights.read / read_range give exactly runtime/checkpoint/state.py's `shard` of the whole tensor (and ZeRO-3's
     flat ranges of it), reading only those elements' rows."""
     path, _ = gpt_file
     whole = build_reference(load_user_module(TIED_GPT), 7).blocks[0].attn.qkv.weight.detach()  # (192, 64)

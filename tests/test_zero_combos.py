@@ -14,7 +14,7 @@ from parc.runtime.launch import spawn
 from parc.runtime.memory import storage_bytes
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
-from parc.runtime.zero import analytic_bytes
+from parc.runtime.parallel.zero import analytic_bytes
 from parc.trace import load_user_module
 from test_zero import LOSS_TOL, PARAM_TOL
 

@@ -31,7 +31,7 @@ Under `recompute`, what a recomputed module's nodes keep for each other is not
 kept: it is that module's working set, rebuilt in backward; the largest one per
 stage is reported as the recompute peak. Under `compile inductor | aot_eager` with
 tp > 1 (`keep_collectives`), a recomputed region keeps the outputs of its forward
-collectives instead of running them again (runtime/checkpoint_policy.py): the
+collectives instead of running them again (runtime/recompute_policy.py): the
 all-gathered input of a column layer under sequence parallelism, and the output of a
 row layer's all-reduce (reduce-scatter under sequence parallelism) when the backward
 needs it: when an op of the region saves it, or rebuilds from it what the backward

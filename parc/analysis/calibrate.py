@@ -328,7 +328,7 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from parc.runtime.zero import quiet_renamed_collectives
+    from parc.runtime.parallel.zero import quiet_renamed_collectives
 
     quiet_renamed_collectives()   # the all-gather and reduce-scatter below, as ZeRO calls them
 
@@ -382,7 +382,7 @@ def _gloo_worker(rank: int, port: int, out, world: int) -> None:
         for size in COLLECTIVE_BYTES:
             buf = torch.ones(size // 4)
 
-            def post(op):   # as runtime/pipeline.py posts a send or a receive
+            def post(op):   # as runtime/parallel/pipeline.py posts a send or a receive
                 t0 = time.perf_counter()
                 works = dist.batch_isend_irecv([dist.P2POp(op, buf, peer)])
                 if size == COLLECTIVE_BYTES[0]:   # the set-up, not a large message's copy (in the hop)

@@ -191,7 +191,7 @@ def graph_stats(traced, plan) -> dict:
     for n in nodes:
         last[(path_of[n], n.meta.get(STAGE, 0))] = n
     # a recomputed region runs its forward again in the backward, its row layers' all-reduces too, unless
-    # compiled: then the checkpoint policy keeps the collectives' outputs (runtime/checkpoint_policy.py)
+    # compiled: then the checkpoint policy keeps the collectives' outputs (runtime/recompute_policy.py)
     rerun = patterns and getattr(plan, "compile", "none") == "none"
     for key in tp_outputs:
         stages[key[1]]["tp_bytes"] += _elements(last[key].meta.get("val"))
@@ -204,7 +204,7 @@ def graph_stats(traced, plan) -> dict:
         instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         row_outputs=frozenset(last[key] for key in tp_outputs),
-        keep_collectives=getattr(plan, "compile", "none") != "none")  # runtime/checkpoint_policy.py
+        keep_collectives=getattr(plan, "compile", "none") != "none")  # runtime/recompute_policy.py
     _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of)
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
@@ -492,7 +492,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                           gap=action)
         p2p_t = p2p.seconds
         if hw.p2p_post:
-            # the executor posts about one batch of sends/receives per action (runtime/pipeline.py batches
+            # the executor posts about one batch of sends/receives per action (runtime/parallel/pipeline.py batches
             # adjacent ones; a --trace shows 15–17 posts for 16 actions): the poster's time goes on its own
             # timeline, each F and B. The measured hop (half a round trip) holds the sender's post: taken off
             cost_f = [c + hw.p2p_post for c in cost_f]
@@ -532,7 +532,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         transient = max(_transient(d, tp, act_b) for d in held)
         act = kept * inflight[r] + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
-                       # ZeRO-3 keeps no whole compute copy: it gathers bf16 per layer (runtime/zero.py)
+                       # ZeRO-3 keeps no whole compute copy: it gathers bf16 per layer (runtime/parallel/zero.py)
                        "params": params * pb / (dp if z >= 3 else 1) + (params * cb if z < 3 else 0),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
@@ -559,7 +559,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             comms.append(_collective("dp", "all-reduce", dp, big * wire, groups["dp"], hw, allreduce,
                                      calls=buckets, gap=acc * micro_s / buckets))
         else:
-            # runtime/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
+            # runtime/parallel/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
             # ZeRO-1/2 gather the updated fp32 masters once a step; ZeRO-3 gathers the compute copy twice per
             # micro-batch (forward, backward); each time every bucket in a call of its own
             rs = acc if z >= 2 else 1
@@ -582,7 +582,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
                                  allreduce, latency_steps=2 * acc * virtual, calls=2 * acc * virtual))
     # tp and pp time is inside the simulated makespan. dp: plain dp's bucket all-reduces overlap the last
-    # micro-batch's backward (runtime/data_parallel.py), all but the last bucket's share; ZeRO's are not
+    # micro-batch's backward (runtime/parallel/data_parallel.py), all but the last bucket's share; ZeRO's are not
     dp_time = sum(c.seconds for c in comms if c.axis == "dp")
     if z == 0 and dp > 1 and overlap_dp:
         window = max(sum(times[r + k * pp][1] for k in range(virtual)) for r in range(pp))
@@ -613,7 +613,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                  f"dp gradients on the wire {wire}, activations {act_b}")
     if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:
         notes.append(f"recompute under compile {plan.compile}: each recomputed region keeps its tp collectives' "
-                     "outputs rather than communicating again in backward (runtime/checkpoint_policy.py); they are "
+                     "outputs rather than communicating again in backward (runtime/recompute_policy.py); they are "
                      "counted in the kept activations")
     notes.append("compute: " + ("per operation (matmul and attention efficiency tables, memory-bound ops at "
                                 f"{hw.mem_bw / 1e9:.0f} GB/s)" if any(compute.has_model(hw, d) for d in stages)

@@ -6,7 +6,7 @@ the gradient on each tp rank; the compiler completes each such gradient and list
 
 - "per step": a parameter all of whose uses are such (a q/k norm's weight on head-sharded values, a
   LayerNorm weight on a sequence slice): its accumulated fp32 gradient is all-reduced over tp once a
-  step, all of them in one flat buffer (runtime/tensor_parallel.py), after the backward;
+  step, all of them in one flat buffer (runtime/parallel/tensor_parallel.py), after the backward;
 - "per micro-batch": Megatron's f before the op (an activation, or a parameter that also meets
   replicated values): an all-reduce of that value's gradient in every micro-batch's backward, in the
   compute dtype, on the critical path like tp's other collectives.

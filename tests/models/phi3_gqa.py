@@ -1,6 +1,6 @@
 """A tiny HF Phi-3 with grouped-query attention (4 query heads, 2 kv heads): its fused `qkv_proj` is
 sliced into q, k and v of unequal widths (64, 32, 32), so a `column` rule shards each block by tp
-(passes/tensor_parallel.py `_fused_blocks`; runtime/state.py `shard`).
+(passes/tensor_parallel.py `_fused_blocks`; runtime/checkpoint/state.py `shard`).
 
 Start here: `build_model`. Nothing is downloaded; batches and loss are tests/models/llama_tiny.py's.
 """

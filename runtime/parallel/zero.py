@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from parc.runtime.ops import mark_ordered
+from parc.runtime.parallel.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
 from parc.runtime.optim_step import step_unless
 
@@ -78,7 +78,7 @@ class ZeroOptimizer:
                  decay_of: dict[str, bool] | None = None, read_range=None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  divisor: int | None = None):
-        """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/weights.py): elements [a, e) of
+        """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/checkpoint/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
         wire dtype of the gradient reduction; None is the masters' fp32. `divisor` (default dp): the sum
@@ -249,7 +249,7 @@ class ZeroOptimizer:
         whose elements [start, end) (flattened) fall in this rank's range of its bucket.
 
         Each element lives in exactly one dp rank's range (padding is zero), so these views are what
-        this rank owns for the global norm (`parc.runtime.grad_norm`); writing them in place changes
+        this rank owns for the global norm (`parc.runtime.parallel.grad_norm`); writing them in place changes
         what the optimizer sees (tp-partial and tied sums after the dp reduce-scatter).
         """
         out = {}

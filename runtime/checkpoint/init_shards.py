@@ -17,7 +17,7 @@ and `zero_`, in-place pointwise ops (`mul_`, `clamp_`, `erfinv_`: trunc_normal_)
 a tensor that is not a parameter, on a parameter or any view of it. Anything else that reads a
 parameter during the build (one parameter copied into another, a buffer computed from a weight,
 a trunc_normal_ imported by name before parc could wrap it) raises `Unsupported`, and the caller builds the whole model on CPU instead
-(runtime/state.py), as before.
+(runtime/checkpoint/state.py), as before.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class _Replay(TorchDispatchMode):
 
 def init_shards(user, seed: int, keep: dict[str, dict | None]) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
     """({fqn: this rank's value} for every FQN in `keep` (value: `keep[fqn]`'s shard spec, as
-    runtime/state.py `shard`, or None for whole), the model with parameters on meta and real buffers)."""
-    from parc.runtime.state import shard
+    runtime/checkpoint/state.py `shard`, or None for whole), the model with parameters on meta and real buffers)."""
+    from parc.runtime.checkpoint.state import shard
 
     order: list[torch.Tensor] = []
     skeleton = _attempt(lambda: _build(user, seed, order))
@@ -209,11 +209,11 @@ def _build(user, seed: int, order: list | None, on_create=None, mode=None) -> to
 
 def own_init(entries: list[dict], user, seed: int, device: torch.device) -> list[torch.Tensor] | None:
     """This rank's state for plan.json `entries` from the model's own init (`init_shards`), or None when the
-    build cannot be replayed on some rank: then every rank takes runtime/state.py's `load_state` (collective
+    build cannot be replayed on some rank: then every rank takes runtime/checkpoint/state.py's `load_state` (collective
     over all ranks: they agree on the path)."""
     import torch.distributed as dist
 
-    from parc.runtime.state import shard
+    from parc.runtime.checkpoint.state import shard
     from parc.traced import get
 
     keep = {e["fqn"]: e["shard"] for e in entries if "value" not in e and e["kind"] == "param"}

@@ -54,7 +54,7 @@ def bind_groups(ctx) -> None:
 
 def group(axis: str):
     if axis not in _GROUPS:
-        raise RuntimeError(f"no process group bound for mesh axis {axis!r}; call parc.runtime.ops.bind_groups(ctx)")
+        raise RuntimeError(f"no process group bound for mesh axis {axis!r}; call parc.runtime.parallel.ops.bind_groups(ctx)")
     return _GROUPS[axis]
 
 

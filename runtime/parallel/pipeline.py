@@ -328,14 +328,14 @@ def merged_entry(plan_json: dict, rank: int) -> dict:
 class StageBuckets:
     """Per stage, its `GradBuckets`: each stage arms its all-reduces on its own last micro-batch.
 
-    A stage holding experts (expert parallelism, runtime/expert_parallel.py) has two: its dense
+    A stage holding experts (expert parallelism, runtime/parallel/expert_parallel.py) has two: its dense
     gradients averaged over dp, its expert slots' summed over `edp` = (group, size), the ranks
     holding the same experts, and divided by dp. An ep group's ranks share the pp and tp
     coordinates (parc/mesh.py expert_groups), so they run the same stage in the same order."""
 
     def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int,
                  edp: tuple | None = None):
-        from parc.runtime.data_parallel import GradBuckets
+        from parc.runtime.parallel.data_parallel import GradBuckets
         from parc.runtime.precision import reduce_dtype
 
         self.by_stage: dict[int, list] = {}

@@ -1,6 +1,6 @@
 """Materialize a program's state inputs on this rank from the user's model: the fallback path.
 
-The Trainer first asks runtime/weights.py (pretrained weights) and runtime/init_shards.py
+The Trainer first asks runtime/checkpoint/weights.py (pretrained weights) and runtime/checkpoint/init_shards.py
 (the model's own init replayed per shard); this module is what it does when a model's
 init cannot be replayed per shard (docs/weights.md), and what `--verify` builds.
 

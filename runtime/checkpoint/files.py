@@ -2,7 +2,7 @@
 
 Start here: `open_checkpoint(path, what)` and `check_saving(...)`. A `--checkpoint-dir` holds
 
-  step_<N>/             one complete checkpoint (runtime/checkpoint.py): DCP's `.metadata`, its shard files
+  step_<N>/             one complete checkpoint (runtime/checkpoint/sharded.py): DCP's `.metadata`, its shard files
                         `__<rank>_<i>.distcp`, and parc.json (what the checkpoint holds, under which plan)
   latest                one line: the name of the newest complete step_<N>
   step_<N>.tmp-<pid>/   a save in progress, or one a crash interrupted; never read
@@ -125,7 +125,7 @@ def check_saving(save_every: int | None, root: Path | None, resumed: int | None,
     `resumed`: the step of the checkpoint this run resumes from (None: a fresh run). A fresh run needs an
     empty or new directory; a resumed one may write into a directory holding nothing beyond `resumed`
     (so `latest` only moves forward); `overwrite` (--overwrite-checkpoints) lifts both: the first save
-    then replaces what lies beyond `resumed` (runtime/checkpoint.py `save(replace=True)`).
+    then replaces what lies beyond `resumed` (runtime/checkpoint/sharded.py `save(replace=True)`).
     """
     if save_every is None and root is None:
         return

@@ -102,7 +102,7 @@ class Weights:
         return t
 
     def read(self, fqn: str, shape: list[int], spec: dict | None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """This rank's tp shard (`spec`, as runtime/state.py `shard`) of tensor `fqn`, whole shape `shape`;
+        """This rank's tp shard (`spec`, as runtime/checkpoint/state.py `shard`) of tensor `fqn`, whole shape `shape`;
         with `rows`, only rows [r0, r1) of that shard (dim 0). Reads nothing else."""
         key = self.key(fqn)
         if key is None:
@@ -154,7 +154,7 @@ class Weights:
                     stand_ins: set[str] = frozenset()) -> list[torch.Tensor]:
         """This rank's state for plan.json `entries`. Parameters named in `stand_ins` (ZeRO-3's) get a
         one-element stand-in of their shape: ZeroOptimizer reads their ranges (`read_range`)."""
-        from parc.runtime.state import shard
+        from parc.runtime.checkpoint.state import shard
 
         out = []
         for e in entries:
@@ -208,8 +208,8 @@ def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def _runs(n: int, blocks: int | list[int], parts: int, index: int) -> list[tuple[int, int]]:
     """Ranges [lo, hi) of a dim of n that shard `index` of `parts` takes: its chunk of each of `blocks`
-    (runtime/state.py's `shard`)."""
-    from parc.runtime.state import block_sizes
+    (runtime/checkpoint/state.py's `shard`)."""
+    from parc.runtime.checkpoint.state import block_sizes
 
     out, blo = [], 0
     for size in block_sizes(n, blocks):
@@ -221,7 +221,7 @@ def _runs(n: int, blocks: int | list[int], parts: int, index: int) -> list[tuple
 
 def resolve(user, path: str | Path | None, seed: int) -> tuple[Weights | None, torch.nn.Module | None]:
     """(the weights to start from, the model's skeleton), or (None, None) to build the model on CPU under
-    the seed (runtime/state.py). `path` (--weights) wins over a `from_pretrained` directory the model file
+    the seed (runtime/checkpoint/state.py). `path` (--weights) wins over a `from_pretrained` directory the model file
     names. Without `path`, a model whose skeleton cannot be built (an init that fails on meta) builds on
     CPU as before: it then names no checkpoint, and `from_pretrained` reads its own weights there."""
     from parc.pretrained import build_skeleton
@@ -242,7 +242,7 @@ def resolve(user, path: str | Path | None, seed: int) -> tuple[Weights | None, t
 
 def reference(user, seed: int, path: str | Path | None) -> torch.nn.Module:
     """The serial model (--verify, tests): built on CPU under the seed, whole, then given `path`'s weights."""
-    from parc.runtime.state import build_reference
+    from parc.runtime.checkpoint.state import build_reference
 
     model = build_reference(user, seed)  # from_pretrained in build_model reads its own checkpoint here
     if path is not None:
@@ -259,7 +259,7 @@ def zero3_params(entry: dict) -> set[str]:
 
 
 def range_reader(weights: Weights, entry: dict, device: torch.device):
-    """`read_range(name, a, e)` for runtime/zero.py: elements [a, e) of a placeholder's tp shard."""
+    """`read_range(name, a, e)` for runtime/parallel/zero.py: elements [a, e) of a placeholder's tp shard."""
     by_name = {e["name"]: e for e in entry["state"]}
 
     def read_range(name: str, a: int, e: int) -> torch.Tensor:

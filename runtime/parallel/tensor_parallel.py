@@ -1,12 +1,12 @@
 """Step-time piece of tensor parallelism: partial gradients.
 
-Start here after `runtime/ops.py`. The compiled program's collectives make every
+Start here after `runtime/parallel/ops.py`. The compiled program's collectives make every
 gradient right per micro-batch except one kind: a replicated parameter whose every
 use computes on sharded values (a LayerNorm weight on a sequence slice, a per-head
 q/k norm's weight on head-sharded values) gets only its slice's share on each tp
 rank (passes/tp_grads.py proves which). The compiler lists those parameters in plan.json
 (`programs.<name>.tp_partial_grads`); `sum_partial_grads` all-reduces them over
-tp once per step, in one flat buffer. Clipping is `parc.runtime.grad_norm`, shared
+tp once per step, in one flat buffer. Clipping is `parc.runtime.parallel.grad_norm`, shared
 by every parallelism.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from parc.runtime import ops
+from parc.runtime.parallel import ops
 
 
 def sum_partial_grads(params: list[torch.Tensor], axis: str = "tp") -> None:

@@ -35,7 +35,7 @@ class GradBuckets:
     def __init__(self, params: dict[str, torch.Tensor], buckets: list[list[str]], group, dp: int,
                  divisor: int | None = None, reduce_dtype: torch.dtype | None = None):
         # `divisor` (default dp): the sum over `group` is divided by it; expert gradients are summed
-        # over the edp group but averaged over all of dp (runtime/expert_parallel.py). `reduce_dtype`:
+        # over the edp group but averaged over all of dp (runtime/parallel/expert_parallel.py). `reduce_dtype`:
         # the wire dtype of the sum (`precision bf16 reduce=bf16`), accumulated back into fp32
         self.group, self.dp, self.divisor, self.reduce_dtype = group, dp, divisor or dp, reduce_dtype
         self.local = dp == 1 and self.divisor == 1  # nothing to reduce: autograd's own gradients (docstring)

@@ -13,7 +13,7 @@ each MoE layer's experts. The rest serves the Trainer (runtime/train.py):
 - `ep_norm_piece`: without ZeRO, the experts' share of the global gradient norm, summed over ep.
 - `gather_experts`: the full model's experts for `gathered_state`, from every ep rank (and tp rank).
 
-Checkpoints (runtime/checkpoint.py) store each expert under its serial-model FQN, written by the
+Checkpoints (runtime/checkpoint/sharded.py) store each expert under its serial-model FQN, written by the
 ranks of its ep coordinate; `ExpertZero.full_optimizer_state` / `load_full` serve them as
 ZeroOptimizer's do.
 
@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parc.runtime import eager, ops
-from parc.runtime.data_parallel import GradBuckets
+from parc.runtime import eager
+from parc.runtime.parallel import ops
+from parc.runtime.parallel.data_parallel import GradBuckets
 from parc.runtime.optim_step import _fused
-from parc.runtime.state import unshard
-from parc.runtime.zero import ZeroOptimizer
+from parc.runtime.checkpoint.state import unshard
+from parc.runtime.parallel.zero import ZeroOptimizer
 
 _TRAFFIC: list | None = None
 
@@ -212,7 +213,7 @@ class ExpertZero:
 def ep_norm_piece(grads: list[Tensor], ctx) -> Tensor:
     """Without ZeRO: a 0-dim tensor whose square is the sum of squares of the expert gradients of the
     whole ep group (each ep rank's `grads`, its experts'; edp replicas are equal after their sync, so
-    they are not summed). `parc.runtime.grad_norm.global_norm` squares it with the dense pieces."""
+    they are not summed). `parc.runtime.parallel.grad_norm.global_norm` squares it with the dense pieces."""
     local = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for g in grads:
         local += g.detach().double().square().sum()

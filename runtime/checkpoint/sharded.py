@@ -3,7 +3,7 @@
 Start here: `save(trainer, root, step)` and `resume(trainer, path) -> (step, line)`.
 
 Format. A checkpoint is a DCP directory `root/step_<N>/` plus `parc.json`
-(what it holds and under which plan: runtime/checkpoint_record.py). Every parameter and every per-parameter optimizer
+(what it holds and under which plan: runtime/checkpoint/record.py). Every parameter and every per-parameter optimizer
 tensor (Adam's exp_avg, exp_avg_sq) is stored WHOLE-shaped under its model FQN
 (`model.<fqn>`, `optim.<fqn>.<key>`) as a DTensor on a (pp, dp·tp) device
 mesh: Replicate over pp (only the ranks of the stage holding the tensor write
@@ -37,8 +37,8 @@ moves `latest` back (unless the run was started with --overwrite-checkpoints:
 (runtime/divergence.py), so a diverged run cannot replace a good checkpoint.
 
 Self-checking. parc.json records what the checkpoint holds and under which
-plan (runtime/checkpoint_record.py); `resume` checks the files are whole
-(runtime/checkpoint_dir.py), refuses another model structure, and returns one
+plan (runtime/checkpoint/record.py); `resume` checks the files are whole
+(runtime/checkpoint/files.py), refuses another model structure, and returns one
 line saying what it loaded and every setting that differs.
 
 Cost. Saving gathers all of this rank's tensors whole at once (over dp for
@@ -63,11 +63,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parc.errors import LaunchError
-from parc.runtime import checkpoint_record as rec
-from parc.runtime.checkpoint_dir import LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve, steps
+import parc.runtime.checkpoint.record as rec
+from parc.runtime.checkpoint.files import LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve, steps
 from parc.runtime.divergence import Divergence
 from parc.runtime.optim_step import step_device
-from parc.runtime.state import shard as tp_slice, unshard
+from parc.runtime.checkpoint.state import shard as tp_slice, unshard
 
 __all__ = ["LATEST", "load", "read", "resolve", "resume", "save"]
 
@@ -188,7 +188,7 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     dense, expert = _layouts(trainer)
     experts = set(trainer.entry.get("experts") or ())
     layout = {n: expert if n in experts else dense for n in (e["name"] for e in trainer.entry["state"])}
-    # an expert slot's FQN is this ep rank's expert (runtime/expert_parallel.py localize): its serial-model name
+    # an expert slot's FQN is this ep rank's expert (runtime/parallel/expert_parallel.py localize): its serial-model name
     fqn = {e["name"]: e["fqn"] for e in trainer.entry["state"]}
     params, optim, scalars = _full_state(trainer)
     # a diverged run must not replace a good checkpoint: every rank checks what it writes, all decide alike

@@ -5,7 +5,7 @@ Start at `save_collectives`, the `context_fn` a generated program passes to
 collective, when the plan says `compile inductor` or `compile aot_eager`
 (passes/recompute.py decides, parc/codegen.py writes it).
 
-Why: every op that communicates is an ORDERED effect (runtime/ops.py `mark_ordered`).
+Why: every op that communicates is an ORDERED effect (runtime/parallel/ops.py `mark_ordered`).
 Recomputing one in backward makes AOTAutograd's partitioner save the effect tokens
 that thread it, and torch 2.13's inductor then fails to unlift them ("forward
 num_erased_outs:3 != expected 1"), so `compile inductor` could not run tp > 1 with
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from parc.runtime import ops
+from parc.runtime.parallel import ops
 
 
 def communicates(op) -> bool:
