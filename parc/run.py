@@ -62,10 +62,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let this run replace the checkpoints in --checkpoint-dir: at its first save, those "
                         "beyond the step it started from (all, for a fresh run) are deleted")
-    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+    p.add_argument("--resume", default=None, metavar="DIR|auto",
                    help="continue from a checkpoint (or the latest in a --checkpoint-dir), saved under any "
                         "plan of the same model: any dp/tp/pp, any ZeRO stage; prints what it loaded and "
-                        "every setting that differs")
+                        "every setting that differs. `auto`: the newest whole checkpoint in --checkpoint-dir "
+                        "(a damaged one is set aside, the one before it used), a fresh start if there is none; "
+                        "with torchrun --max-restarts a failed job comes back by itself (docs/fault-tolerance.md)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the K newest checkpoints: older ones are deleted once a newer one is complete")
+    p.add_argument("--async-save", action="store_true",
+                   help="save in the background: the step after a save waits only for a copy of the state to "
+                        "host memory, not for storage; the next save waits for the one in flight")
+    p.add_argument("--on-save-error", choices=("stop", "continue"), default="stop",
+                   help="a checkpoint that cannot be written (disk full, permission denied): stop (default: "
+                        "exit 2 with one line; `latest` still names the last complete one) or continue training")
     p.add_argument("--weights", type=Path, default=None, metavar="PATH",
                    help="start from pretrained weights: a .safetensors file, a directory of shards with "
                         "model.safetensors.index.json, or a Hugging Face checkpoint directory; each rank reads "
@@ -110,6 +120,40 @@ def _check_eval_args(args: argparse.Namespace, plan_json: dict) -> None:
         raise LaunchError(f"--eval-every {args.eval_every} --eval-batches {args.eval_batches}: both must be ≥ 1")
     if why := refusal(plan_json):
         raise LaunchError(why)
+
+
+def _check_fault_args(args: argparse.Namespace, auto: bool) -> None:
+    """The checkpoint flags of a run that survives failures, refused in one line before anything starts."""
+    if auto and args.checkpoint_dir is None:
+        raise LaunchError("--resume auto looks for checkpoints in --checkpoint-dir: add --checkpoint-dir DIR "
+                          "--save-every N")
+    if args.resume is not None and not auto:
+        args.resume = Path(args.resume)
+    if args.keep_last is not None and args.keep_last < 1:
+        raise LaunchError(f"--keep-last {args.keep_last}: keep at least 1 checkpoint")
+    for flag, given in (("--keep-last", args.keep_last is not None), ("--async-save", args.async_save)):
+        if given and not args.save_every:
+            raise LaunchError(f"{flag} applies to the checkpoints --save-every N writes; add --save-every N "
+                              f"--checkpoint-dir DIR")
+
+
+def _choose_auto(args: argparse.Namespace, lead: bool) -> Path | None:
+    """`--resume auto`: the newest whole checkpoint in --checkpoint-dir, or None for a fresh start (collective)."""
+    from parc.runtime.checkpoint import files as checkpoint_dir
+    from parc.runtime.checkpoint.sharded import newest_complete
+
+    saved, said = newest_complete(args.checkpoint_dir, lead) if args.checkpoint_dir.is_dir() else (None, [])
+    if lead:
+        for line in said:
+            print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        again = f" (torchrun restart {restart})" if restart != "0" else ""
+        print(f"parc.run: --resume auto{again}: " + (f"resuming from {saved.path}" if saved else
+                                                    f"no checkpoint in {args.checkpoint_dir}, starting fresh"),
+              flush=True)
+    checkpoint_dir.check_saving(args.save_every, args.checkpoint_dir, saved.step if saved else None,
+                                args.overwrite_checkpoints, auto=True)
+    return saved.path if saved else None
 
 
 def _describe_data(d: dict) -> str:
@@ -162,11 +206,15 @@ def run(args: argparse.Namespace) -> int:
     _check_eval_args(args, art.plan)
     from parc.runtime.checkpoint import files as checkpoint_dir
 
+    auto = args.resume == "auto"
+    _check_fault_args(args, auto)
     # files only, before any process group, at start rather than at the first save; rank 0 alone stats the
-    # shard files (a rank that refuses here exits, and torchrun stops the others)
+    # shard files (a rank that refuses here exits, and torchrun stops the others). `--resume auto` chooses
+    # after the process group is up (its checksums are shared out over the ranks), and checks then.
     lead_rank = os.environ.get("RANK", "0") == "0"
-    resumed = checkpoint_dir.open_checkpoint(args.resume, shards=lead_rank).step if args.resume else None
-    checkpoint_dir.check_saving(args.save_every, args.checkpoint_dir, resumed, args.overwrite_checkpoints)
+    if not auto:
+        resumed = checkpoint_dir.open_checkpoint(args.resume, shards=lead_rank).step if args.resume else None
+        checkpoint_dir.check_saving(args.save_every, args.checkpoint_dir, resumed, args.overwrite_checkpoints)
     # NCCL: a collective past --timeout aborts the communicator and raises instead of hanging forever
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if args.oversubscribe:  # before NCCL starts: it reads NCCL_HOSTID once
@@ -184,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         for line in placed:
             print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)
     init_distributed(args.timeout)
+    if auto:
+        args.resume = _choose_auto(args, lead)
     trainer = Trainer.load(art, args.seed, args.weights)
     if lead and trainer.compile_seconds is not None:  # `compile inductor`: paid here, once, not in step 0
         print(f"parc.run: compiled this rank's programs with {art.plan['plan']['compile']} in "
@@ -204,7 +254,14 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         from parc.runtime import checkpoint
 
-        first, said = checkpoint.resume(trainer, args.resume)  # steps done: get_batch(step) resumes the data
+        # steps done: get_batch(step) resumes the data
+        first, said = checkpoint.resume(trainer, args.resume, sums=not auto)
+        if first >= args.steps and auto:  # a restart after the last save: the job is done
+            if lead:
+                print(f"parc.run: {args.resume} holds {first} steps, --steps {args.steps}: nothing left to train",
+                      flush=True)
+            dist.destroy_process_group()
+            return 0
         if first >= args.steps:
             raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
         if lead:
@@ -214,7 +271,14 @@ def run(args: argparse.Namespace) -> int:
         trainer.grad_observer = parallel_grads.of_trainer
     from parc.runtime.divergence import Guard
 
-    guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
+    guard = Guard(trainer, args.on_nonfinite, lead)
+    saver = None
+    if args.save_every:
+        from parc.runtime import checkpoint
+
+        saver = checkpoint.Saver(trainer, args.checkpoint_dir, replace=args.overwrite_checkpoints,
+                                 keep_last=args.keep_last, asynchronous=args.async_save,
+                                 keep_going=args.on_save_error == "continue")
     metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None,
                       tensorboard=args.tensorboard)
     if lead:
@@ -224,12 +288,15 @@ def run(args: argparse.Namespace) -> int:
               + (f", metrics to {args.metrics}" if args.metrics else ""), flush=True)
         print(f"parc.run: data {_describe_data(trainer.data.describe())}; {describe(art.plan['plan']['optimizer'])}",
               flush=True)
+    from parc.runtime import faults
+
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
     watchdog = _Watchdog(args.timeout, ctx.rank)
     try:
         for step in range(first, args.steps):
             watchdog.tick(f"step {step}")
+            faults.at_step(step, ctx.rank)  # PARC_FAULTS, for the chaos test (runtime/faults.py); else nothing
             if args.trace and trainer.pipeline is not None:
                 trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
             log_point = (step + 1) % args.log_every == 0 or step + 1 == args.steps
@@ -237,13 +304,10 @@ def run(args: argparse.Namespace) -> int:
             guard.watch(step, result)
             # and at the last step, as torchtitan does: a run given a --checkpoint-dir ends saved, even
             # one with --save-every beyond --steps
-            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                from parc.runtime import checkpoint
-
+            if saver and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
                 guard.check()  # a diverged step stops the run here, before its checkpoint
-                checkpoint.save(trainer, args.checkpoint_dir, step + 1, replace=replace)
+                saver.save(step + 1)
                 guard.note_saved(step + 1)
-                replace = False  # only the first save replaces an earlier run's checkpoints
             local.append(result.loss)
             window.append(result.loss)
             if log_point:
@@ -256,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
                 from parc.runtime.evaluate import eval_loss
 
                 metrics.log_eval(step, eval_loss(trainer, val, args.eval_batches), args.eval_batches)
+        if saver:
+            saver.wait()  # the save in flight (--async-save) is complete before the run says done
     finally:
         metrics.close()
     losses = trainer.global_losses(local)
@@ -293,6 +359,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from parc.runtime.lifeline import tie_to_launcher
+
+    tie_to_launcher()  # first: a worker whose torchrun is killed must not train on (runtime/lifeline.py)
     args = parser().parse_args(argv)
     _single_process_env()
     try:

@@ -63,8 +63,29 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import datetime
 
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    if (store := _attempt_store(kwargs.get("timeout"))) is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", device_id=current_device(), **kwargs)
     else:
         dist.init_process_group("gloo", **kwargs)
+
+
+def _attempt_store(timeout):
+    """torchrun's key-value store with this attempt's keys apart from the attempts before it, or None.
+
+    Why: when torchrun restarts its workers (`--max-restarts`), the new ones join the store its agent
+    hosts, which still holds the keys the previous workers wrote: gloo's and NCCL's per-rank addresses
+    among them. A new rank can read a dead peer's address before the live one overwrites it, and the
+    group fails to connect ("Gloo connectFullMesh failed … Connection refused", pytorch/pytorch#135712),
+    every restart alike. So the group's keys are prefixed with torchrun's restart count, which every
+    agent of a job advances together. (Without torchrun's shared store, env:// is left as it is.)
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import datetime
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"/parc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

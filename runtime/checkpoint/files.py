@@ -6,6 +6,7 @@ Start here: `open_checkpoint(path, what)` and `check_saving(...)`. A `--checkpoi
                         `__<rank>_<i>.distcp`, and parc.json (what the checkpoint holds, under which plan)
   latest                one line: the name of the newest complete step_<N>
   step_<N>.tmp-<pid>/   a save in progress, or one a crash interrupted; never read
+  step_<N>.damaged/     a checkpoint `--resume auto` found damaged and set aside; never read
 
 Everything here reads files only, no process group: every rank, and `parc export`, reaches the same
 verdict from the same files before any collective starts, so a damaged checkpoint stops every rank with
@@ -25,6 +26,8 @@ from parc.errors import LaunchError
 
 LATEST = "latest"
 STEP = re.compile(r"step_(\d+)")
+TMP = re.compile(r"step_\d+\.tmp-\d+")
+DAMAGED = re.compile(r"step_\d+\.damaged(-\d+)?")
 
 
 @dataclass
@@ -119,13 +122,32 @@ def _first(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:160]
 
 
-def check_saving(save_every: int | None, root: Path | None, resumed: int | None, overwrite: bool) -> None:
+def leftovers(root: Path) -> list[str]:
+    """What a crashed or restarted run leaves beside its checkpoints, and `--resume auto` may start over:
+    saves a crash interrupted, checkpoints set aside as damaged, and the `latest` pointer."""
+    return sorted(p.name for p in root.iterdir()
+                  if p.name in (LATEST, f".{LATEST}.tmp") or TMP.fullmatch(p.name) or DAMAGED.fullmatch(p.name))
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint `step_<N>` to `step_<N>.damaged` (or `.damaged-2`, …): kept, never read."""
+    i, aside = 1, path.with_name(f"{path.name}.damaged")
+    while aside.exists():
+        i += 1
+        aside = path.with_name(f"{path.name}.damaged-{i}")
+    os.replace(path, aside)
+    return aside
+
+
+def check_saving(save_every: int | None, root: Path | None, resumed: int | None, overwrite: bool,
+                 auto: bool = False) -> None:
     """Refuse, at start, a checkpoint setting that would save nothing or overwrite what is there.
 
     `resumed`: the step of the checkpoint this run resumes from (None: a fresh run). A fresh run needs an
     empty or new directory; a resumed one may write into a directory holding nothing beyond `resumed`
     (so `latest` only moves forward); `overwrite` (--overwrite-checkpoints) lifts both: the first save
     then replaces what lies beyond `resumed` (runtime/checkpoint/sharded.py `save(replace=True)`).
+    `auto` (--resume auto, after it chose): a fresh start may find what a crashed run left (`leftovers`).
     """
     if save_every is None and root is None:
         return
@@ -141,7 +163,7 @@ def check_saving(save_every: int | None, root: Path | None, resumed: int | None,
         return
     found = steps(root)
     if resumed is None:
-        entries = sorted(p.name for p in root.iterdir())
+        entries = sorted(set(p.name for p in root.iterdir()) - set(leftovers(root) if auto else ()))
         if not entries:
             return
         held = f"checkpoints ({_names(found)})" if found else f"{len(entries)} entries ({', '.join(entries[:3])})"

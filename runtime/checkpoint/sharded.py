@@ -53,23 +53,28 @@ import json
 import math
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from parc.errors import LaunchError
+from parc.errors import LaunchError, ParcError
+import parc.runtime.checkpoint.checksums as checksums
 import parc.runtime.checkpoint.record as rec
-from parc.runtime.checkpoint.files import LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve, steps
+from parc.runtime.checkpoint.files import (LATEST, Saved, latest_step, open_checkpoint, point_latest, resolve,
+                                          set_aside, steps)
+from parc.runtime import faults
 from parc.runtime.divergence import Divergence
 from parc.runtime.optim_step import step_device
 from parc.runtime.checkpoint.state import shard as tp_slice, unshard
 
-__all__ = ["LATEST", "load", "read", "resolve", "resume", "save"]
+__all__ = ["LATEST", "SaveFailed", "Saver", "load", "read", "resolve", "resume", "save"]
 
 
 def _mesh(trainer):
@@ -173,18 +178,14 @@ def _all_finite(trainer, params: dict, optim: dict, scalars: dict) -> bool:
     return bool(ok.item())
 
 
-def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
-    """Write the state after `step` completed steps to `root/step_<step>`; collective over all ranks.
+class SaveFailed(ParcError):
+    """A checkpoint could not be written (disk full, permission denied, ...): nothing of it became `latest`."""
 
-    `replace` (the first save of a run started with --overwrite-checkpoints): first delete the step_<N>
-    beyond the step the run started from, and let `latest` move back to this one.
-    """
-    root = Path(root)
+
+def _state_dict(trainer, step: int, final: Path) -> tuple[dict, dict]:
+    """(the DCP state dict this rank writes to `final`, parc.json's record), after `step` steps. Collective over the
+    training groups (ZeRO gathers, tp gathers, the finite check): the caller's thread, in step order."""
     ctx = trainer.ctx
-    final = root / f"step_{step}"
-    if final.exists() and not replace:  # every rank sees the same directory: all refuse together
-        raise LaunchError(f"{final} exists already; refusing to overwrite a checkpoint (start with "
-                          f"--overwrite-checkpoints to replace an earlier run's)")
     dense, expert = _layouts(trainer)
     experts = set(trainer.entry.get("experts") or ())
     layout = {n: expert if n in experts else dense for n in (e["name"] for e in trainer.entry["state"])}
@@ -202,38 +203,185 @@ def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
     sd.update({f"optim.{k}": v for k, v in scalars.items()})
     sd["meta.step"] = torch.tensor(step, dtype=torch.int64)
     sd[f"rng.rank{ctx.rank}"] = torch.get_rng_state()
-
-    # every rank must write into the same temporary directory: rank 0 names it, the others hear it
-    name = [f"step_{step}.tmp-{os.getpid()}"] if ctx.rank == 0 else [None]
-    dist.broadcast_object_list(name, src=0)
-    tmp = root / name[0]
-    if ctx.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
-    dist.barrier()  # every rank's files are on disk before the directory gets its final name
+    info = None
     if ctx.rank == 0:
         state_keys = sorted({k for per in optim.values() for k in per})
         data = {**trainer.data.describe(), "consumed_samples": trainer.data.consumed_at(step)}
         info = rec.record(trainer.art.plan, step, ctx.world_size, trainer.name, state_keys, sorted(scalars), data)
+    return sd, info
+
+
+def _agree(error: str | None, group=None) -> str | None:
+    """Every rank's error, or None: the first one (in rank order) on every rank, so all act alike."""
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e), None)
+
+
+# DCP's CheckpointException is a BaseException, which `except Exception` would let pass
+_WRITE_ERRORS = (Exception, CheckpointException)
+
+
+def _why(e: BaseException) -> str:
+    """One phrase for a failed write: DCP gathers every rank's failure into one CheckpointException."""
+    if isinstance(e, CheckpointException) and getattr(e, "failures", None):
+        rank, err = sorted(e.failures.items())[0]
+        err = err[0] if isinstance(err, tuple) else err
+        return f"rank {rank}: {_one(err)}"
+    return _one(e)
+
+
+class Saver:
+    """Every save of one run into one --checkpoint-dir: in the step (the default) or in the background.
+
+    `save(step)` gathers and checks the state on the training groups (collective, in step order). Then
+    DCP writes it into `step_<N>.tmp-<pid>/`, each rank its rows, and `_seal` records every file's
+    checksum (runtime/checkpoint/checksums.py), writes parc.json and, on rank 0, renames the directory to
+    `step_<N>` and moves `latest`. A crash at any point leaves no `step_<N>` or a complete one.
+
+    `asynchronous` (--async-save): DCP's async save copies the state to host memory and returns; the
+    write and the seal run in a background thread on a gloo group of their own (their collectives never
+    interleave with training's), and the step goes on. The next save, and the end of the run, first wait
+    for the one in flight. Cost: one more host copy of the state this rank writes while it is in flight.
+
+    `keep_last` (--keep-last K): after a checkpoint is complete and `latest` names it, the step_<N> older
+    than the K newest are deleted. `replace` (--overwrite-checkpoints): the first save first deletes the
+    step_<N> beyond the step the run started from and lets `latest` move back.
+
+    A failed write (disk full, permission denied) raises `SaveFailed` on every rank with one line, its
+    temporary directory removed; with `keep_going` the line is printed and training goes on.
+    """
+
+    def __init__(self, trainer, root: Path, replace: bool = False, keep_last: int | None = None,
+                 asynchronous: bool = False, keep_going: bool = False):
+        self.trainer, self.root, self.replace, self.keep_last = trainer, Path(root), replace, keep_last
+        self.keep_going, self.pending = keep_going, None
+        # a group of its own for the background thread's collectives, created alike on every rank
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self.asynchronous = asynchronous
+
+    def save(self, step: int) -> Path:
+        final = self.root / f"step_{step}"
+        self.wait()  # the save in flight first: one at a time, in step order
+        if final.exists() and not self.replace:  # every rank sees the same directory: all refuse together
+            raise LaunchError(f"{final} exists already; refusing to overwrite a checkpoint (start with "
+                              f"--overwrite-checkpoints to replace an earlier run's)")
+        sd, info = _state_dict(self.trainer, step, final)
+        ctx = self.trainer.ctx
+        # every rank writes into the same temporary directory: rank 0 names and makes it, the others hear it
+        made = None
+        if ctx.rank == 0:
+            tmp = self.root / f"step_{step}.tmp-{os.getpid()}"
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                made = f"cannot create {tmp}: {_one(e)}"
+        name = [str(tmp) if ctx.rank == 0 else None, made]
+        dist.broadcast_object_list(name, src=0)
+        if name[1]:
+            return self._failed(step, name[1], None)
+        tmp, replace = Path(name[0]), self.replace
+        self.replace = False  # only the first save replaces an earlier run's checkpoints
+        if not self.asynchronous:
+            try:
+                dcp.save(sd, storage_writer=faults.writer(tmp, step, ctx.rank))
+                error = None
+            except _WRITE_ERRORS as e:  # DCP raises one CheckpointException on every rank
+                error = _why(e)
+            self._seal(step, tmp, info, replace, error, group=None)
+            return final
+        future = dcp.async_save(sd, storage_writer=faults.writer(tmp, step, ctx.rank), process_group=self.group)
+        del sd  # staged: the host copy is DCP's now
+        from concurrent.futures import ThreadPoolExecutor
+
+        def finish():
+            try:
+                future.result()
+                error = None
+            except _WRITE_ERRORS as e:
+                error = _why(e)
+            self._seal(step, tmp, info, replace, error, group=self.group)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="parc-save")
+        self.pending = (step, pool.submit(finish))
+        pool.shutdown(wait=False)
+        return final
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is complete; its failure is raised (or printed) here."""
+        if self.pending is not None:
+            step, job = self.pending
+            self.pending = None
+            job.result()
+
+    def _seal(self, step: int, tmp: Path, info: dict | None, replace: bool, error: str | None, group) -> None:
+        """After DCP wrote: checksums, parc.json, the rename and `latest` (rank 0), every rank told the outcome."""
+        ctx = self.trainer.ctx
+        faults.in_save(step, ctx.rank)
+        error = _agree(error, group)
+        sums: dict = {}
+        if error is None:
+            try:
+                mine = checksums.measure(tmp, ctx.rank, ctx.world_size)
+            except OSError as e:
+                mine, error = {}, f"rank {ctx.rank}: {_one(e)}"
+            error = _agree(error, group)
+            shares = [None] * ctx.world_size
+            dist.all_gather_object(shares, mine, group=group)
+            for s in shares:
+                sums.update(s)
+        if ctx.rank == 0 and error is None:
+            try:
+                self._commit(step, tmp, {**info, "files": dict(sorted(sums.items()))}, replace)
+            except OSError as e:
+                error = _one(e)
+        error = _agree(error if ctx.rank == 0 else None, group)
+        if error is not None:
+            self._failed(step, error, tmp)
+
+    def _commit(self, step: int, tmp: Path, info: dict, replace: bool) -> None:
+        """Rank 0: parc.json, then the rename that makes the checkpoint exist, then `latest`, then pruning."""
+        root, final = self.root, self.root / f"step_{step}"
         (tmp / "parc.json").write_text(json.dumps(info, indent=1, sort_keys=True))
         if replace:
             for n, old in steps(root).items():
-                if n > trainer.resumed_step:
+                if n > self.trainer.resumed_step:
                     shutil.rmtree(old)
         os.replace(tmp, final)
         newest = latest_step(root)
         if replace or newest is None or newest <= step:  # `latest` never moves back
             point_latest(root, final.name)
-        for stale in root.glob("step_*.tmp-*"):  # left by a crash mid-save
+        if self.keep_last:
+            done = sorted(n for n in steps(root) if n <= step)
+            for n in done[:-self.keep_last]:  # only once a newer one is complete and named
+                shutil.rmtree(root / f"step_{n}", ignore_errors=True)
+        for stale in root.glob("step_*.tmp-*"):  # left by a crash mid-save (never the one in flight: one at a time)
             shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    return final
+        faults.after_commit(step, final)
+
+    def _failed(self, step: int, why: str, tmp: Path | None) -> Path:
+        if tmp is not None and self.trainer.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        line = f"checkpoint step_{step} not saved in {self.root}: {why}"
+        if not self.keep_going:
+            raise SaveFailed(line, hint="free space or fix permissions, then resume from the last checkpoint; "
+                                        "or run with --on-save-error continue to train on without it")
+        if self.trainer.ctx.rank == 0:
+            print(f"parc.run: warning: {line}; training goes on (--on-save-error continue)", file=sys.stderr,
+                  flush=True)
+        return self.root / f"step_{step}"
+
+
+def save(trainer, root: str | Path, step: int, replace: bool = False) -> Path:
+    """Write the state after `step` completed steps to `root/step_<step>`, in the step; collective over all
+    ranks (one `Saver` save: see there)."""
+    return Saver(trainer, Path(root), replace=replace).save(step)
 
 
 def read(path: str | Path, prefix: str = "", what: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint whose key starts with `prefix`, whole, in one process (no process group)."""
     saved = open_checkpoint(path, what)
+    check_sums(saved, what)
     md = saved.meta.state_dict_metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
           if k.startswith(prefix) and hasattr(m, "size")}
@@ -246,8 +394,6 @@ def read(path: str | Path, prefix: str = "", what: str = "checkpoint") -> dict[s
 def _read(saved: Saved, sd: dict, what: str, **kwargs) -> None:
     """DCP's load into `sd`; a failure (a shard damaged inside) is one line on every rank (DCP gathers
     every rank's failure and raises on all of them)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         dcp.load(sd, storage_reader=dcp.FileSystemReader(saved.path), **kwargs)
     except CheckpointException as e:
@@ -266,20 +412,63 @@ def _one(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def check_sums(saved: Saved, what: str = "--resume") -> None:
+    """Refuse a checkpoint whose files differ from the checksums parc.json recorded, in one line naming the
+    file. With a process group the files are shared out over the ranks and every rank gets the verdict."""
+    on = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    bad = checksums.damaged(saved.path, saved.info, rank, world)
+    if on:
+        shares = [None] * world
+        dist.all_gather_object(shares, bad)
+        bad = [b for share in shares for b in share]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise LaunchError(f"{what} {saved.path}: {bad[0]}{more}; the checkpoint is damaged")
+
+
+def newest_complete(root: Path, lead: bool) -> tuple[Saved | None, list[str]]:
+    """`--resume auto`: the newest checkpoint under `root` that is whole and matches its checksums, or None;
+    and one line for each newer one found damaged, which is set aside (`files.set_aside`), not deleted.
+    Collective: every rank reaches the same verdict (rank 0 stats the shard files, the sums are shared)."""
+    said = []
+    for step in sorted(steps(root), reverse=True):
+        path = root / f"step_{step}"
+        error, saved = None, None
+        try:
+            saved = open_checkpoint(path, "--resume auto", shards=lead)
+        except LaunchError as e:
+            error = e.diagnostics[0].message
+        error = _agree(error)
+        if error is None:
+            try:
+                check_sums(saved, "--resume auto")
+                return saved, said
+            except LaunchError as e:
+                error = e.diagnostics[0].message
+        if lead:
+            aside = set_aside(path)
+            said.append(f"{error}; set aside as {aside.name}, trying the one before")
+        dist.barrier()
+    return None, said
+
+
 def load(trainer, path: str | Path) -> int:
     """`resume`, for callers that want only the number of steps the checkpoint holds."""
     return resume(trainer, path)[0]
 
 
-def resume(trainer, path: str | Path, what: str = "--resume") -> tuple[int, str]:
+def resume(trainer, path: str | Path, what: str = "--resume", sums: bool = True) -> tuple[int, str]:
     """Load a checkpoint into `trainer` (any dp/tp/pp, any ZeRO stage); return (the number of steps it
     holds, the one line saying what was loaded and what differs from the run).
 
     Every check runs on files and plan.json only, before DCP's collective read, so every rank refuses
-    alike. Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
+    alike; the files' checksums are shared out over the ranks (`check_sums`; `sums=False`: checked already). Each rank then reads, whole, only the tensors its own programs hold (DCP assembles them from
     whichever ranks wrote the rows) and keeps its tp slice and ZeRO range.
     """
     saved = open_checkpoint(path, what, shards=False)  # a shard damaged after all: DCP's read fails on every rank
+    if sums:
+        check_sums(saved, what)
     plan_json, ctx = trainer.art.plan, trainer.ctx
     meta, info = saved.meta.state_dict_metadata, saved.info
     ckpt_params, ckpt_state, ckpt_scalars = rec.held(saved.meta)
