@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from parc.runtime.divergence import Guard
 
     guard, replace = Guard(trainer, args.on_nonfinite, lead), args.overwrite_checkpoints
-    metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None,
+    metrics = Metrics(args.steps, args.metrics, enabled=lead, first_step=first,
                       tensorboard=args.tensorboard)
     if lead:
         from parc.runtime.schedule_lr import describe
