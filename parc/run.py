@@ -9,7 +9,8 @@ Failures: a rank whose code raises mid-run prints its traceback once and
 exits at once (`_fail`); its closed sockets make every peer's pending
 collective fail immediately (a peer that is merely stuck times out after
 `--timeout`); each peer prints one line and exits 1; torchrun stops the job
-non-zero (tests/test_failures.py).
+non-zero (tests/test_failures.py). A rank that hangs (an endless loop in its data code, SIGSTOP) is
+named by the others' watchdogs after --timeout (runtime/watchdog.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
                         "Chrome-trace JSON (open in Perfetto) to FILE and print the measured bubble fraction")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="process-group timeout in seconds: a collective waiting longer on a hung "
-                        "rank fails and the job exits (default 600)")
+                        "rank fails and the job exits; also the watchdog's: a rank that makes no progress "
+                        "this long is named in one line and the job exits 1 (default 600; "
+                        "runtime/watchdog.py)")
     p.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="write a sharded checkpoint every N ≥ 1 steps and after the last one (needs "
                         "--checkpoint-dir)")
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         saver = checkpoint.Saver(trainer, args.checkpoint_dir, replace=args.overwrite_checkpoints,
                                  keep_last=args.keep_last, asynchronous=args.async_save,
                                  keep_going=args.on_save_error == "continue")
-    metrics = Metrics(args.steps, args.metrics, enabled=lead, append=args.resume is not None,
+    metrics = Metrics(args.steps, args.metrics, enabled=lead, first_step=first,
                       tensorboard=args.tensorboard)
     if lead:
         from parc.runtime.schedule_lr import describe
@@ -292,10 +295,14 @@ def run(args: argparse.Namespace) -> int:
 
     tokens = art.plan["plan"]["batch"]["global"] * art.plan["model"]["tokens_per_sample"]
     local, window, t_window = [], [], time.perf_counter()
-    watchdog = _Watchdog(args.timeout, ctx.rank)
+    from parc.runtime.watchdog import Watchdog
+
+    # each rank publishes its progress to the rendezvous store; a watchdog that fires reads who stopped
+    store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
+    watchdog = Watchdog(args.timeout, ctx.rank, ctx.world_size, store, report=_error_file)
+    trainer.progress = watchdog.mark  # twice a step: before and after fetching the batch
     try:
         for step in range(first, args.steps):
-            watchdog.tick(f"step {step}")
             faults.at_step(step, ctx.rank)  # PARC_FAULTS, for the chaos test (runtime/faults.py); else nothing
             if args.trace and trainer.pipeline is not None:
                 trainer.pipeline.trace = step == args.steps - 1  # the last (warm) step
@@ -391,38 +398,6 @@ def _error_file(message: str) -> None:
         info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
-
-
-class _Watchdog:
-    """Exit this rank when one step (with its checkpoint and logging) makes no progress for --timeout s.
-
-    The process-group timeout does not cover every wait: a rank stuck in user code leaves its peers in
-    an async gloo collective whose `wait()` has no deadline. Every rank runs this, the stuck one too, so
-    every rank is gone about --timeout after the last step that finished anywhere.
-    """
-
-    def __init__(self, timeout: float, rank: int):
-        import threading
-
-        self.timeout, self.rank = timeout, rank
-        self.mark: float | None = time.monotonic()
-        self.what = "start"
-        threading.Thread(target=self._watch, daemon=True, name="parc-watchdog").start()
-
-    def tick(self, what: str) -> None:
-        self.mark, self.what = time.monotonic(), what
-
-    def stop(self) -> None:
-        self.mark = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 10))
-            mark = self.mark
-            if mark is not None and time.monotonic() - mark > self.timeout:
-                print(f"parc.run: rank {self.rank} stopped: {self.what} made no progress for "
-                      f"{self.timeout:g} s (--timeout); a rank hung or failed", file=sys.stderr, flush=True)
-                os._exit(1)
 
 
 def _peer_failure(e: BaseException) -> bool:

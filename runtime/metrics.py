@@ -3,16 +3,24 @@
 A rich progress bar (step, loss, tokens/s) on stderr when it is a terminal; plain
 log lines on stdout every `log_every` steps otherwise (with parc.run's other
 lines, so one redirect keeps them in order), so CI logs stay readable. Every
-logged step is also written to a JSON-lines file: a fresh one for a fresh run,
-appended to on --resume so the earlier steps stay. A record holds the step, loss, speed, the
+logged step is also written to a JSON-lines file. A record holds the step, loss, speed, the
 step's learning rate and the global gradient norm; an eval record (--eval-every) the step and
 `val_loss`. With --tensorboard DIR the same scalars also go to TensorBoard event files
 (torch.utils.tensorboard, which needs the `tensorboard` package: `tensorboard_writer`).
+
+Start here: `Metrics(total_steps, path, enabled, first_step, tensorboard)`, built once by parc.run.
+A fresh run (`first_step` 0) starts a new file. A resumed run starts at the checkpoint's step,
+which may be earlier than the last step the crashed run logged: the steps in between are run
+again, so each step appears once only if their old records go. `keep_before` rewrites the file
+with the records of steps before `first_step` (and without a line half-written at the crash),
+then the run appends; TensorBoard is told the same with SummaryWriter's `purge_step`, which
+hides the earlier runs' events at or after that step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,21 +30,51 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from parc.errors import LaunchError
 
 
-def tensorboard_writer(path: Path):
-    """A SummaryWriter for `--tensorboard path`; without the `tensorboard` package, one line."""
+def tensorboard_writer(path: Path, purge_step: int | None = None):
+    """A SummaryWriter for `--tensorboard path`; without the `tensorboard` package, one line. `purge_step`:
+    a resumed run's first step; TensorBoard drops what earlier runs logged in DIR at or after it."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise LaunchError(f"--tensorboard {path}: the `tensorboard` package is not installed; pip install "
                           f"tensorboard, or drop --tensorboard (the metrics JSON-lines file has the same scalars)") from None
-    return SummaryWriter(log_dir=str(path))
+    return SummaryWriter(log_dir=str(path), purge_step=purge_step)
+
+
+def keep_before(path: Path, first_step: int) -> None:
+    """Rewrite the JSON-lines file `path` with only its records of steps before `first_step`.
+
+    Atomic (a temporary file beside it, then os.replace): a crash here leaves the old file or the new
+    one, never half of it. A line that is not a JSON record with a step (the last one, half-written when
+    the earlier run was killed) is dropped too: appending after it would join two records on one line.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Metrics:
-    def __init__(self, total_steps: int, path: Path | None, enabled: bool, append: bool = False,
+    def __init__(self, total_steps: int, path: Path | None, enabled: bool, first_step: int = 0,
                  tensorboard: Path | None = None):
+        """`first_step`: the step this run starts at (a resumed run: the steps its checkpoint holds); the
+        records of that step and later ones, from a run that got further before it crashed, are dropped."""
         self.enabled = enabled
-        self.tb = tensorboard_writer(tensorboard) if enabled and tensorboard is not None else None
+        self.tb = None
+        if enabled and tensorboard is not None:
+            self.tb = tensorboard_writer(tensorboard, purge_step=first_step if first_step > 0 else None)
         tty = sys.stderr.isatty()
         self.console = Console(stderr=True) if tty else Console(soft_wrap=True)
         self.file = None
@@ -45,7 +83,9 @@ class Metrics:
             return
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = path.open("a" if append else "w")
+            if first_step > 0:
+                keep_before(path, first_step)
+            self.file = path.open("a" if first_step > 0 else "w")
         if tty:
             self.bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),

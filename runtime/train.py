@@ -170,6 +170,9 @@ class Trainer:
         # --verify: called once, with this trainer, when the first step's gradients are complete (reduced over
         # every axis) and not yet clipped or applied; every rank must be given one (runtime/verify_grads.py)
         self.grad_observer = None
+        # parc.run's hung-rank watchdog (runtime/watchdog.py): called with (step, "data") before this rank
+        # fetches its batch (user code that may hang) and (step, "compute") once it has it
+        self.progress = None
         self.compile_seconds = compiled.warm_up(self)  # `compile inductor`: compiled now, not in step 0
 
     @classmethod
@@ -229,7 +232,11 @@ class Trainer:
         scalar all-reduce per mesh axis; parc.run asks for it at log points)."""
         t0 = time.perf_counter()
         self.current_step = step
+        if self.progress:
+            self.progress(step, "data")
         micro_batches = self.local_batches(step)
+        if self.progress:
+            self.progress(step, "compute")
         self.casts.refresh()  # bf16: this step's compute copies of the masters (runtime/precision.py)
         if self.probe:  # the batch, and the compute copies (state: runtime/memory.py held_state)
             self.probe.ignore([*(t for mb in micro_batches for t in mb), *self.casts.copies()])
