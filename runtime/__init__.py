@@ -5,5 +5,7 @@ parallel/ (the collectives and one file per parallel axis), then checkpoint/ (wh
 from and goes to). Beside them, one file each: context (process groups from the mesh), compiled
 (loading the generated programs), data, precision, dropout, optim_step, param_groups,
 schedule_lr, divergence, metrics, memory, evaluate, launch and placement (torchrun and the
-topology), verify, verify_grads and serial_reference (`--verify`), recompute_policy.
+topology), verify, verify_grads and serial_reference (`--verify`), recompute_policy. Surviving
+failures (docs/fault-tolerance.md): lifeline (workers die with their launcher), watchdog (hung ranks
+named), faults (the chaos test's injected faults); the checkpoint side is checkpoint/.
 """

@@ -158,6 +158,10 @@ def test_chaos_resumes_to_the_uninterrupted_state(compiled, tmp_path):
         assert len(re.findall(rf"fault injected: {kind} at step {at.split(':')[0]} ", text)) == 1, (fault, text)
     assert "does not match its checksum" in text and "set aside as step_10.damaged" in text, text
     assert "No space left on device" in text, text
+    assert re.search(r"parc\.run: rank 1 hung: .*step 7", text), text  # the hang named by --timeout's watchdog
+    # each step's metrics once, though steps were redone after every fault (the records past a resume dropped)
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert logged == list(range(STEPS)), logged
 
     # bitwise: parameters, optimizer state, RNG, data position
     final = checkpoint.resolve(ck)

@@ -130,7 +130,9 @@ def _rows(t: torch.Tensor, n: int, r: int) -> torch.Tensor:
 
 
 def _sharded(full: torch.Tensor, layout: tuple):
-    """`full` as the DTensor this rank writes: its rows of shard r of n on `mesh` (see `_layouts`)."""
+    """`full` as the DTensor this rank writes: its rows of shard r of n on `mesh` (see `_layouts`). A copy:
+    a view of a live parameter may share the storage of a ZeRO flat buffer, which DCP's staging to host
+    memory (--async-save) cannot copy from."""
     mesh, placements, n, r = layout
     if full.dim() == 0:
         return full.detach().clone()
