@@ -27,6 +27,11 @@ EPILOG = """examples:
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 20
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 3 --verify
   torchrun --nproc-per-node 4 -m parc.run compiled/ --data train.bin --val-data val.bin --eval-every 100
+  torchrun --nproc-per-node 4 --max-restarts 3 -m parc.run compiled/ --steps 10000 \
+      --checkpoint-dir ckpt/ --save-every 500 --resume auto --async-save --keep-last 3
+
+A run with --checkpoint-dir stops safely on SIGTERM or Ctrl-C: it finishes a step, saves and exits 0.
+Surviving failures (restarts, hung ranks, damaged checkpoints): docs/fault-tolerance.md.
 """
 
 
@@ -301,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
     store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     watchdog = Watchdog(args.timeout, ctx.rank, ctx.world_size, store, report=_error_file)
     trainer.progress = watchdog.mark  # twice a step: before and after fetching the batch
+    from parc.runtime.lifeline import Stop
+
+    stop = Stop(ctx.device) if saver else None  # SIGTERM/SIGINT: save after an agreed step, exit 0
+    stopped = None
     try:
         for step in range(first, args.steps):
             faults.at_step(step, ctx.rank)  # PARC_FAULTS, for the chaos test (runtime/faults.py); else nothing
@@ -311,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
             guard.watch(step, result)
             # and at the last step, as torchtitan does: a run given a --checkpoint-dir ends saved, even
             # one with --save-every beyond --steps
-            if saver and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            if stop and stop.poll():
+                stopped = step + 1
+            if saver and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stopped):
                 guard.check()  # a diverged step stops the run here, before its checkpoint
                 saver.save(step + 1)
                 guard.note_saved(step + 1)
@@ -327,11 +338,21 @@ def run(args: argparse.Namespace) -> int:
                 from parc.runtime.evaluate import eval_loss
 
                 metrics.log_eval(step, eval_loss(trainer, val, args.eval_batches), args.eval_batches)
+            if stopped:
+                break
         if saver:
             saver.wait()  # the save in flight (--async-save) is complete before the run says done
     finally:
         metrics.close()
     losses = trainer.global_losses(local)
+    if stopped:  # asked to stop: saved, nothing more to do (--trace and --verify want the whole run)
+        watchdog.stop()
+        if lead:
+            print(f"parc.run: stopped by {stop.requested or 'a signal to another rank'} after step {stopped - 1}; "
+                  f"saved {args.checkpoint_dir / f'step_{stopped}'}; continue with --resume "
+                  f"{args.checkpoint_dir}", flush=True)
+        dist.destroy_process_group()
+        return 0
     if args.trace and trainer.pipeline is not None:
         from parc.runtime.parallel import pipeline
 

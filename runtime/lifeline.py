@@ -62,3 +62,46 @@ def _watch(parent: int, poll: float) -> None:
         if os.getppid() != parent:  # re-parented: the launcher is gone (and the kernel's signal did not come)
             os._exit(1)
         time.sleep(poll)
+
+
+class Stop:
+    """SIGTERM or SIGINT asks the run to stop: it saves a checkpoint after a step and exits cleanly.
+
+    Why: a preemptible cluster (Slurm's `--signal`, Kubernetes, a spot instance) sends SIGTERM and
+    waits a grace period before SIGKILL; Ctrl-C on torchrun reaches the workers as SIGTERM too.
+    Dying at once loses every step since the last checkpoint.
+
+    The signal reaches the ranks at different moments, maybe in different steps, and a save is
+    collective: they must agree on the step after which they all stop. So at the end of every step
+    each rank starts an asynchronous MAX all-reduce of its flag, and reads it at the end of the next
+    step, when it has long completed (no wait, one element): every rank reads the same verdict at
+    the same step. The run then stops one step after the earliest signal, saves, and exits 0. A
+    second signal kills at once (the default action is restored after the first). Only a run that
+    saves checkpoints waits: without --checkpoint-dir there is nothing to keep, and the signal's
+    default action ends the process as before.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.requested: str | None = None
+        self._flag = torch.zeros(1, device=device)
+        self._work = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL)
+
+    def poll(self) -> bool:
+        """At the end of a step, on every rank: whether every rank stops now (collective, no wait)."""
+        import torch.distributed as dist
+
+        if self._work is not None:
+            self._work.wait()
+            if self._flag.item() > 0:
+                return True
+        self._flag.fill_(1.0 if self.requested else 0.0)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False

@@ -113,6 +113,28 @@ def test_workers_die_with_their_launcher(compiled, tmp_path):
         job.kill()
 
 
+def test_sigterm_saves_and_stops(compiled, tmp_path):
+    """What a preemptible cluster sends: every rank stops after one agreed step, saved, and exits 0."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = Job(compiled, "--steps", "100000", "--save-every", "100000", "--checkpoint-dir", str(ck),
+              "--metrics", str(metrics))
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.text
+            time.sleep(0.05)
+        os.kill(job.proc.pid, signal.SIGTERM)  # torchrun passes it on to every worker
+        job.wait(120)
+    finally:
+        job.kill()
+    said = re.search(r"stopped by SIGTERM after step (\d+); saved .*step_(\d+)", job.text)
+    assert said and int(said.group(2)) == int(said.group(1)) + 1, job.text
+    assert checkpoint.resolve(ck).name == f"step_{said.group(2)}"
+    assert re.search(r"exitcode\s*:\s*[1-9]|failed \(exitcode", job.text) is None, job.text  # the workers exit 0
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert logged[-1] == int(said.group(1))  # the saved step was the last one trained
+
+
 # The fault schedule, by step (a fault at step S fires as step S starts; a save fault in the save of step_S).
 # Each resumes from the newest whole checkpoint: the steps redone are S − that checkpoint's step. Under
 # --async-save a save is sealed a step or two after it starts, so which checkpoint that is depends on timing
