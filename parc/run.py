@@ -27,7 +27,7 @@ EPILOG = """examples:
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 20
   torchrun --nproc-per-node 4 -m parc.run compiled/ --steps 3 --verify
   torchrun --nproc-per-node 4 -m parc.run compiled/ --data train.bin --val-data val.bin --eval-every 100
-  torchrun --nproc-per-node 4 --max-restarts 3 -m parc.run compiled/ --steps 10000 \
+  torchrun --nproc-per-node 4 --max-restarts 3 -m parc.run compiled/ --steps 10000 \\
       --checkpoint-dir ckpt/ --save-every 500 --resume auto --async-save --keep-last 3
 
 A run with --checkpoint-dir stops safely on SIGTERM or Ctrl-C: it finishes a step, saves and exits 0.
