@@ -138,8 +138,26 @@ def cmd_compile(args) -> int:
     print(f"wrote {args.output}/ in {time.perf_counter() - _STARTED:.1f}s ({result.seconds:.1f}s compiling): "
           f"{n} program{'s' * (n != 1)} for "
           f"{plan.world_size} ranks; {_batch_line(plan)}")
-    print(f"run it: torchrun --nproc-per-node {plan.world_size} -m parc.run {args.output}")
+    print("\n".join(_launch_lines(plan, args.output)))
     return 0
+
+
+def _launch_lines(plan, output) -> list[str]:
+    """The command that runs what was compiled, as the launch check (runtime/placement.py) will accept it.
+
+    A plan whose topology line states fewer GPUs per node than it has ranks is refused on one node of
+    `--nproc-per-node <world>`: print the multi-node command, and the one-machine form that stands in
+    for it (`--oversubscribe` lifts the per-node bound: ranks share the machine's GPUs, or its CPU).
+    """
+    world, run = plan.world_size, f"-m parc.run {output}"
+    gpn = plan.topology.gpus_per_node if "topology.gpus_per_node" in plan.spans else None
+    if gpn is None or world <= gpn:
+        return [f"run it: torchrun --nproc-per-node {world} {run}"]
+    nodes = -(-world // gpn)
+    return [f"run it on {nodes} nodes of {gpn} (the plan's topology), on each: torchrun --nnodes {nodes} "
+            f"--nproc-per-node {gpn} --rdzv-backend c10d --rdzv-endpoint <first node>:29500 {run}",
+            f"or on this machine alone, its {world} ranks sharing it: torchrun --nproc-per-node {world} {run} "
+            f"--oversubscribe"]
 
 
 def cmd_import_deepspeed(args) -> int:

@@ -132,3 +132,26 @@ def test_check_prints_a_bounded_amount_for_thousands_of_errors(tmp_path):
     r = _run([sys.executable, "-m", "parc.cli", "check", "dup.par"], tmp_path, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr) < 100_000 and r.stderr.rstrip().endswith("more errors not shown")
+
+
+def test_printed_launch_line_is_one_the_launch_check_accepts():
+    """For every example plan, the command `parc compile` prints passes parc.run's placement check, as
+    torchrun would start it on one machine (issue 29: pp.par's printed line used to be refused)."""
+    import pytest
+
+    from parc.cli import _launch_lines
+    from parc.errors import LaunchError
+    from parc.grammar.parser import load_plan
+    from parc.runtime import placement
+
+    for par in sorted((ROOT / "examples").glob("*.par")):
+        plan = load_plan(par)
+        line = _launch_lines(plan, "compiled")[-1]  # the one-machine form
+        world = int(re.search(r"--nproc-per-node (\d+)", line).group(1))
+        assert world == plan.world_size, (par.name, line)
+        env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": "1"}
+        plan_json = {"plan": {"source": par.read_text(), "file": str(par)}, "groups": {"tp": []}}
+        placement.check(plan_json, env, oversubscribe="--oversubscribe" in line)
+        if "--oversubscribe" in line:  # needed indeed: without it the same launch is refused
+            with pytest.raises(LaunchError):
+                placement.check(plan_json, env, oversubscribe=False)
