@@ -246,11 +246,31 @@ def cmd_export(args) -> int:
         if args.output is None:
             raise ParcError("--hf writes a directory: name it with -o (e.g. -o my-model/)")
         out = export_hf(args.checkpoint, args.output, args.hf, parse_size(args.max_shard_size))
-        print(f"wrote {out}")
+        print(f"wrote {out}: {_exported(args.checkpoint, sorted(Path(out).glob('*.safetensors')))}")
         return 0
     out = export(args.checkpoint, args.output or Path("model.safetensors"))
-    print(f"wrote {out}")
+    print(f"wrote {out}: {_exported(args.checkpoint, [Path(out)])}")
     return 0
+
+
+def _exported(checkpoint, files: list[Path]) -> str:
+    """What an export holds, for its one line: tensors, parameters, and the checkpoint and step they came from."""
+    import json
+    import math
+
+    from safetensors import safe_open
+
+    from parc.runtime.checkpoint import resolve
+
+    tensors = numel = 0
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shape = st.get_slice(k).get_shape()
+                tensors, numel = tensors + 1, numel + math.prod(shape)
+    where = resolve(checkpoint, "checkpoint")
+    step = json.loads((where / "parc.json").read_text()).get("step", "?")
+    return f"{tensors} tensors, {numel:,} parameters, from {where} (after {step} steps)"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     if stopped:  # asked to stop: saved, nothing more to do (--trace and --verify want the whole run)
         watchdog.stop()
         if lead:
-            print(f"parc.run: stopped by {stop.requested or 'a signal to another rank'} after step {stopped - 1}; "
+            print(f"parc.run: stopped by {stop.requested or 'a signal to another rank'} after {stopped} steps; "
                   f"saved {args.checkpoint_dir / f'step_{stopped}'}; continue with --resume "
                   f"{args.checkpoint_dir}", flush=True)
         dist.destroy_process_group()

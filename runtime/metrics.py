@@ -114,7 +114,8 @@ class Metrics:
         if not self.enabled:
             return
         self._write(step, {"step": step, "val_loss": val_loss})
-        line = f"eval after step {step}: val loss {val_loss:.4f} ({batches} held-out batches)"
+        # counted as checkpoints are named: after step index 49 come 50 steps and step_50
+        line = f"eval after {step + 1} steps: val loss {val_loss:.4f} ({batches} held-out batches)"
         if self.bar:
             self.bar.console.print(line, highlight=False)
         else:

@@ -252,7 +252,7 @@ def test_parc_run_trains_on_a_token_file_with_eval_and_verify(run, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verify PASS" in done.stdout and "train.bin (uint16 tokens, 124 samples" in done.stdout, done.stdout
-    assert "eval after step 1: val loss" in done.stdout and "eval after step 2: val loss" in done.stdout
+    assert "eval after 2 steps: val loss" in done.stdout and "eval after 3 steps: val loss" in done.stdout
     assert "step      0  loss " in done.stdout and "  lr 0.0015  grad norm " in done.stdout, done.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

@@ -121,6 +121,8 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _show(v) -> str:
+    if v is None:  # a setting the plan leaves out: the plan language's word for it
+        return "none"
     if isinstance(v, float):
         return f"{v:g}" if math.isfinite(v) else str(v)
     if isinstance(v, list):
