@@ -26,6 +26,7 @@ from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
+from parc.traced import index_bounds
 from parc.trace_constants import MAX_CARRIED_ELEMENTS
 from parc.grammar.validate import validate
 
@@ -178,6 +179,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     programs: dict[str, dict] = {}
     files: dict[str, str] = {}
     whole: dict = {}  # tp rank → its graph after the whole-graph passes, shared by its stages
+    bounds = index_bounds(traced)  # what each integer input indexes: checked against the data (runtime/data.py)
     for stage in range(n_stages):
         for tp_rank in range(m.tp):
             name = f"stage{stage}_tp{tp_rank}"
@@ -193,7 +195,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
             programs[name] = {
                 "file": f"programs/{name}.py", "stage": stage, "tp_rank": tp_rank,
                 "state": [_state_entry(s, ctx.shards.get(s.name), traced.constants) for s in state],
-                "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in traced.inputs],
+                "inputs": [_input_entry(i, bounds) for i in traced.inputs],
                 "buckets": grad_buckets.assign(gm, state),
                 "rewrites": dict(sorted(ctx.rewrites.items())),
                 "tp_partial_grads": ctx.notes.get("tp_partial_grads", []),  # passes/tensor_parallel.py
@@ -276,6 +278,14 @@ def _assets(user, model_file: Path) -> dict[str, bytes]:
             raise TraceError(f"{model_file}: ASSETS entry {rel!r} must be an existing file below the model's folder")
         out[f"model/{Path(rel).as_posix()}"] = src.read_bytes()
     return out
+
+
+def _input_entry(i, bounds: dict) -> dict:
+    """plan.json's record of a batch input; `below`: the bound its ids must stay under, and what sets it."""
+    entry = {"name": i.name, "shape": list(i.shape), "dtype": i.dtype}
+    if i.name in bounds:
+        entry.update(below=bounds[i.name][0], below_what=bounds[i.name][1])
+    return entry
 
 
 def _tokens_per_sample(traced: Traced) -> int:

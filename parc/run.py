@@ -395,12 +395,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ParcError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if _first_to_say(e.render()):
             print(e.render(), file=sys.stderr)
         _error_file(e.render())
         return 2
     except Exception as e:  # noqa: BLE001 — any failure mid-run: report once, then leave at once
         _fail(e)
+
+
+def _first_to_say(message: str) -> bool:
+    """Whether this rank prints `message`: exactly one rank prints each refusal, whichever rank raised it.
+
+    Before the process group exists every rank runs the same checks on the same files and refuses alike,
+    so rank 0 speaks for all. After it, a refusal may come from one rank only (its own batch, its own
+    shard): the first rank to count the message in torchrun's store prints it, the others that raise
+    the same one stay silent. If the store cannot answer, print: a repeated line beats a lost one.
+    """
+    import datetime
+    import hashlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return os.environ.get("RANK", "0") == "0"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        return store.add(f"parc/said/{hashlib.sha1(message.encode()).hexdigest()[:16]}", 1) == 1
+    except Exception:  # noqa: BLE001 — the store's own failure must not hide the message
+        return True
 
 
 def _error_file(message: str) -> None:

@@ -122,3 +122,56 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, int]:
             if len({type(child) for child in mod}) == 1:
                 best = (name, len(mod))
     return best
+
+
+# --- what the integer inputs index ------------------------------------------------
+
+_PASS_THROUGH = {"reshape", "view", "_unsafe_view", "flatten", "clone", "contiguous", "slice", "select",
+                 "unsqueeze", "squeeze", "_to_copy", "to", "alias", "detach", "expand", "t", "transpose"}
+
+
+def index_bounds(traced: Traced) -> dict[str, tuple[int, str]]:
+    """For each integer input used as an index: (the bound its values must stay below, what sets it).
+
+    An embedding's ids must be below its table's rows; a cross entropy's targets below its classes (the
+    ignore_index aside). Followed through ops that only reshape or copy. A token file read with the
+    wrong --data-dtype gives ids far beyond the vocabulary, which the embedding reports as an
+    IndexError deep inside the program on every rank: runtime/data.py checks against these instead.
+    """
+    by_name = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    fqn = {s.name: s.fqn for s in traced.state}
+    out: dict[str, tuple[int, str]] = {}
+    for spec in traced.inputs:
+        node = by_name.get(spec.name)
+        if node is None or not spec.dtype.startswith("int"):
+            continue
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            for user in n.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                op = getattr(user.target, "__name__", str(user.target)).split(".")[0]
+                bound = None
+                if op == "embedding" and len(user.args) > 1 and user.args[1] is n:
+                    table = user.args[0]
+                    bound = (_rows(table), f"the rows of {fqn.get(table.name, table.name)}")
+                elif op in ("cross_entropy_loss", "nll_loss_forward", "nll_loss", "nll_loss_nd") and \
+                        len(user.args) > 1 and user.args[1] is n:
+                    bound = (_classes(user.args[0]), "the classes of the loss")
+                elif op in _PASS_THROUGH:
+                    todo.append(user)
+                if bound and bound[0] and (spec.name not in out or bound[0] < out[spec.name][0]):
+                    out[spec.name] = bound
+    return out
+
+
+def _rows(node) -> int | None:
+    val = node.meta.get("val") if hasattr(node, "meta") else None
+    return int(val.shape[0]) if val is not None and val.dim() >= 1 else None
+
+
+def _classes(node) -> int | None:
+    val = node.meta.get("val") if hasattr(node, "meta") else None
+    return int(val.shape[1]) if val is not None and val.dim() >= 2 else None

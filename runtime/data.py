@@ -123,7 +123,8 @@ class Samples:
 class TokenFile:
     """A flat binary file of token ids, memory-mapped: rows of `T`+1 tokens, (x, y) int64 pairs."""
 
-    def __init__(self, path: Path, dtype: str, tokens_per_sample: int, flag: str = "--data"):
+    def __init__(self, path: Path, dtype: str, tokens_per_sample: int, flag: str = "--data",
+                 below: tuple[int, str] | None = None):
         import numpy as np
 
         if dtype not in DTYPES:
@@ -140,11 +141,33 @@ class TokenFile:
         self.n = (len(self.tokens) - 1) // self.T
         if self.n < 1:
             raise LaunchError(f"{flag} {path}: {len(self.tokens)} tokens; one sample needs T + 1 = {self.T + 1}")
+        self.flag, self.below = flag, below
+        if below is not None:  # at start, a sample of the file: its head, its tail and a stride through it
+            n, k = len(self.tokens), 1 << 16
+            stride = max(1, n // (1 << 20))
+            for lo, part in ((0, self.tokens[:k]), (max(0, n - k), self.tokens[-k:]), (0, self.tokens[::stride])):
+                self._check(np.asarray(part), lo, stride if part.shape[0] > k else 1)
+
+    def _check(self, ids, offset: int = 0, stride: int = 1) -> None:
+        """Token ids at or past the bound the program indexes with (plan.json `below`): one line that names
+        the likely cause, instead of an IndexError inside the embedding on every rank."""
+        import numpy as np
+
+        bound, what = self.below
+        if ids.size and int(ids.max()) >= bound:
+            at = int(np.argmax(ids >= bound))
+            raise LaunchError(f"{self.flag} {self.path}: token id {int(ids.flat[at])} (token {offset + at * stride} of "
+                              f"the file) ≥ {bound}, {what}: is --data-dtype right? (read as {self.dtype}; a file "
+                              f"of uint8 bytes or of uint32 ids reads as ids like this)")
 
     def __call__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         import numpy as np
 
         rows = np.stack([self.tokens[i * self.T:i * self.T + self.T + 1] for i in indices.tolist()])
+        if self.below is not None:  # every batch too, cheaply: one max over the rows this rank reads
+            if rows.size and int(rows.max()) >= self.below[0]:
+                row = int(np.argmax((rows >= self.below[0]).any(axis=1)))
+                self._check(rows[row], int(indices[row]) * self.T)
         t = torch.from_numpy(rows.astype(np.int64))  # (n, T + 1)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -168,7 +191,8 @@ def source_for(user, inputs: list[dict], global_batch: int, seed: int, data: Pat
     held-out split nobody gave."""
     flag = "--val-data" if val else "--data"
     if data is not None:
-        f = TokenFile(data, dtype, _token_length(inputs, flag, data), flag)
+        below = [(i["below"], i["below_what"]) for i in inputs if "below" in i]
+        f = TokenFile(data, dtype, _token_length(inputs, flag, data), flag, min(below, key=lambda b: b[0]) if below else None)
         what = {"source": "memmap", "file": str(data), "dtype": dtype}
         return Samples(f, f.n, seed, global_batch, what, shuffle=not val)
     if val:

@@ -166,3 +166,19 @@ def test_marks_go_through_the_store_and_a_silent_store_does_not_hang(monkeypatch
                            "(--timeout), and the other ranks' progress could not be read"), line
     for d in dogs:
         d.stop()
+
+
+def _say(ctx, message: str):
+    from parc.run import _first_to_say
+
+    return _first_to_say(message), _first_to_say(f"{message} (rank {ctx.rank})")
+
+
+def test_each_refusal_is_printed_by_exactly_one_rank():
+    """A ParcError raised after start-up may come from one rank only (its batch, its shard): rank 0 alone
+    printing left it unsaid (issue 29). Now the first rank to raise a message prints it, once per job."""
+    from parc.runtime.launch import spawn
+
+    said = spawn(2, _say, "error: --data x.bin: token id 9999 ≥ 256")
+    assert sum(same for same, _ in said) == 1  # the same refusal on both ranks: one line
+    assert all(own for _, own in said)  # each rank's own: each printed
