@@ -120,13 +120,15 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
 
 
 def cmd_compile(args) -> int:
-    from parc.compiler import compile_model
     from parc.grammar.parser import load_plan
 
     from parc import artifact
 
+    # the plan, the model's path and the output first: torch takes seconds to load, a typo should not
     plan = load_plan(args.plan)
-    artifact.check_output(args.output, force=args.force)  # before the trace: refuse early, cheaply
+    _existing(args.model, "model")
+    artifact.check_output(args.output, force=args.force)
+    from parc.compiler import compile_model
     result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,
                            exact_trace=args.exact_trace, force=args.force)
     _print(result.warnings)

@@ -155,3 +155,16 @@ def test_printed_launch_line_is_one_the_launch_check_accepts():
         if "--oversubscribe" in line:  # needed indeed: without it the same launch is refused
             with pytest.raises(LaunchError):
                 placement.check(plan_json, env, oversubscribe=False)
+
+
+def test_compile_refuses_a_bad_plan_path_before_loading_torch(tmp_path):
+    """A missing plan, a directory or a wrong model path is refused before torch loads (seconds), issue 29."""
+    code = ("import sys\nfrom parc.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
+            "finally:\n    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\n"
+            "raise SystemExit(rc)")
+    for plan, model in ((tmp_path / "missing.par", GPT), (tmp_path, GPT), (ROOT / "examples" / "dp.par", tmp_path / "x.py")):
+        r = _run([sys.executable, "-c", code, "compile", str(model), "--plan", str(plan), "-o", str(tmp_path / "o")],
+                 tmp_path)
+        assert r.returncode != 0 and r.stdout.strip().splitlines()[-1:] == ["torch not loaded"], (plan, r.stdout,
+                                                                                                  r.stderr)
+        assert "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
