@@ -324,8 +324,10 @@ class _Bad(Exception):
     """A value of the wrong type; caught in `_Builder._kwargs` and turned into a Diagnostic."""
 
 
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-_INT = re.compile(r"[+-]?\d+")
+# ASCII only: Python's \d also matches "２" (full width) and "٢" (Arabic-Indic), which int() reads as 2.
+# Integers are counts: no sign, no leading zero ("08" is not the 8 it looks like in every language).
+_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_INT = re.compile(r"0|[1-9][0-9]*")
 _BANDWIDTH = re.compile(r"(?P<num>(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?)(?P<unit>[KMGT]?B|[KMGT]?bit)/s")
 _SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # names in values may start with a digit: 1f1b, h100
@@ -345,7 +347,10 @@ def _int(what: str) -> Callable[[_Arg], int]:
     def conv(arg: _Arg) -> int:
         text = _one(arg, what)
         if not _INT.fullmatch(text) or len(text) > 30:  # Python refuses int() of huge digit strings
-            raise _Bad(f"must be {what}, got {_clip(text)}")
+            # a look-alike of a count ("２", "٢", "+2", "08"): say what is accepted; "-2" needs no more words
+            how = " in ASCII digits 0-9, without a sign or leading zeros" \
+                if re.fullmatch(r"\+?\d+", text) else ""
+            raise _Bad(f"must be {what}{how}, got {_clip(text)}")
         return int(text)
     return conv
 

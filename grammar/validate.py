@@ -283,9 +283,14 @@ def _check_rest(plan: Plan, out: _Report) -> None:
     if plan.zero.stage not in (0, 1, 2, 3) or isinstance(plan.zero.stage, bool):
         out.error(f"zero stage must be 0, 1, 2 or 3, got {plan.zero.stage}", out.at("zero.stage", plan.zero),
                   "1 shards optimizer state, 2 also gradients, 3 also parameters")
+    seen: dict[str, int] = {}
     for i, pattern in enumerate(plan.recompute.patterns):
         if not pattern:
             out.error("empty recompute pattern", out.at(f"recompute.patterns[{i}]", plan.recompute))
+        elif pattern in seen:  # as a repeated tensor_parallel pattern is: the same mistake, the same answer
+            out.error(f"duplicate recompute pattern \"{pattern}\"", out.at(f"recompute.patterns[{i}]", plan.recompute),
+                      f"it is pattern {seen[pattern] + 1} of this statement already")
+        seen.setdefault(pattern, i)
     if plan.precision not in PRECISIONS:
         out.error(f"unknown precision `{plan.precision}`", out.at("precision"), _one_of(plan.precision, PRECISIONS))
     if plan.compile not in COMPILE_MODES:
@@ -301,6 +306,9 @@ def _check_rest(plan: Plan, out: _Report) -> None:
         out.error(f"unknown optimizer `{opt.name}`", out.at("optimizer.name", opt), _one_of(opt.name, OPTIMIZERS))
     if not opt.lr > 0:
         out.error(f"optimizer lr must be > 0, got {opt.lr}", out.at("optimizer.lr", opt))
+    elif opt.lr > 10:  # legal, but no published run uses one: most likely a typo (a missing `e-`)
+        out.warn(f"optimizer lr={opt.lr:g} is far above any usual learning rate (1e-5 … 1e-1)",
+                 out.at("optimizer.lr", opt), "did you mean a negative exponent, e.g. lr=3e-4?")
     for beta in opt.betas:
         if not 0 <= beta < 1:
             out.error(f"optimizer betas must lie in [0, 1), got {','.join(map(str, opt.betas))}",

@@ -77,7 +77,15 @@ def _clip(text: str) -> str:
     quoted value, say) shown safely; its own line breaks kept."""
     if len(text) > MAX_MESSAGE:
         text = text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE} more characters)"
-    return "\n".join("".join(shown(c) for c in part) for part in text.split("\n"))
+    return "\n".join("".join(_escaped(c) for c in part) for part in text.split("\n"))
+
+
+def _escaped(ch: str) -> str:
+    """A code point of a message as printed: an invisible one spelled out as its escape (`\\x00`, `\\u200b`),
+    so a NUL inside a quoted glob reads as what it is rather than as a space or a stand-in."""
+    if ch != "\t" and unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
+        return ch.encode("unicode_escape").decode("ascii")
+    return ch
 
 
 def _reread(file: str) -> str | None:

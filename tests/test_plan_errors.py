@@ -104,6 +104,37 @@ def test_degree_not_a_positive_integer(text, message, col):
     assert _only(text) == (message, 1, col)
 
 
+ASCII = "in ASCII digits 0-9, without a sign or leading zeros"
+
+
+@pytest.mark.parametrize("text, message", [  # issue 29: each was read as 2 (or 0), without a word
+    ("mesh dp=２", f"mesh dp must be a positive integer {ASCII}, got ２"),  # full width
+    ("mesh dp=٢", f"mesh dp must be a positive integer {ASCII}, got ٢"),  # Arabic-Indic
+    ("mesh dp=+2", f"mesh dp must be a positive integer {ASCII}, got +2"),
+    ("mesh dp=08", f"mesh dp must be a positive integer {ASCII}, got 08"),
+    ("mesh dp=2\nzero stage=-0", "zero stage must be an integer 0..3, got -0"),
+])
+def test_integers_are_ascii_decimal_only(text, message):
+    assert _errors(text)[0][0] == message
+
+
+def test_repeated_recompute_pattern_is_an_error_like_a_repeated_tp_pattern():
+    assert _errors('mesh dp=2\nrecompute "blocks.*" "blocks.*"\n') == [
+        ('duplicate recompute pattern "blocks.*"', 2, 22)]
+
+
+def test_absurd_lr_is_warned_about():
+    plan = parse("mesh dp=2\noptimizer adamw lr=18446744073709551618\n")
+    warnings = [d.message for d in validate(plan) if d.severity == "warning"]
+    assert any("far above any usual learning rate" in w for w in warnings), warnings
+
+
+def test_control_characters_in_messages_are_spelled_out():
+    from parc.errors import Diagnostic
+
+    assert 'pattern "blocks\\x00.*"' in Diagnostic('pattern "blocks\x00.*" matches no module').render()
+
+
 def test_all_errors_of_a_file_are_reported_in_order():
     assert [e[1:] for e in _errors("mesh tp=0 dp=-2 pp=1.5\nzero stage=9\nprecision fp8\n")] == [
         (1, 9), (1, 14), (1, 20), (2, 12), (3, 11)]
