@@ -53,7 +53,7 @@ from parc.passes import tp_grads
 from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
 from parc.passes.tp_shard import reads_only_meta, slice_bounds
 from parc.passes.tp_linears import as_linears
-from parc.passes.tp_shared import shared_rules
+from parc.passes.tp_shared import call_site as _call_site, shared_rules
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -234,7 +234,7 @@ class _Rewriter:
                             f"{spec}, but `{module_path(other)}` (rule `{first.style}`) shards it as "
                             f"{self.sharded[p][0]}", rule.span, "give the two uses the same rule, or untie them")
         self.ctx.shards[p.name] = spec
-        self.sharded[p] = (spec, rule, user)
+        self.sharded.setdefault(p, (spec, rule, user))  # the first use: the one a later use is compared with
 
     def replicated_input(self, node: fx.Node, x: fx.Node, rule) -> fx.Node:
         """The column layer's input made replicated: f, or an all-gather of a sequence slice."""
@@ -245,8 +245,16 @@ class _Rewriter:
             key, op, args = (x, "gather"), parc_ops.allgather_reducescatter.default, (x, "tp", s.dim, self.tp)
         else:
             origin = f' (by rule "{s.rule.pattern}")' if s.rule is not None else ""
+            hint = "a column layer needs a replicated input: mark the layer before it `row`"
+            first = next((use for q in node.all_input_nodes for _, r, use in [self.sharded.get(q, (None,) * 3)]
+                          if r is not None and r.pattern == rule.pattern and use is not node), None)
+            if first is not None:  # its own output, from an earlier call: name the two calls, not the module twice
+                origin = (f" by its own earlier call: `{module_path(node)}` is called at {_call_site(first)} and "
+                          f"again at {_call_site(node)}")
+                hint = "a module called more than once cannot be `column`: mark it `replicate`, or give each call " \
+                       "its own module"
             raise ParcError(f"`{rule.style}` layer `{module_path(node)}` gets an input already sharded on dim "
-                            f"{s.dim}{origin}", rule.span, "a column layer needs a replicated input: mark the layer before it `row`")
+                            f"{s.dim}{origin}", rule.span, hint)
         if key not in self.entry:
             full = x.meta["val"]
             self.entry[key] = self.call(node, op, args, x)

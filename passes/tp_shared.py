@@ -22,6 +22,9 @@ under, and raises for every other shared parameter that a rule would shard.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 import torch.fx as fx
 
@@ -30,6 +33,8 @@ from parc.passes.tp_shard import reads_only_meta
 from parc.traced import module_path
 
 aten = torch.ops.aten
+_TORCH = Path(torch.__file__).resolve().parent
+_PARC = tuple(Path(__file__).resolve().parent.parent / d for d in ("parc", "passes", "runtime", "grammar"))
 
 
 def uses(p: fx.Node, views: dict) -> list[fx.Node]:
@@ -84,6 +89,8 @@ def _refuse(p: fx.Node, bad: tuple, other: fx.Node, ruled: list, views: dict) ->
     u, rule = bad
     fqn = p.meta.get("parc_fqn", p.name)
     mine, theirs = _describe(u, p, views, rule), _describe(other, p, views, dict(ruled).get(other))
+    if module_path(u) == module_path(other):  # one module called twice: its path alone tells the uses apart not
+        mine, theirs = f"{mine} at {call_site(u)}", f"{theirs} at {call_site(other)}"
     path = module_path(u) or "<top level>"
     roles = {role(u, p, views), role(other, p, views)}
     if rule.style != "vocab" and roles == {"embedding", "weight"}:
@@ -95,6 +102,15 @@ def _refuse(p: fx.Node, bad: tuple, other: fx.Node, ruled: list, views: dict) ->
     raise ParcError(f"`{rule.style}` on `{path}` shards `{fqn}`, which has more than one use: {mine} and {theirs}; "
                     "parc shards a shared weight only as a tied embedding and lm head, both `vocab`",
                     rule.span, hint)
+
+
+def call_site(u: fx.Node) -> str:
+    """Where the user's code made this use: the innermost frame of its stack trace outside torch and parc
+    (file:line), or the node's name when the trace has none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', u.meta.get("stack_trace") or "")
+    theirs = [(f, n) for f, n in frames
+              if not any(Path(f).resolve().is_relative_to(d) for d in (_TORCH, *_PARC))]
+    return f"{Path(theirs[-1][0]).name}:{theirs[-1][1]}" if theirs else f"`{u.name}`"
 
 
 def _describe(u: fx.Node, p: fx.Node, views: dict, rule) -> str:

@@ -62,6 +62,10 @@ CASES = {
                             "gets an input already sharded"),
     "gpt2_tied_vocab_sp": (MODELS / "gpt2_tiny.py", rules({**GPT2, "transformer.wte": "vocab"}, sp=True), "train"),
     "gpt2_head_column": (MODELS / "gpt2_tiny.py", rules({**GPT2, "lm_head": "column"}), "has more than one use"),
+    # one module called twice: both uses are `shared`, told apart by the lines that call it (issue 29)
+    "called_twice_column": (MODELS / "called_twice.py", rules({"shared": "column"}),
+                            "by its own earlier call: `shared` is called at called_twice.py:20 and again at "
+                            "called_twice.py:21"),
     "neox_megatron": (MODELS / "neox_tiny.py", rules({**NEOX, "gpt_neox.embed_in": "vocab", "embed_out?": "vocab",
                                                             "lm_head?": "vocab"}),  # the head's name by version
                       "ok"),
