@@ -96,17 +96,19 @@ def test_cli_refuses_before_tracing_and_keeps_the_files(tmp_path):
     assert "--force" in r.stdout and "not a parc artifact" in " ".join(r.stdout.split())
 
 
-def test_compile_model_refuses_absurd_sizes_before_tracing(tmp_path):
+def test_compile_model_refuses_absurd_sizes_before_tracing(tmp_path, monkeypatch):
     """A Plan built in code skips the parser's checks; compile_model validates it before any work scales."""
-    import time
 
     from parc.compiler import compile_model
     from parc.errors import PlanError
     from parc.grammar.plan import Batch, Mesh, Plan
 
+    def no_trace(*args, **kwargs):  # what "before any work scales" means: the model is never traced
+        raise AssertionError("traced a plan that should have been refused first")
+
+    monkeypatch.setattr("parc.compiler.trace", no_trace)
     for plan in (Plan(mesh=Mesh(dp=10**12, tp=2)), Plan(mesh=Mesh(dp=2), batch=Batch(20_000_000, 10_000_000)),
                  Plan(mesh=Mesh(pp=2), batch=Batch(20_000_000, 1))):
-        t0 = time.perf_counter()
         with pytest.raises(PlanError, match="the most parc"):
             compile_model(GPT, plan, tmp_path / "c")
-        assert time.perf_counter() - t0 < 10 and not (tmp_path / "c").exists()  # the trace alone takes longer
+        assert not (tmp_path / "c").exists()
