@@ -164,7 +164,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
         raise PlanError(diagnostics=[unknown])
     user = load_user_module(model_file)
-    traced = trace(user, plan.micro_batch, fast=not exact_trace)
+    traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
 
     m = plan.mesh

@@ -46,9 +46,12 @@ behind the graph's back: custom autograd.Functions and backward hooks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import itertools
+import logging
 import re
 import sys
 import traceback
@@ -120,7 +123,7 @@ def _batch_of_samples(get_samples):
     return get_batch
 
 
-def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:
+def trace(user: UserModel, micro_batch: int, fast: bool = True, debug: bool = False) -> Traced:
     """Export `loss_fn(build_model(), *get_batch(0, micro_batch))` on meta; no weight memory is used.
 
     With `fast`, a model with ≥ 3 repeated blocks is exported with 2 and the rest
@@ -134,14 +137,40 @@ def trace(user: UserModel, micro_batch: int, fast: bool = True) -> Traced:
                          _def_span(user, "build_model"), hint=_SIGNATURES["build_model"])
     model.train()  # dropout and friends must appear as they will run in training
     batch = _sample_batch(user, micro_batch)
-    traced = replicate.trace_replicated(lambda m: _export(user, m, batch), model) if fast else None
-    return traced if traced is not None else _export(user, model, batch)
+    traced = replicate.trace_replicated(lambda m: _export(user, m, batch, debug), model) if fast else None
+    return traced if traced is not None else _export(user, model, batch, debug)
 
 
-def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> Traced:
+@contextlib.contextmanager
+def _quiet_unless_failed_in_debug(debug: bool):
+    """What torch.export prints while it fails stays unsaid unless --debug: parc's located error says it.
+
+    A data-dependent branch made torch print the FX graph of the failing region once per attempt (three
+    times, 98 lines) above parc's one located error, and log "Unable to find user code". The text is held
+    back; an export that succeeds prints it after all (nothing it says is lost), `--debug` always does.
+    """
+    if debug:
+        yield
+        return
+    held, shapes = io.StringIO(), logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    succeeded = False
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+        succeeded = True
+    finally:
+        shapes.setLevel(level)
+        if succeeded:
+            sys.stderr.write(held.getvalue())
+
+
+def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], debug: bool = False) -> Traced:
     """The whole model through torch.export (what `trace` does when replication does not apply)."""
     wrapper = _LossWrapper(model, user.loss_fn)
-    with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants():
+    with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants(), \
+            _quiet_unless_failed_in_debug(debug):
         ep = torch.export.export(wrapper, batch, strict=False)
     gm = ep.graph_module
     _check_scalar_loss(user, gm)

@@ -140,6 +140,18 @@ def test_data_dependent_control_flow_names_module_and_line(tmp_path):
     assert "if h.sum() > 0:" in text and "torch.where" in text
 
 
+def test_a_failed_trace_prints_parcs_error_alone_unless_debug(tmp_path, capsys):
+    """torch printed the failing region's FX graph once per export attempt above parc's located error
+    (issue 29: 98 lines); it is shown with --debug only."""
+    path = tmp_path / "model.py"
+    path.write_text(DATA_DEPENDENT)
+    for debug in (False, True):
+        with pytest.raises(TraceError):
+            trace(load_user_module(path), micro_batch=2, debug=debug)
+        printed = capsys.readouterr()
+        assert ("def forward(" in printed.err + printed.out) == debug, printed
+
+
 def test_missing_function_points_at_file_with_signature(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(textwrap.dedent("""\
