@@ -23,6 +23,7 @@ into one readable program per rank, then runs them under torchrun.
   parc check   plan.par [--model model.py] [--world-size N]   find every mistake in a plan
   parc compile model.py --plan plan.par -o compiled/            write the per-rank programs
   torchrun --nproc-per-node N -m parc.run compiled/            train
+  parc run     compiled/ [parc.run options]                     the same, on this machine, parc's lines alone
   parc export  checkpoints/ -o model.safetensors               one file from a sharded checkpoint
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
@@ -380,6 +381,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print the ranking as JSON")
     q.set_defaults(fn=cmd_plan)
 
+    # listed for `parc --help`; `parc run …` is dispatched before this parser (main), to parc/launcher.py
+    sub.add_parser("run", help="torchrun a compiled plan on this machine, parc's lines alone (parc run --help)",
+                   add_help=False)
     v = sub.add_parser("viz", help="draw the device mesh, the pipeline schedule and the stages (SVG and PNG)",
                        description="Graphviz drawings of a compiled/ directory: mesh.*, schedule.*, stages.*.")
     v.add_argument("compiled", type=Path, help="a compiled/ directory")
@@ -391,6 +395,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # parc.run's options pass through untouched: its own parser (parc/launcher.py)
+        from parc import launcher
+
+        try:
+            return launcher.main(argv[1:])
+        except ParcError as e:
+            _print(e.diagnostics)
+            return 2
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "debug", False) else logging.WARNING,
                         format="%(name)s: %(message)s")

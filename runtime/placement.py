@@ -42,7 +42,7 @@ def check(plan_json: dict, env: dict[str, str], oversubscribe: bool = False) -> 
     if nodes * local != world:
         raise LaunchError(f"{reported}: {nodes} × {local} ≠ {world}; parc needs the same --nproc-per-node on "
                           "every node")
-    stated, where, line = _stated_topology(plan_json["plan"])
+    stated, where, line = stated_topology(plan_json["plan"])
     warnings = []
     if stated:
         want_nodes = stated.get("nodes")
@@ -75,7 +75,7 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'s' * (n != 1)}"
 
 
-def _stated_topology(plan: dict) -> tuple[dict[str, int], str, str]:
+def stated_topology(plan: dict) -> tuple[dict[str, int], str, str]:
     """({"nodes": n, "gpus_per_node": g} for the keys the plan writes out, "file:line", the topology
     statement as written); ({}, "", "") when the plan has no topology line or leaves both at defaults."""
     from parc.errors import source_lines

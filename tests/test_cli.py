@@ -168,3 +168,23 @@ def test_compile_refuses_a_bad_plan_path_before_loading_torch(tmp_path):
         assert r.returncode != 0 and r.stdout.strip().splitlines()[-1:] == ["torch not loaded"], (plan, r.stdout,
                                                                                                   r.stderr)
         assert "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_parc_run_prints_parcs_lines_alone(tmp_path):
+    """`parc run` is torchrun for a compiled plan without torchrun's banner, logging and 45-line traceback
+    (issue 29): a refused launch ends in the rank's one line and parc run's one line, exit code 2."""
+    plan = tmp_path / "dp2.par"
+    plan.write_text("mesh dp=2\nbatch global=8 micro=4\n")
+    r = _run([sys.executable, "-m", "parc.cli", "compile", str(GPT), "--plan", str(plan), "-o", "c"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}  # torchrun's banner appears without it
+    ok = subprocess.run([sys.executable, "-m", "parc.cli", "run", "c", "--steps", "2"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "done: 2 steps" in ok.stdout, ok.stdout + ok.stderr
+    assert "OMP_NUM_THREADS" not in ok.stdout + ok.stderr and "torch.distributed.elastic" not in ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "parc.cli", "run", "c", "--resume", "nowhere"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: --resume nowhere: no such file or directory",
+        "parc run: the job failed: rank 0 stopped first (exit code 2); its error is printed above"], bad.stderr
