@@ -440,8 +440,13 @@ def _error_file(message: str) -> None:
         import json
 
         info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with open(path, "w") as f:
+        # written whole or not at all: torchrun SIGTERMs the other ranks once one has failed, and reads the
+        # file of each that exited non-zero; a rank killed inside the write left it empty, and torchrun
+        # itself died on the JSONDecodeError (tests/test_multinode.py, on a loaded machine)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
+        os.replace(tmp, path)
 
 
 def _peer_failure(e: BaseException) -> bool:
