@@ -112,7 +112,7 @@ def test_token_file_samples_are_shifted_windows(tmp_path):
 
 
 @pytest.mark.parametrize("text, message, at", [  # `at`: the key whose value the error points at
-    ("optimizer adamw warmup=-1", "optimizer warmup must be ≥ 0 steps, got -1", "warmup="),
+    ("optimizer adamw warmup=-1", "optimizer warmup must be a number of steps ≥ 0, got -1", "warmup="),
     ("optimizer adamw decay=cosin decay_steps=9", "unknown lr decay `cosin`", "decay="),
     ("optimizer adamw decay=cosine", "decay=cosine needs decay_steps=N", "decay="),
     ("optimizer adamw warmup=10 decay=linear decay_steps=10", "decay_steps 10 must be > warmup 10", "decay_steps="),
