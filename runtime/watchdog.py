@@ -13,9 +13,11 @@ When a rank's timer passes --timeout, its watchdog thread reads every rank's mar
 reading its batch while the others are computing`, or `its last step was 2 while the others reached
 step 3`. The verdict depends only on the marks, so whichever rank prints it (the hung one's own thread
 still runs under an endless loop, not under SIGSTOP) prints the same line. When every rank is at the
-same mark, no rank can be blamed from outside: the line says so. Then `os._exit(1)`: no teardown that
+same mark, no rank can be blamed from outside: the line says so. A named rank on this host is then
+SIGKILLed (`end_hung_peers`: a stopped process never acts on torchrun's SIGTERM, which costs 30 s per
+restart). Then `os._exit(1)`: no teardown that
 could block on the hung peer; torchrun sees a worker fail, stops the others (SIGTERM, then SIGKILL 30 s
-later for a stopped process) and restarts the job under --max-restarts.
+later for one that ignores it) and restarts the job under --max-restarts.
 
 What --timeout covers. It is two deadlines of the same length. (1) The process-group timeout
 (runtime/context.py `init_distributed`): a collective that waits longer fails, and under NCCL aborts
@@ -94,6 +96,40 @@ def verdict(marks: list[str | None], timeout: float) -> str:
     return f"parc.run: {who} hung: {where}; {tail}"
 
 
+def hung(marks: list[str | None]) -> list[int]:
+    """The ranks `verdict` names: those furthest behind, or none when every rank is at the same mark."""
+    pos = [_position(m) for m in marks]
+    return [] if min(pos) == max(pos) else [r for r, p in enumerate(pos) if p == min(pos)]
+
+
+def pid_key(rank: int) -> str:
+    return f"parc/pid/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def end_hung_peers(store, ranks: list[int]) -> list[int]:
+    """SIGKILL the named hung ranks that run on this host (each published "<host>:<pid>" at start); the
+    ranks ended. Why: torchrun's restart first SIGTERMs every worker and waits 30 s before SIGKILL, and a
+    stopped (SIGSTOP) or wedged process never acts on SIGTERM: 30 s lost per such hang. Only a process
+    whose command line is parc.run's is touched, so a pid reused since cannot be hit."""
+    import signal
+    import socket
+
+    ended = []
+    for r in ranks:
+        try:
+            host, pid = store.get(pid_key(r)).decode().rsplit(":", 1)
+            if host != socket.gethostname():
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"parc.run" not in f.read():
+                    continue
+            os.kill(int(pid), signal.SIGKILL)
+            ended.append(r)
+        except (OSError, ValueError, RuntimeError):  # gone already, another host, no /proc: torchrun's job
+            continue
+    return ended
+
+
 def read_marks(store, world: int) -> list[str | None]:
     """Every rank's last mark; a rank that never marked is None. Raises if the store does not answer."""
     store.set_timeout(datetime.timedelta(seconds=READ_SECONDS))
@@ -115,6 +151,11 @@ class Watchdog:
         self.timeout, self.rank, self.world, self.store, self.report = timeout, rank, world, store, report
         self.last: float | None = time.monotonic()
         self.what: str | None = None  # this rank's last mark
+        self.marks: list[str | None] | None = None  # every rank's, once read for a verdict
+        if store is not None:  # where a peer can find this process, to end it if it hangs (`end_hung_peers`)
+            import socket
+
+            store.set(pid_key(rank), f"{socket.gethostname()}:{os.getpid()}")
         threading.Thread(target=self._watch, daemon=True, name="parc-watchdog").start()
 
     def mark(self, step: int, phase: str) -> None:
@@ -136,8 +177,17 @@ class Watchdog:
                 print(line, file=sys.stderr, flush=True)
                 if self.report is not None:
                     self.report(line)
+                if self.marks is not None and (others := [r for r in hung(self.marks) if r != self.rank]):
+                    self._end(others)
                 sys.stdout.flush()
                 os._exit(1)
+
+    def _end(self, ranks: list[int]) -> None:
+        """End the hung peers on this host, bounded like the read (the store may be slow or gone)."""
+        reader = threading.Thread(target=end_hung_peers, args=(self.store, ranks), daemon=True,
+                                  name="parc-watchdog-end")
+        reader.start()
+        reader.join(READ_SECONDS + 1.0)
 
     def _verdict(self) -> str:
         if self.store is None:  # a world of one
@@ -154,6 +204,7 @@ class Watchdog:
         reader.start()
         reader.join(READ_SECONDS + 1.0)
         if got and isinstance(got[0], list):
+            self.marks = got[0]
             return verdict(got[0], self.timeout)
         why = (str(got[0]).strip().splitlines() or [type(got[0]).__name__])[0][:200] if got else "no answer"
         return (f"parc.run: rank {self.rank} stopped in {describe(self.what)}: no progress for {self.timeout:g} s "

@@ -182,3 +182,11 @@ def test_each_refusal_is_printed_by_exactly_one_rank():
     said = spawn(2, _say, "error: --data x.bin: token id 9999 ≥ 256")
     assert sum(same for same, _ in said) == 1  # the same refusal on both ranks: one line
     assert all(own for _, own in said)  # each rank's own: each printed
+
+
+def test_the_ranks_a_verdict_names_are_the_ones_ended():
+    from parc.runtime.watchdog import hung, verdict
+
+    marks = ["3:data", "2:compute", "3:compute"]
+    assert hung(marks) == [1] and verdict(marks, 8).startswith("parc.run: rank 1 hung: its last step was 2")
+    assert hung(["2:data", "2:data"]) == []  # every rank at the same mark: nobody is blamed, nobody ended
