@@ -67,7 +67,7 @@ def _body(ctx, roots: dict[str, str]):
         finally:
             dist.all_reduce, dist.reduce_scatter_tensor = originals
         res = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
-               "sent": sum(sent) // STEPS, "masters": {p.dtype for g in trainer.optimizer.param_groups for p in g["params"]}}
+               "sent": sum(sent) // STEPS, "masters": {p.dtype for g in (trainer.zero or trainer).optimizer.param_groups for p in g["params"]}}
         if name == "dp":  # one more forward, recording what autograd saves and what the matmuls take
             saved, matmuls = [], set()
 
