@@ -614,6 +614,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
+    if cb and 1 <= z <= 2:  # the whole bf16 copy is ZeRO's flat buffer; the fp32 masters are sharded
+        layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{dp} of the fp32 masters, gathering bf16"
     notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
                  f"dp gradients on the wire {wire}, activations {act_b}")
     if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:
