@@ -5,10 +5,10 @@ Start here: `ZeroOptimizer` takes the place of `GradBuckets` + the optimizer in
 (`parc.passes.zero`) lists flat buckets — one per layer — and each dp rank's
 equal range of each. Per bucket this rank holds:
 
-  stage | parameters                     | gradients                     | optimizer (Adam)
-  1     | full flat buffer (+ fp32 range) | full flat fp32 buffer         | its range: exp_avg, exp_avg_sq
-  2     | full flat buffer (+ fp32 range) | its range only (fp32)         | its range
-  3     | its range only                  | its range only                | its range
+  stage | parameters                            | gradients               | optimizer (Adam)
+  1     | full flat buffer (bf16: + fp32 range) | full flat buffer (fp32) | its range: exp_avg, exp_avg_sq
+  2     | full flat buffer (bf16: + fp32 range) | its range only (fp32)   | its range
+  3     | its range only (fp32)                 | its range only (fp32)   | its range
 
 Bytes per parameter, N = dp, Adam (padding aside):
   stage | fp32             | bf16
@@ -111,8 +111,7 @@ class ZeroOptimizer:
         self._bucket_of: dict[int, int] = {}
         self._offset_of: dict[int, int] = {}           # stage 1 under bf16: where a parameter's gradient goes
         # stages 1–2 under a compute dtype: the program's weights are a low-precision flat buffer
-        self._low = self.stage < 3 and compute_dtype is not None and \
-            any(params[p["name"]].dtype != compute_dtype for b in self.buckets for p in b["params"])
+        self._low = self.stage < 3 and compute_dtype is not None
         shared = None
         for b, bucket in enumerate(self.buckets):
             ps = [params[p["name"]] for p in bucket["params"]]
