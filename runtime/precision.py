@@ -2,9 +2,11 @@
 
 - fp32: as written.
 - bf16: Megatron's and FSDP2's layout.
-  * Masters: every trainable parameter stays an fp32 tensor, and it is what the
-    optimizer, ZeRO's partitions, clipping and checkpoints see. Optimizer state
-    is fp32 beside it.
+  * Masters: every trainable parameter has an fp32 master, and it is what the
+    optimizer, clipping and checkpoints see. Optimizer state is fp32 beside it.
+    Without ZeRO the master is the parameter itself. Under ZeRO each rank holds
+    only its range of the masters, a separate fp32 tensor (runtime/parallel/zero.py),
+    and `full_params` gathers them whole for checkpoints and --verify.
   * Compute copy: `StepCasts.refresh()`, at the start of each step, makes one
     bf16 copy of each master (a differentiable `to(bfloat16)`); every
     micro-batch's forward reads the copy instead of the master. The copies are
@@ -24,8 +26,12 @@
     is added back into the fp32 accumulator).
   * Pipeline: floating values crossing a stage cut travel and wait in bf16
     (`boundary_specs`, `wrap`); the loss stays fp32.
-  * ZeRO-3 keeps no whole weight to copy: its gather casts the rank's fp32
-    range to bf16 and gathers bf16 (runtime/parallel/zero.py), so no `StepCasts` there.
+  * ZeRO keeps no whole fp32 weight to copy, so no `StepCasts` there
+    (runtime/parallel/zero.py): stages 1–2 hold the whole flat parameter buffer in
+    bf16, the program's weights themselves, refreshed by an all-gather of the
+    bf16-cast master ranges after each update; their bf16 gradients are summed
+    into fp32 accumulators. Stage 3's gather casts the rank's fp32 range to bf16
+    and gathers bf16.
 - fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
   scaling, which parc does not implement; silently training in fp32 would lie.
 

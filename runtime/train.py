@@ -119,9 +119,11 @@ class Trainer:
                 self.state = load_state(lambda r: self._entry_of(r)["state"], ctx.rank, ctx.world_size, user, seed,
                                         ctx.device)
         low = precision.compute_dtype(plan["plan"]["precision"])
-        zero3 = (self.entry.get("zero") or {}).get("stage") == 3  # gathers bf16 itself (runtime/parallel/zero.py)
+        # ZeRO computes in bf16 itself (runtime/parallel/zero.py): stage 3 gathers bf16, stages 1–2 hold a bf16
+        # flat buffer beside their fp32 master ranges; no whole fp32 weight is left to copy
+        zeroed = bool(self.entry.get("zero"))
         self.casts = precision.StepCasts(  # bf16: each fp32 master's compute copy, made once per step
-            [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zero3 else [])
+            [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zeroed else [])
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
         ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/parallel/ops.py resolves them to groups

@@ -148,10 +148,13 @@ CASES = {
     # bf16 compute copies and autocast around the compiled program, recompute saving the bf16 stream
     "dp2_bf16_aot_eager": ("mesh dp=2\nbatch global=4 micro=1\nprecision bf16\nrecompute \"blocks.*\"\n"
                            "optimizer adamw lr=1e-3\ncompile aot_eager\n"),
+    # bf16 ZeRO-1: the compiled program's weights are the bf16 flat buffer itself, no compute copies
+    "dp2_zero1_bf16_aot_eager": ("mesh dp=2\nbatch global=4 micro=1\nzero stage=1\nprecision bf16\n"
+                                 "optimizer adamw lr=1e-3\ncompile aot_eager\n"),
 }
 # bf16 against the serial bf16 model: tests/test_bf16_layout.py's TOLERANCE, for its reasons (bf16 rounding
 # of each matmul's inputs, pushed through another summation order and AdamW; measured ≤ 5.6e-4 at lr 1e-3)
-TOLS = {"dp2_bf16_aot_eager": (2e-3, 2e-3)}
+TOLS = {"dp2_bf16_aot_eager": (2e-3, 2e-3), "dp2_zero1_bf16_aot_eager": (2e-3, 2e-3)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

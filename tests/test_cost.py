@@ -45,8 +45,9 @@ def _mem(plan_text: str, **kw) -> dict:
     ("mesh dp=4\n", (4, 4, 8)),                                    # fp32: 4Ψ / 4Ψ / 8Ψ
     # bf16 (runtime/precision.py): fp32 masters 4Ψ + bf16 compute copy 2Ψ, fp32 grads, fp32 Adam
     ("mesh dp=4\nprecision bf16\n", (6, 4, 8)),
-    ("mesh dp=4\nzero stage=1\nprecision bf16\n", (6, 4, 2)),      # ZeRO-1: optimizer ÷ dp
-    ("mesh dp=4\nzero stage=2\nprecision bf16\n", (6, 1, 2)),      # ZeRO-2: grads too
+    # ZeRO-1: optimizer and fp32 masters ÷ dp, the whole bf16 copy kept (its flat buffer): 6 + 12/N
+    ("mesh dp=4\nzero stage=1\nprecision bf16\n", (3, 4, 2)),
+    ("mesh dp=4\nzero stage=2\nprecision bf16\n", (3, 1, 2)),      # ZeRO-2: grads too: 2 + 16/N
     ("mesh dp=4\nzero stage=3\nprecision bf16\n", (1, 1, 2)),      # ZeRO-3: masters too; bf16 gathered per layer
 ])
 def test_memory_table(text, per_param):

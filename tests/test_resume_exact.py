@@ -15,8 +15,8 @@ uninterrupted run saves after steps 2, 4 and 6; the interrupted one takes its st
 comparison is of every tensor the checkpoints hold (parameters, optimizer state, step, each rank's RNG)
 with `torch.equal`, and of their parc.json.
 
-All five plans run in each world one after another (every plan has 2 ranks), so the test starts three
-worlds, not twelve: process start-up is most of the time on a small box.
+All seven plans run in each world one after another (every plan has 2 ranks), so the test starts three
+worlds, not one per plan and leg: process start-up is most of the time on a small box.
 """
 
 import shutil
@@ -39,6 +39,10 @@ PLANS = {
     # bf16 (runtime/precision.py): the checkpoint holds the fp32 masters; a resumed step computes with
     # copies made from the loaded masters, never from stale ones
     "dp_bf16": "mesh dp=2\nprecision bf16 reduce=bf16\n",
+    # bf16 ZeRO-1/2 hold fp32 master ranges beside a bf16 flat buffer (runtime/parallel/zero.py): the checkpoint
+    # gathers the fp32 ranges, and a resume refreshes the bf16 buffer from the loaded masters
+    "zero1_bf16": "mesh dp=2\nzero stage=1\nprecision bf16\n",
+    "zero2_bf16": "mesh dp=2\nzero stage=2\nprecision bf16 reduce=bf16\n",
 }
 # micro=1: two micro-batches per step on dp=2 (ZeRO-2/3 reduce in each), four on pp=2
 COMMON = "batch global=4 micro=1\noptimizer adamw lr=1e-2 clip=1.0\n"
@@ -84,8 +88,9 @@ def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, se
     bad = {f"{name} step_{s}": diff for name in PLANS for s in (4, 6)
            if (diff := checkpoint_differences(whole / name / f"step_{s}", cut / name / f"step_{s}"))}
     assert not bad, bad
-    held = checkpoint.read(whole / "dp_bf16" / "step_2")
-    assert {v.dtype for k, v in held.items() if k.startswith(("model.", "optim."))} >= {torch.float32}
-    assert torch.bfloat16 not in {v.dtype for v in held.values()}  # the masters, not the bf16 copies
+    for name in ("dp_bf16", "zero1_bf16", "zero2_bf16"):
+        held = checkpoint.read(whole / name / "step_2")
+        assert {v.dtype for k, v in held.items() if k.startswith(("model.", "optim."))} >= {torch.float32}
+        assert torch.bfloat16 not in {v.dtype for v in held.values()}, name  # the masters, not the bf16 copies
     for name in PLANS:
         assert checkpoint.resolve(cut / name).name == f"step_{STEPS}"

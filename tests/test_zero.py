@@ -115,6 +115,74 @@ optimizer adamw lr=1e-2 clip=0.5
     print(f"  per rank: memory {results[0]['memory']} (bytes); sent per step {results[0]['sent'][0]}")
 
 
+# bf16 ZeRO-1/2 keep only their range of the fp32 masters (runtime/parallel/zero.py). Each plan trains without
+# `clip=` so nothing but the dp reduction differs from plain dp: at dp 2 a reduce-scatter of pre-divided fp32
+# halves adds the same two numbers as DP's all-reduce, so ZeRO-1 (fp32 accumulation of the bf16 gradients) and
+# ZeRO-2 with one micro-batch must equal bf16 DP bit for bit; ZeRO-2 with two micro-batches sums the reduced
+# halves per micro-batch instead (another order), held to serial at bf16's tolerance (tests/test_bf16_layout.py).
+BF16 = "mesh dp=2\nbatch global={g} micro=2\n{zero}precision bf16\noptimizer adamw lr=1e-3\n"
+BF16_PLANS = {"dp": (8, ""), "zero1": (8, "zero stage=1\n"), "zero2": (8, "zero stage=2\n"),
+              "dp_acc1": (4, ""), "zero2_acc1": (4, "zero stage=2\n")}
+BF16_TOL = 2e-3
+
+
+def _bf16_body(ctx, roots: dict[str, str]):
+    from parc.runtime.memory import held_state
+
+    out = {}
+    for name, root in roots.items():
+        trainer = Trainer.load(root, 0)
+        sent_per_step, local = [], []
+        for s in range(STEPS):
+            sent: dict = {}
+            originals = _recording(sent)
+            try:
+                local.append(trainer.step(s).loss)
+            finally:
+                for fn_name, fn in originals.items():
+                    setattr(dist, fn_name, fn)
+            sent_per_step.append(sent)
+        held = held_state(trainer) if trainer.zero else None  # StepCasts copies included: none under ZeRO
+        losses, state = trainer.global_losses(local), trainer.gathered_state()
+        out[name] = {"losses": losses, "state": state, "sent": sent_per_step, "memory": held,
+                     "weights": {p.dtype for p in trainer.params.values()}}
+    return out
+
+
+def test_bf16_zero_shards_the_masters(tmp_path):
+    """bf16 ZeRO-1/2 on 2 ranks: per-rank bytes are 6 + 12/N (ZeRO-1) and 2 + 16/N (ZeRO-2) per parameter,
+    the post-step all-gather moves bf16, and the numbers are bf16 DP's (bitwise) or serial's (tolerance)."""
+    arts = {n: compile_text(BF16.format(g=g, zero=z), tmp_path / n) for n, (g, z) in BF16_PLANS.items()}
+    res = spawn(2, _bf16_body, {n: str(a.root) for n, a in arts.items()})
+    for name in ("zero1", "zero2", "zero2_acc1"):
+        table = arts[name].plan["programs"]["stage0_tp0"]["zero"]
+        psi, n = sum(b["padded"] for b in table["buckets"]), table["dp"]
+        acc = 2 if BF16_PLANS[name][0] == 8 else 1
+        want = analytic_bytes(table, compute_elem=2)
+        want_comm = analytic_comm_bytes(table, accumulation=acc, gather_elem=2)
+        for rank, r in enumerate(res):
+            m = r[name]["memory"]
+            assert m == want, (name, rank, m, want)
+            assert r[name]["weights"] == {torch.bfloat16}  # the program computes with the bf16 flat buffer
+            for sent in r[name]["sent"]:
+                assert sent.get("reduce_scatter_tensor", 0) + sent.get("all_gather_into_tensor", 0) == want_comm
+                assert sent.get("all_gather_into_tensor", 0) == 2 * psi * (n - 1) // n  # bf16: half of fp32's
+        per_param = sum(res[0][name]["memory"].values()) / psi
+        formula = 6 + 12 / n if table["stage"] == 1 else 2 + 16 / n
+        print(f"\nbf16 ZeRO-{table['stage']} dp {n}: {per_param:g} bytes/param held, formula {formula:g}; "
+              f"{res[0][name]['memory']}")
+        assert per_param == formula
+    for zero_name, dp_name in (("zero1", "dp"), ("zero2_acc1", "dp_acc1")):
+        a, b = res[0][zero_name], res[0][dp_name]
+        assert a["losses"] == b["losses"], zero_name
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in b["state"]), zero_name
+    art = arts["zero2"]
+    serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, STEPS)
+    for name in ("zero1", "zero2"):
+        verdict = compare(res[0][name]["losses"], serial_losses, res[0][name]["state"], serial_state, BF16_TOL)
+        assert verdict.ok, (name, verdict.render())
+
+
 def test_partition_table_is_balanced_and_aligned():
     """The pass alone, in one process: every parameter placed once, equal aligned ranges, layer buckets."""
     from helpers import GPT

@@ -15,7 +15,8 @@ need the passes to have run:
 
 Memory follows docs/design.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16 adds a
 2Ψ bf16 compute copy beside the 4Ψ fp32 masters, see docs/precision.md; ZeRO-1 ÷dp the
-optimizer, ZeRO-2 the grads too, ZeRO-3 the masters too, and keeps no whole copy).
+optimizer and, under bf16, the fp32 masters (the whole bf16 copy stays: 6 + 12/N bytes per
+parameter); ZeRO-2 the grads too; ZeRO-3 the bf16 copy too, keeping no whole weight).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
@@ -524,6 +525,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
 
     # -- memory per pp rank
     memory = []
+    # bf16 ZeRO keeps only this rank's range of the fp32 masters (fp32: the masters are the parameters)
+    sharded_masters = z >= 3 or (z >= 1 and cb > 0)
     for r in range(pp):
         held = [stages[r + k * pp] for k in range(virtual)]
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
@@ -532,8 +535,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         transient = max(_transient(d, tp, act_b) for d in held)
         act = kept * inflight[r] + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
-                       # ZeRO-3 keeps no whole compute copy: it gathers bf16 per layer (runtime/parallel/zero.py)
-                       "params": params * pb / (dp if z >= 3 else 1) + (params * cb if z < 3 else 0),
+                       # ZeRO keeps 1/dp of the fp32 masters; stages 1–2 keep the whole compute copy, ZeRO-3 none:
+                       # it gathers bf16 per layer (runtime/parallel/zero.py)
+                       "params": params * pb / (dp if sharded_masters else 1) + (params * cb if z < 3 else 0),
                        "grads": params * gb / (dp if z >= 2 else 1),
                        "optimizer": params * ob / (dp if z >= 1 else 1),
                        "activations": act, "inflight": inflight[r],
@@ -560,14 +564,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                      calls=buckets, gap=acc * micro_s / buckets))
         else:
             # runtime/parallel/zero.py: ZeRO-1 reduce-scatters once a step; ZeRO-2/3 in every micro-batch's backward;
-            # ZeRO-1/2 gather the updated fp32 masters once a step; ZeRO-3 gathers the compute copy twice per
-            # micro-batch (forward, backward); each time every bucket in a call of its own
+            # ZeRO-1/2 gather the updated parameters once a step (bf16: the compute copy, cast from the master
+            # ranges); ZeRO-3 gathers the compute copy twice per micro-batch (forward, backward); each time every
+            # bucket in a call of its own
             rs = acc if z >= 2 else 1
             ag = 2 * acc if z == 3 else 1
             gap = acc * micro_s / ((rs + ag) * units)   # the step's compute over all its calls
             comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
                                      latency_steps=(dp - 1) * rs, calls=rs * units, gap=gap))
-            gathered = big * ((cb or pb) if z == 3 else pb)
+            gathered = big * (cb or pb)
             comms.append(_collective("dp", "all-gather", dp, gathered * ag, groups["dp"], hw, allreduce,
                                      latency_steps=(dp - 1) * ag, calls=ag * units, gap=gap))
     if tp > 1:
@@ -609,6 +614,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
+    if cb and 1 <= z <= 2:  # the whole bf16 copy is ZeRO's flat buffer; the fp32 masters are sharded
+        layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{dp} of the fp32 masters, gathering bf16"
     notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
                  f"dp gradients on the wire {wire}, activations {act_b}")
     if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:

@@ -5,10 +5,16 @@ Start here: `ZeroOptimizer` takes the place of `GradBuckets` + the optimizer in
 (`parc.passes.zero`) lists flat buckets — one per layer — and each dp rank's
 equal range of each. Per bucket this rank holds:
 
-  stage | parameters            | gradients                     | optimizer (Adam)
-  1     | full flat buffer      | full flat buffer (DDP-style)  | its range: exp_avg, exp_avg_sq
-  2     | full flat buffer      | its range only                | its range
-  3     | its range only        | its range only                | its range
+  stage | parameters                            | gradients               | optimizer (Adam)
+  1     | full flat buffer (bf16: + fp32 range) | full flat buffer (fp32) | its range: exp_avg, exp_avg_sq
+  2     | full flat buffer (bf16: + fp32 range) | its range only (fp32)   | its range
+  3     | its range only (fp32)                 | its range only (fp32)   | its range
+
+Bytes per parameter, N = dp, Adam (padding aside):
+  stage | fp32             | bf16
+  1     | 4 + 4 + 8/N      | 2 + 4/N (masters) + 4 + 8/N = 6 + 12/N  (Megatron's distributed optimizer)
+  2     | 4 + 4/N + 8/N    | 2 + 4/N + 4/N + 8/N = 2 + 16/N, plus a bucket's transient bf16 gradient
+  3     | 16/N             | 16/N, plus the gathered bf16 working set
 
 The optimizer is the plan's own (AdamW, …) run on one fp32 tensor per bucket,
 the rank's range ("master"); every update is elementwise, so it is the serial
@@ -29,12 +35,21 @@ tensor per bucket, padded to equal ranges):
 With accumulation k, stages 2–3 send their reduce-scatter k times.
 
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
-accumulators stay fp32. Stages 1–2 keep their fp32 flat buffers (the trainer
-computes with a bf16 copy of each parameter, made once per step); stage 3's
-gather casts the rank's fp32 range to bf16 and gathers bf16 (`compute_dtype`),
-so the program's weights and their gradients are bf16, as FSDP2's
-`param_dtype`. Each reduce-scatter moves `reduce_dtype` (fp32 unless `reduce=bf16`)
-and its result is added into the fp32 range.
+accumulators stay fp32, and only the rank's range of the masters exists, as in
+DeepSpeed and Megatron's distributed optimizer. Stages 1–2: the whole flat
+parameter buffer is bf16 (`compute_dtype`) and is what the program computes with
+(no `StepCasts` copy); the master is a separate fp32 tensor, the rank's range,
+taken from the fp32 weights before they were cast. After the update each rank
+casts its master to bf16 and the bf16 buffer is all-gathered (half the bytes of
+an fp32 gather). The program's gradients are bf16: stage 1 adds each one into
+the fp32 flat gradient buffer as it lands (a post-accumulate-grad hook, Megatron's
+`main_grad`) and frees it; stage 2 reduce-scatters each micro-batch's bucket and
+adds the result into the fp32 range, as in fp32. These are the casts and fp32
+sums the serial reference (runtime/serial_reference.py) does: bf16(master) in,
+each micro-batch's bf16 gradient summed in fp32. Stage 3's gather casts the
+rank's fp32 range to bf16 and gathers bf16, so the program's weights and their
+gradients are bf16, as FSDP2's `param_dtype`. Each reduce-scatter moves
+`reduce_dtype` (fp32 unless `reduce=bf16`) and its result is added into the fp32 range.
 """
 
 from __future__ import annotations
@@ -89,11 +104,14 @@ class ZeroOptimizer:
         self.table = table
         self.params = params
         self.buckets = table["buckets"]
-        self.full: list[torch.Tensor | None] = []     # stages 1–2: the whole flat parameter buffer
+        self.full: list[torch.Tensor | None] = []     # stages 1–2: the whole flat parameter buffer (compute dtype)
         self.master: list[torch.Tensor] = []           # this rank's range, fp32, what the optimizer updates
         self.grad_flat: list[torch.Tensor] = []        # stage 1: whole flat gradient buffer
         self.grad_acc: list[torch.Tensor] = []         # stages 2–3: this rank's range of the reduced gradient
         self._bucket_of: dict[int, int] = {}
+        self._offset_of: dict[int, int] = {}           # stage 1 under bf16: where a parameter's gradient goes
+        # stages 1–2 under a compute dtype: the program's weights are a low-precision flat buffer
+        self._low = self.stage < 3 and compute_dtype is not None
         shared = None
         for b, bucket in enumerate(self.buckets):
             ps = [params[p["name"]] for p in bucket["params"]]
@@ -105,11 +123,17 @@ class ZeroOptimizer:
                 full[spec["offset"]:spec["offset"] + spec["numel"]].copy_(p.detach().reshape(-1))
             lo, n = self.rank * bucket["shard"], bucket["shard"]
             if self.stage < 3:
+                master = full[lo:lo + n]
+                if self._low:
+                    # bf16: the rank keeps only its range of the fp32 masters, taken before the cast; the
+                    # whole buffer is the program's bf16 weights, refreshed by the post-step all-gather
+                    master = master.clone()
+                    full = full.to(compute_dtype)
                 for p, spec in zip(ps, bucket["params"]):
                     # the program's parameter becomes a view into the flat buffer: all-gather writes it in place
                     p.data = full[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
                 self.full.append(full)
-                self.master.append(full[lo:lo + n])
+                self.master.append(master)
             else:
                 self.full.append(None)
                 self.master.append(full[lo:lo + n].clone())
@@ -119,15 +143,18 @@ class ZeroOptimizer:
                     # shared element; `zero_unshard` ignores its data and returns the gathered bucket instead
                     p.data = shared.expand(p.shape)
             if self.stage == 1:
-                g = torch.zeros_like(full)
-                for p, spec in zip(ps, bucket["params"]):
-                    p.grad = g[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
+                g = torch.zeros(bucket["padded"], dtype=torch.float32, device=full.device)
+                if not self._low:
+                    for p, spec in zip(ps, bucket["params"]):
+                        p.grad = g[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
+                # bf16: a bf16 parameter cannot hold an fp32 .grad; `_on_grad` adds each bf16 gradient in
                 self.grad_flat.append(g)
             else:
                 self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=full.device))
             if self.stage < 3:
-                for p in ps:
+                for p, spec in zip(ps, bucket["params"]):
                     self._bucket_of[id(p)] = b
+                    self._offset_of[id(p)] = spec["offset"]
                     p.register_post_accumulate_grad_hook(self._on_grad)
             del full
         # the optimizer sees runs of each range split by weight decay (runtime/param_groups.py): torch groups
@@ -171,9 +198,15 @@ class ZeroOptimizer:
         self._works = [None] * len(self.buckets)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        b = self._bucket_of[id(p)]
+        if self.stage == 1 and self._low:
+            # bf16: the micro-batch's bf16 gradient summed into the fp32 flat buffer, then freed (the
+            # fp32 accumulation that `StepCasts`' cast backward used to do into an fp32 master's .grad)
+            o = self._offset_of[id(p)]
+            self.grad_flat[b][o:o + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
         if self.stage == 1 and not self._sync:
             return  # stage 1 accumulates whole gradients locally and reduces once per step
-        b = self._bucket_of[id(p)]
         self._pending[b] -= 1
         if self._pending[b] == 0:
             self._launch(b)
@@ -194,13 +227,14 @@ class ZeroOptimizer:
         if grads is None:
             grads = [self.params[s["name"]].grad for s in bucket["params"]]
         ref = self.master[b]
-        parts = [g.reshape(-1) if g is not None else torch.zeros(s["numel"], dtype=ref.dtype, device=ref.device)
+        dtype = next((g.dtype for g in grads if g is not None), ref.dtype)  # bf16 under stages 2–3's bf16
+        parts = [g.reshape(-1) if g is not None else torch.zeros(s["numel"], dtype=dtype, device=ref.device)
                  for g, s in zip(grads, bucket["params"])]
         parts.append(torch.zeros(bucket["padded"] - bucket["numel"], dtype=parts[0].dtype, device=ref.device))
         return torch.cat(parts)
 
     def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
-        flat = flat.float()  # stage 3 under bf16: the bf16 bucket gradient (else a no-op)
+        flat = flat.float()  # stages 2–3 under bf16: the bf16 bucket gradient (else a no-op)
         if self.divisor > 1:
             flat.div_(self.divisor)  # average: pre-divide in fp32, as DDP does, to keep sums in range
         if self.reduce_dtype is not None:
@@ -277,6 +311,8 @@ class ZeroOptimizer:
             mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
                 works.append(dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True))
+            elif self._low:
+                full.copy_(mine)  # one rank: the bf16 buffer is not a view of the master
         for w in works:
             w.wait()
 
@@ -385,9 +421,9 @@ class ZeroOptimizer:
         """Every parameter whole, by placeholder name (collective over the dp group at stage 3)."""
         out = {}
         for b, bucket in enumerate(self.buckets):
-            if self.stage < 3:
+            if self.stage < 3 and not self._low:
                 full = self.full[b]
-            else:
+            else:  # stage 3, and bf16's stages 1–2: only the ranges are fp32
                 work, full = self._start_gather(b, self.master[b].dtype)  # the fp32 masters, not bf16 copies
                 if work is not None:
                     work.wait()
@@ -449,8 +485,8 @@ class ZeroOptimizer:
             whole = flat(params, self.master[b])
             with torch.no_grad():
                 if self.stage < 3:
-                    self.full[b].copy_(whole)  # the master is a range of it
-                else:
+                    self.full[b].copy_(whole)  # fp32: the master is a range of it; bf16: the compute weights
+                if self.stage == 3 or self._low:
                     self.master[b].copy_(whole[lo:lo + n])
             # sorted, never a set: the state's order is the order `full_optimizer_state` gathers in
             keys = sorted({k for sp in bucket["params"] for k in optim.get(sp["name"], {})})
@@ -479,24 +515,33 @@ def _bucket_numel(table: dict) -> int:
     return sum(b["padded"] for b in table["buckets"])
 
 
-def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2) -> dict[str, int]:
-    """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state."""
+def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None) -> dict[str, int]:
+    """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state.
+
+    `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
+    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table)."""
     psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
-    return {"params": psi * elem // (n if s >= 3 else 1), "grads": psi * elem // (n if s >= 2 else 1),
+    params = psi * elem // (n if s >= 3 else 1)
+    if compute_elem is not None and s < 3:
+        params = psi * compute_elem + psi * elem // n
+    return {"params": params, "grads": psi * elem // (n if s >= 2 else 1),
             "optimizer": adam_states * psi * elem // n}
 
 
-def analytic_comm_bytes(table: dict, accumulation: int = 1, elem: int = 4, backward_numel: int | None = None) -> int:
+def analytic_comm_bytes(table: dict, accumulation: int = 1, elem: int = 4, backward_numel: int | None = None,
+                        gather_elem: int | None = None) -> int:
     """Bytes this rank sends per step (ring algorithms, DESIGN.md), on the padded numel Ψ'.
 
     ZeRO-3 gathers again in backward only the buckets whose weights autograd saved
     (`backward_numel` of them; an embedding's backward needs only the indices): 3Ψ' when all are.
+    `gather_elem` (2 under bf16): stages 1–2 all-gather the updated parameters in the compute dtype.
     """
     psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
+    gathered = psi * (gather_elem or elem) * (n - 1) // n
     if s == 1:
-        return 2 * psi * elem * (n - 1) // n
+        return psi * elem * (n - 1) // n + gathered
     if s == 2:
-        return (accumulation + 1) * psi * elem * (n - 1) // n
+        return accumulation * psi * elem * (n - 1) // n + gathered
     again = psi if backward_numel is None else backward_numel
     return accumulation * (2 * psi + again) * elem * (n - 1) // n
 
