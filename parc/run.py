@@ -408,8 +408,9 @@ def _first_to_say(message: str) -> bool:
 
     Before the process group exists every rank runs the same checks on the same files and refuses alike,
     so rank 0 speaks for all. After it, a refusal may come from one rank only (its own batch, its own
-    shard): the first rank to count the message in torchrun's store prints it, the others that raise
-    the same one stay silent. If the store cannot answer, print: a repeated line beats a lost one.
+    shard). Rank 0 still speaks for every refusal it raises too, and marks it in torchrun's store; another
+    rank waits a moment for that mark and prints only if rank 0 did not raise the same message, the first
+    such rank alone. If the store cannot answer, print: a repeated line beats a lost one.
     """
     import datetime
     import hashlib
@@ -418,10 +419,19 @@ def _first_to_say(message: str) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return os.environ.get("RANK", "0") == "0"
+    key = f"parc/said/{hashlib.sha1(message.encode()).hexdigest()[:16]}"
     try:
         store = dist.distributed_c10d._get_default_store()
+        if dist.get_rank() == 0:
+            store.set(key, "rank 0")
+            return True
         store.set_timeout(datetime.timedelta(seconds=5))
-        return store.add(f"parc/said/{hashlib.sha1(message.encode()).hexdigest()[:16]}", 1) == 1
+        try:
+            store.wait([key])  # rank 0 raised it too: it prints
+            return False
+        except Exception:  # noqa: BLE001 — a timeout: rank 0 did not (yet) say it
+            pass
+        return store.add(f"{key}/others", 1) == 1
     except Exception:  # noqa: BLE001 — the store's own failure must not hide the message
         return True
 
