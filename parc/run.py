@@ -395,9 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ParcError as e:
-        if _first_to_say(e.render()):
-            print(e.render(), file=sys.stderr)
         _error_file(e.render())
+        if _first_to_say(e.render()):
+            print(e.render(), file=sys.stderr, flush=True)
+        else:  # let the rank that prints exit first: torchrun SIGTERMs the rest at the first exit it sees,
+            time.sleep(3)  # and a speaker killed before its print left the refusal unsaid (parc run's test)
         return 2
     except Exception as e:  # noqa: BLE001 — any failure mid-run: report once, then leave at once
         _fail(e)
