@@ -4,9 +4,9 @@ Start here: `Watchdog`, which parc/run.py starts on every rank just before the f
 the Trainer as `trainer.progress`. `Trainer.step` calls it twice a step: `mark(step, "data")` before it
 fetches the rank's batch (user code: get_batch, get_samples, a token file) and `mark(step, "compute")`
 once the batch is in hand. Each mark restarts this rank's timer and publishes "<step>:<phase>" to the
-torchrun rendezvous store (one `store.set`, one TCP round trip) under `parc/progress/<attempt>/<rank>`;
-the attempt (TORCHELASTIC_RESTART_COUNT) keeps a restarted job from reading its predecessor's marks,
-since torchrun's static rendezvous keeps one store across restarts.
+torchrun rendezvous store (one `store.set`, one TCP round trip) under `parc/progress/<rank>`. The
+process group's store already keeps each torchrun attempt's keys apart (runtime/context.py
+`_attempt_store`), so a restarted job never reads its predecessor's marks.
 
 When a rank's timer passes --timeout, its watchdog thread reads every rank's mark and prints the verdict
 (`verdict`): the ranks furthest behind are the hung ones, e.g. `rank 1 hung: in step 2 it is still
@@ -48,7 +48,7 @@ READ_SECONDS = 5.0  # each store call of the verdict's read; the read is given u
 
 
 def key(rank: int) -> str:
-    return f"parc/progress/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"parc/progress/{rank}"
 
 
 def _position(mark: str | None) -> tuple[int, int]:
@@ -103,7 +103,7 @@ def hung(marks: list[str | None]) -> list[int]:
 
 
 def pid_key(rank: int) -> str:
-    return f"parc/pid/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"parc/pid/{rank}"
 
 
 def end_hung_peers(store, ranks: list[int]) -> list[int]:
