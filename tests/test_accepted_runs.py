@@ -1,8 +1,9 @@
 """Accepted means it runs (issue 24, item 7): a plan `parc compile` accepts trains; any other plan is refused
 with a location.
 
-Start at `test_accepted_plans_run`. `plans(seed, n)` draws valid random plans, deterministically, over
-three small models (examples/gpt.py, HF Llama, HF GPT-2 with its Conv1D and tied head): mesh shapes within
+Start at `test_accepted_plans_run`. `plans(seed, n, models)` draws valid random plans, deterministically, over
+small models (examples/gpt.py, HF Llama, HF GPT-2 with its Conv1D and tied head; and the transformers zoo of
+bench/zoo/, with each family's own tp plan as its rules): mesh shapes within
 `WORLD` ranks; tensor-parallel rules right and wrong (a module that does not exist, column and row swapped,
 vocab on a linear, a rule dropped, sequence parallelism); pipeline cuts before or after any module,
 the last included, or `stages=auto`, under every schedule; fp32 or bf16; recompute; ZeRO 0–3;
@@ -12,12 +13,18 @@ spawned gloo ranks without a traceback, and the first `COMPARED` of them are hel
 Any other outcome is a bug in the compiler. The draw includes `cut after` the last module, which compiled
 and failed at step 0 until passes/pipeline_split.py refused it (its own test: tests/test_pipeline_empty_stage.py).
 
-The default run compiles `DEFAULT_PLANS` plans and trains a handful (≤ ~90 s); `-m slow` runs `SLOW_PLANS`.
+The default run compiles `DEFAULT_PLANS` plans over the three models and `ZOO_SLICE`, and trains a handful
+(≤ ~2 min); `-m slow` runs `SLOW_PLANS` over the three, and `test_accepted_plans_run_zoo` draws
+`ZOO_PLANS_PER_FAMILY` plans for every zoo family that builds (the whole zoo: `pytest -m slow -k zoo
+tests/test_accepted_runs.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +42,17 @@ from parc.runtime.train import Trainer
 from parc.runtime.verify import TOLERANCES
 from parc.trace import load_user_module
 
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
+from bench.zoo import families as zoo_families, rules as zoo_rules  # noqa: E402
+
 MODELS_DIR = ROOT / "tests" / "models"
 SEED = 24  # the issue's number; any fixed seed keeps the draw the same on every run
 WORLD = 4
 DEFAULT_PLANS, SLOW_PLANS = 12, 150
+# zoo families in the default draw, one per variant the three models lack: per-head q/k norms (qwen3), a fused
+# qkv sliced and a fused gate_up chunked (phi3), sandwich norms with tied embeddings (gemma2), MoE (mixtral)
+ZOO_SLICE = ("qwen3", "phi3", "gemma2", "mixtral")
+ZOO_PLANS_PER_FAMILY = 2
 RUNS_PER_WORLD, SLOW_RUNS_PER_WORLD = 1, 8  # compiled plans trained per world size
 COMPARED = 1
 
@@ -53,6 +67,7 @@ class Model:
     file: Path
     rules: dict[str, str]  # Megatron's layout for it (module pattern → column | row | vocab)
     layers: str            # the repeated layers' glob, for recompute
+    optional: bool = False  # rules written `"glob"? : style` (a family's own tp plan names modules a tiny config may lack)
 
 
 MODELS = {
@@ -62,6 +77,35 @@ MODELS = {
                                                 "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row",
                                                 "transformer.wte": "vocab"}, "transformer.h.*"),
 }
+_ZOO_DIR = Path(tempfile.mkdtemp(prefix="parc_fuzz_zoo_"))
+
+
+def _layers_glob(model) -> str:
+    """The glob of the model's repeated layers: its first ModuleList that holds parameters."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and any(True for _ in module.parameters()):
+            return f"{name}.*"
+    raise ValueError("no repeated layers")
+
+
+@functools.cache
+def zoo_model(family: str) -> Model | None:
+    """A zoo family as a fuzz model, with its own tp plan as the rules; None if it has none or does not build."""
+    if zoo_families.check(family) is not None:
+        return None
+    rules = zoo_rules.hf_rules(family)
+    if rules.block is None:
+        return None
+    with torch.device("meta"):
+        layers = _layers_glob(zoo_families.build(family))
+    parsed = {line.split('"')[1]: line.rsplit(":", 1)[1].strip() for line in rules.block.splitlines() if ":" in line}
+    return Model(zoo_families.model_file(family, _ZOO_DIR), parsed, layers, optional=True)
+
+
+def _model(name: str) -> Model:
+    return MODELS[name] if name in MODELS else zoo_model(name)
+
+
 MESHES = [(dp, pp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for tp in (1, 2, 4) if dp * pp * tp <= WORLD]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 
@@ -80,7 +124,7 @@ def _modules(model: str) -> list[str]:
     """The model's module paths in registration order (built on meta: nothing is traced or allocated)."""
     if model not in _MODULES:
         with torch.device("meta"):
-            built = load_user_module(MODELS[model].file).build_model()
+            built = load_user_module(_model(model).file).build_model()
         _MODULES[model] = [name for name, _ in built.named_modules() if name]
     return _MODULES[model]
 
@@ -100,7 +144,8 @@ def _tp_block(rng: random.Random, model: Model) -> str:
         del rules[rng.choice(list(rules))]
     elif wrong == "replicate":
         rules[rng.choice(linears)] = "replicate"
-    lines = [f'    "{p}" : {k}' for p, k in rules.items()]
+    opt = "?" if model.optional else ""
+    lines = [f'    "{p}"{opt} : {k}' if p in model.rules else f'    "{p}" : {k}' for p, k in rules.items()]
     if rng.random() < 0.3:
         lines.append("    sequence_parallel")
     return "tensor_parallel {\n" + "\n".join(lines) + "\n}\n"
@@ -120,12 +165,14 @@ def _pipeline(rng: random.Random, model: str, pp: int) -> str:
     return head + " {\n" + "\n".join(cuts) + "\n}\n"
 
 
-def plans(seed: int, n: int) -> list[Case]:
+def plans(seed: int, n: int, models: list[str] | None = None) -> list[Case]:
+    """`n` plans, model by model in turn over `models` (default: the three of MODELS)."""
     rng = random.Random(seed)
+    models = models or list(MODELS)
     out = []
     for i in range(n):
-        name = list(MODELS)[i % len(MODELS)]
-        model = MODELS[name]
+        name = models[i % len(models)]
+        model = _model(name)
         dp, pp, tp = rng.choice(MESHES)
         micro, acc = rng.choice([1, 2]), rng.choice([1, 2, 4])
         text = f"mesh dp={dp} pp={pp} tp={tp}\nbatch global={micro * acc * dp} micro={micro}\n"
@@ -149,7 +196,7 @@ def _compile(case: Case, tmp: Path) -> tuple[str, Path | str]:
     """("compiled", root) | ("refused", rendered error) | ("crash", traceback)."""
     out = tmp / case.name
     try:
-        compile_model(MODELS[case.model].file, parse(case.text, file=str(tmp / f"{case.name}.par")), out)
+        compile_model(_model(case.model).file, parse(case.text, file=str(tmp / f"{case.name}.par")), out)
     except ParcError as err:
         if not all(d.span is not None and d.span.line >= 1 for d in err.diagnostics[:1]):
             return "crash", f"refused without a location:\n{err.render()}"
@@ -198,6 +245,18 @@ def _check(cases: list[Case], tmp: Path, runs_per_world: int) -> None:
 
 def test_accepted_plans_run(tmp_path):
     _check(plans(SEED, DEFAULT_PLANS), tmp_path, RUNS_PER_WORLD)
+
+
+def test_accepted_plans_run_zoo_slice(tmp_path):
+    zoo = [f for f in ZOO_SLICE if zoo_model(f) is not None]
+    assert zoo == list(ZOO_SLICE), "a family of the slice no longer builds or has no tp plan"
+    _check(plans(SEED, len(zoo), zoo), tmp_path, RUNS_PER_WORLD)  # one plan per family: the suite's budget
+
+
+@pytest.mark.slow
+def test_accepted_plans_run_zoo(tmp_path):
+    zoo = [f for f in zoo_families.families() if zoo_model(f) is not None]
+    _check(plans(SEED + 2, len(zoo) * ZOO_PLANS_PER_FAMILY, zoo), tmp_path, SLOW_RUNS_PER_WORLD)
 
 
 @pytest.mark.slow
