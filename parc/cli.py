@@ -171,9 +171,12 @@ def cmd_import_deepspeed(args) -> int:
         from parc.trace import load_user_module, trace
 
         paths = trace(load_user_module(_existing(args.model, "model")), 1).module_paths
+    over = deepspeed.Overrides(micro=args.micro, accumulation=args.accumulation, global_batch=args.global_batch,
+                               lr=args.lr, warmup=args.warmup, steps=args.steps, clip=args.clip,
+                               precision=args.precision)
     imp = deepspeed.translate(deepspeed.load_config(_existing(args.config, "DeepSpeed config")),
                               world_size=args.world_size, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                              model_paths=paths, source=args.config.name)
+                              model_paths=paths, source=args.config.name, overrides=over)
     out = args.output or Path(args.config.stem + ".par")  # the working directory, not the config's folder
     if args.output is None and out.exists():
         raise ParcError(f"{out} exists: parc import-deepspeed does not overwrite a file it was not told to",
@@ -324,14 +327,28 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("import-deepspeed", help="translate a DeepSpeed JSON config into a .par plan",
                        description="Write a .par from a DeepSpeed config (batch sizes, ZeRO stage, tp/pp sizes, "
-                                   "optimizer, clipping, bf16/fp16), list the keys it could not translate, and "
-                                   "check the written plan (exit 2 with file:line:col diagnostics if it is wrong).")
+                                   "optimizer, clipping, bf16/fp16, lr scheduler), list the keys it could not "
+                                   "translate, and check the written plan (exit 2 with file:line:col diagnostics "
+                                   "if it is wrong). \"auto\" values (HF Trainer configs) take their numbers from "
+                                   "the flags below, as the Trainer fills them from its own arguments; one left "
+                                   "without a number stays `auto` in the plan under a `# auto:` comment, and the "
+                                   "check points at it. docs/deepspeed.md lists every key.")
     d.add_argument("config", type=Path, help="ds_config.json")
     d.add_argument("--model", type=Path, help="model file: propose tensor_parallel rules from its module names")
     d.add_argument("--world-size", type=int, help="GPUs in the launch: dp = world / (tp × pp)")
     d.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node: a topology line and the world size)")
     d.add_argument("--gpus-per-node", type=int, help="GPUs per node")
     d.add_argument("-o", "--output", type=Path, help="the .par to write (default: ./<config name>.par, never overwritten)")
+    auto = d.add_argument_group("numbers for \"auto\" values (the HF Trainer argument each stands for)")
+    auto.add_argument("--micro", type=int, help="train_micro_batch_size_per_gpu (per_device_train_batch_size)")
+    auto.add_argument("--accumulation", type=int, help="gradient_accumulation_steps")
+    auto.add_argument("--global-batch", type=int, help="train_batch_size (world × micro × accumulation; "
+                                                       "derived when the other two and the world size are known)")
+    auto.add_argument("--lr", type=float, help="optimizer lr and the scheduler's warmup_max_lr (learning_rate)")
+    auto.add_argument("--warmup", type=int, help="the scheduler's warmup_num_steps (warmup_steps)")
+    auto.add_argument("--steps", type=int, help="the scheduler's total_num_steps (max_steps)")
+    auto.add_argument("--clip", type=float, help="gradient_clipping (max_grad_norm)")
+    auto.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="bf16.enabled / fp16.enabled (--bf16, --fp16)")
     d.set_defaults(fn=cmd_import_deepspeed)
 
     r = sub.add_parser("report", help="memory, communication and utilization estimates of a plan",

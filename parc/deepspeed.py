@@ -18,20 +18,31 @@ What maps to what:
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
+| scheduler WarmupLR / WarmupDecayLR / WarmupCosineLR | optimizer warmup= decay= decay_steps= min_lr= (`_scheduler`) |
 
 dp is derived: world / (tp × pp) when the world size is known, else
 train_batch_size / (micro × accumulation). DeepSpeed's "Adam" is AdamW unless
 `adam_w_mode` is false (its FusedAdam decouples weight decay by default).
+
+`"auto"` (the HF Trainer fills it from its own arguments): the value comes from the
+matching `Overrides` field (the command's flags: `--micro`, `--lr`, …) when given;
+a batch size that the others and dp determine is derived; betas/eps/weight_decay
+take parc's defaults, which are the HF Trainer's. Anything else stays `auto` in the
+written plan, on a line of its own under a `# auto:` comment that says where the
+number comes from, so `parc check` points at it (file:line:col). The rest of the
+config is translated all the same.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parc.errors import ParcError, PlanError
+from parc.grammar.plan import Optimizer as OptimizerDefaults
 
 # (dotted DeepSpeed key, ...) → our meaning. Several spellings exist in the wild.
 TP_KEYS = ("tensor_parallel.tp_size", "tensor_parallel.autotp_size", "tensor_parallel.size",
@@ -43,13 +54,86 @@ OPT_PARAMS = ("lr", "betas", "eps", "weight_decay")
 # sub-keys whose only effect is speed or memory placement in DeepSpeed's own engine
 WHY = {
     "zero_optimization": "a DeepSpeed engine tuning knob; parc's ZeRO has no such setting",
-    "fp16": "loss scaling is not modelled by parc",
+    "fp16": "parc does not implement fp16 loss scaling yet (`precision fp16` is refused by parc check)",
     "optimizer": "parc's optimizers take lr, betas, eps, weight_decay only",
     "pipeline": "DeepSpeed pipeline-engine setting; parc places cuts itself (pipeline stages=auto)",
     "tensor_parallel": "DeepSpeed AutoTP setting",
     "activation_checkpointing": "parc recomputes by module glob: write `recompute \"blocks.*\"`",
-    "scheduler": "parc has no learning-rate schedule",
+    "scheduler": "parc's lr schedule is warmup + constant, linear or cosine decay; this scheduler is not one",
 }
+# more precise reasons for some sub-keys (the longest matching prefix wins over WHY's top-level ones)
+WHY_PREFIX = {
+    "zero_optimization.offload_optimizer": "parc has no optimizer offload yet: optimizer state stays on the device",
+    "zero_optimization.offload_param": "parc has no parameter offload: parameters stay on the device",
+    "zero_optimization.zero_hpz_partition_size": "parc has no hierarchical (hpZ) partitioning yet",
+}
+AUTO = "auto"
+# HF Trainer's defaults for these optimizer "auto"s are parc's own defaults (adamw betas 0.9,0.999, eps 1e-8,
+# weight_decay 0), so leaving them out of the plan reproduces what the Trainer would have filled in
+HF_DEFAULTS_ARE_PARCS = ("optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay")
+
+
+@dataclass
+class Overrides:
+    """Numbers for "auto" values, as the HF Trainer would fill them (its argument in the comment)."""
+    micro: int | None = None          # per_device_train_batch_size → train_micro_batch_size_per_gpu
+    accumulation: int | None = None   # gradient_accumulation_steps
+    global_batch: int | None = None   # train_batch_size (= world × micro × accumulation)
+    lr: float | None = None           # learning_rate → optimizer.params.lr, scheduler warmup_max_lr
+    warmup: int | None = None         # warmup_steps → scheduler warmup_num_steps
+    steps: int | None = None          # max_steps → scheduler total_num_steps
+    clip: float | None = None         # max_grad_norm → gradient_clipping
+    precision: str | None = None      # --bf16 / --fp16 → bf16.enabled / fp16.enabled ("fp32", "bf16", "fp16")
+
+
+# where each "auto" takes its number from: (Overrides field, the HF Trainer argument it stands for)
+AUTO_SOURCES = {
+    "train_micro_batch_size_per_gpu": ("micro", "per_device_train_batch_size"),
+    "gradient_accumulation_steps": ("accumulation", "gradient_accumulation_steps"),
+    "train_batch_size": ("global_batch", "world × per_device_train_batch_size × gradient_accumulation_steps"),
+    "optimizer.params.lr": ("lr", "learning_rate"),
+    "scheduler.params.warmup_max_lr": ("lr", "learning_rate"),
+    "scheduler.params.warmup_num_steps": ("warmup", "warmup_steps"),
+    "scheduler.params.total_num_steps": ("steps", "max_steps"),
+    "gradient_clipping": ("clip", "max_grad_norm"),
+}
+FLAGS = {"micro": "--micro", "accumulation": "--accumulation", "global_batch": "--global-batch", "lr": "--lr",
+         "warmup": "--warmup", "steps": "--steps", "clip": "--clip", "precision": "--precision"}
+
+
+def _fill_autos(flat: dict, over: Overrides, notes: list[str]) -> list[str]:
+    """Replace each "auto" in the flattened config by its override, in place; return the keys still "auto"."""
+    left = []
+    for key, value in list(flat.items()):
+        if value != AUTO:
+            continue
+        if key in ("fp16.enabled", "bf16.enabled"):
+            if over.precision is not None:
+                flat[key] = over.precision == key.split(".")[0]
+            else:
+                left.append(key)
+            continue
+        if key == "scheduler.params.warmup_min_lr":
+            flat[key] = 0.0  # the HF Trainer's warmup starts from 0
+            continue
+        field_, _ = AUTO_SOURCES.get(key, (None, None))
+        given = getattr(over, field_) if field_ else None
+        if given is not None:
+            flat[key] = given
+            notes.append(f"{key} \"auto\" = {given} ({FLAGS[field_]})")
+        else:
+            left.append(key)
+    return left
+
+
+def _auto_comment(key: str) -> str:
+    field_, hf = AUTO_SOURCES.get(key, (None, None))
+    if key in ("fp16.enabled", "bf16.enabled"):
+        field_, hf = "precision", "--bf16 / --fp16"
+    where = f"the HF Trainer's {hf}" if hf else "the HF Trainer"
+    what = "fp32, bf16 or fp16" if field_ == "precision" else "the number"
+    flag = f", or pass {FLAGS[field_]}" if field_ in FLAGS else ""
+    return f"# auto: {key} is \"auto\" in the DeepSpeed config ({where}): write {what}{flag}"
 
 
 @dataclass
@@ -97,10 +181,11 @@ class _Reader:
 
 def translate(config: dict, *, world_size: int | None = None, nodes: int | None = None,
               gpus_per_node: int | None = None, model_paths: list[str] | None = None,
-              source: str = "ds_config.json") -> Import:
+              source: str = "ds_config.json", overrides: Overrides | None = None) -> Import:
     """The .par text for `config`; raises ParcError when dp cannot be derived or a number is not one."""
     r = _Reader(config)
     notes: list[str] = []
+    autos = _fill_autos(r.flat, overrides or Overrides(), notes)
     tp_key, tp = r.take(*TP_KEYS)
     pp_key, pp = r.take(*PP_KEYS)
     tp = _int(tp_key, tp) if tp_key else 1
@@ -113,11 +198,14 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
     gkey, global_size = r.take("train_batch_size")
     mkey, micro = r.take("train_micro_batch_size_per_gpu")
     akey, acc = r.take("gradient_accumulation_steps")
-    global_size = _int(gkey, global_size) if gkey else None
-    micro = _int(mkey, micro) if mkey else None
-    acc = _int(akey, acc) if akey else None
+    global_size = _int(gkey, global_size) if gkey and global_size != AUTO else None
+    micro = _int(mkey, micro) if mkey and micro != AUTO else None
+    acc = _int(akey, acc) if akey and acc != AUTO else None
+    auto_batch = [k for k in (gkey, mkey, akey) if k in autos]
 
-    if world_size is not None:
+    if world_size is None and auto_batch and None in (global_size, micro, acc):
+        dp = None  # "auto" sizes: dp is the launch's, which only --world-size gives
+    elif world_size is not None:
         if world_size % (tp * pp):
             raise ParcError(f"world size {world_size} is not a multiple of tp {tp} × pp {pp} = {tp * pp}",
                             hint="dp = world / (tp × pp) must be a whole number")
@@ -140,10 +228,14 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
         raise ParcError(f"dp cannot be derived from {have} alone",
                         hint="pass --world-size N (dp = N / (tp × pp)), or give all three batch sizes")
 
-    lines = [f"mesh dp={dp} pp={pp} tp={tp}"]
+    lines = []
+    if dp is None:
+        lines.append("# auto: dp is the launch's: write it (world / (tp × pp)), or pass --world-size")
+    lines.append(f"mesh dp={AUTO if dp is None else dp} pp={pp} tp={tp}")
     if nodes and gpus_per_node:
         lines.append(f"topology nodes={nodes} gpus_per_node={gpus_per_node}")
-    lines += _batch(global_size, micro, acc, dp)
+    lines += _auto_batch(global_size, micro, acc, dp, auto_batch, notes) if auto_batch else \
+        _batch(global_size, micro, acc, dp)
     if tp > 1:
         lines += _tp_rules(model_paths, notes)
     if pp > 1:
@@ -153,10 +245,12 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
         if stage not in (1, 2, 3):
             raise ParcError(f"DeepSpeed zero_optimization.stage must be 0..3, got {stage!r}")
         lines.append(f"zero stage={stage}")
-    lines += _precision(r)
-    lines += _optimizer(r, notes)
+    lines += _precision(r, autos)
+    lines += _optimizer(r, notes, autos)
 
-    untranslated = [(k, _why(k)) for k in r.rest()]
+    fp16_on = bool(r.flat.get("fp16.enabled")) and r.flat.get("fp16.enabled") != AUTO
+    untranslated = [(k, "fp16 is not enabled: its loss-scaling settings have no effect" if k.startswith("fp16.")
+                     and not fp16_on else _why(k)) for k in r.rest()]
     head = [f"# translated from {source} by `parc import-deepspeed`"]
     head += [f"# note: {n}" for n in notes]
     if untranslated:
@@ -180,17 +274,40 @@ def _batch(global_size, micro, acc, dp) -> list[str]:
     return [f"batch global={global_size} micro={micro}{stated}"]
 
 
-def _precision(r: _Reader) -> list[str]:
-    _, bf16 = r.take("bf16.enabled")
-    _, fp16 = r.take("fp16.enabled")
+def _auto_batch(global_size, micro, acc, dp, auto_keys: list[str], notes: list[str]) -> list[str]:
+    """The batch line when some of its sizes are "auto": derive what the others and dp give, mark the rest."""
+    sizes = {"global": global_size, "micro": micro, "accumulation": acc}
+    if dp is not None and sum(v is None for v in sizes.values()) == 1:
+        if global_size is None:
+            sizes["global"] = micro * acc * dp
+        elif global_size % ((micro or acc) * dp) == 0:
+            sizes["micro" if micro is None else "accumulation"] = global_size // ((micro or acc) * dp)
+        derived = [k for k, v in sizes.items() if v is not None and {"global": global_size, "micro": micro,
+                                                                      "accumulation": acc}[k] is None]
+        for k in derived:
+            notes.append(f"batch {k}={sizes[k]}: derived from the other sizes and dp {dp} (it was \"auto\")")
+    comments = [_auto_comment(k) for k, name in (("train_batch_size", "global"),
+                ("train_micro_batch_size_per_gpu", "micro"), ("gradient_accumulation_steps", "accumulation"))
+                if k in auto_keys and sizes[name] is None]
+    fields = " ".join(f"{k}={AUTO if v is None else v}" for k, v in sizes.items())
+    return comments + [f"batch {fields}"]
+
+
+def _precision(r: _Reader, autos: list[str]) -> list[str]:
+    bkey, bf16 = r.take("bf16.enabled")
+    fkey, fp16 = r.take("fp16.enabled")
+    auto = [k for k in (bkey, fkey) if k in autos]
+    if auto:
+        return [_auto_comment(auto[0]), f"precision {AUTO}"]
     if bf16 and fp16:
         raise ParcError("DeepSpeed config enables both bf16 and fp16", hint="enable one of them")
     return ["precision bf16"] if bf16 else ["precision fp16"] if fp16 else []
 
 
-def _optimizer(r: _Reader, notes: list[str]) -> list[str]:
+def _optimizer(r: _Reader, notes: list[str], autos: list[str]) -> list[str]:
     tkey, kind = r.take("optimizer.type")
-    _, clip = r.take("gradient_clipping")
+    ckey, clip = r.take("gradient_clipping")
+    comments: list[str] = []
     parts = []
     if tkey is not None:
         name = str(kind).lower()
@@ -208,15 +325,96 @@ def _optimizer(r: _Reader, notes: list[str]) -> list[str]:
                 key, value = r.take(f"optimizer.params.{p}")
                 if key is None:
                     continue
-                if isinstance(value, str):  # "auto"
-                    r.used.remove(key)
+                if key in autos and key in HF_DEFAULTS_ARE_PARCS:
+                    notes.append(f"{key} \"auto\": parc's default, which is the HF Trainer's")
+                    continue
+                if key in autos:
+                    comments.append(_auto_comment(key))
+                    parts.append(f"{p}={AUTO}")
                     continue
                 parts.append(f"{p}=" + (",".join(repr(float(b)) for b in value) if p == "betas"
                                         else repr(float(value))))
-    if clip:  # 0 means no clipping in DeepSpeed
+    written_lr = next((x[3:] for x in parts if x.startswith("lr=")), None)
+    opt_lr = AUTO if written_lr == AUTO else float(written_lr) if written_lr else OptimizerDefaults.lr
+    schedule, lr = _scheduler(r, notes, autos, comments, opt_lr)
+    if lr is not None:  # the scheduler's peak lr replaces the optimizer's, as in DeepSpeed
+        parts = [x for x in parts if not x.startswith("lr=")] or ["adamw"]
+        parts.insert(1, f"lr={lr}")
+    if ckey in autos:
+        comments.append(_auto_comment(ckey))
+        parts = parts or ["adamw"]
+        parts.append(f"clip={AUTO}")
+    elif clip:  # 0 means no clipping in DeepSpeed
         parts = parts or ["adamw"]
         parts.append(f"clip={float(clip)!r}")
-    return ["optimizer " + " ".join(parts)] if parts else []
+    if schedule:
+        parts = (parts or ["adamw"]) + schedule
+    return comments + ["optimizer " + " ".join(parts)] if parts else []
+
+
+def _scheduler(r: _Reader, notes: list[str], autos: list[str], comments: list[str],
+               opt_lr: float | str) -> tuple[list[str], str | None]:
+    """DeepSpeed's scheduler as parc's `warmup= decay= decay_steps= min_lr=`, and the peak lr it sets (or None).
+
+    DeepSpeed (deepspeed/runtime/lr_schedules.py) at 0-based step s, W = max(2, warmup_num_steps):
+      WarmupLR        lr(s) = min + (max − min)·γ(s) for s < W, then max
+      WarmupDecayLR   as WarmupLR for s < W, then min + (max − min)·(T − s)/(T − W)  (linear to min at T)
+      WarmupCosineLR  lr(s) = lr·ρ(s): warmup ρ = wmin + (1 − wmin)·γ(s); then
+                      cos_min + (1 − cos_min)·½(1 + cos(π(s − W + 1)/(T − W)))
+    with γ(s) = s/W (`warmup_type` linear) or log(s + 1)/log W (log, DeepSpeed's default). parc's warmup is
+    linear from lr/W at s = 0 and its decays start at s = W (runtime/schedule_lr.py). So linear decay matches
+    exactly; the warmup is one step ahead of DeepSpeed's linear one; a log warmup, a warmup that starts above 0
+    and the cosine's one-step shift are approximations, each said in a note.
+    """
+    tkey, kind = r.take("scheduler.type")
+    if tkey is None:
+        return [], None
+    kind = str(kind)
+    if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        r.used.remove(tkey)
+        return [], None
+
+    def param(name, default):
+        key, value = r.take(f"scheduler.params.{name}")
+        if key in autos:
+            comments.append(_auto_comment(key))
+            return AUTO
+        return default if key is None else value
+
+    warmup = param("warmup_num_steps", 1000)
+    wtype = param("warmup_type", "log")
+    parts = [f"warmup={warmup if warmup == AUTO else max(2, int(warmup))}"] if warmup == AUTO or warmup else []
+    if wtype != "linear":
+        notes.append(f"DeepSpeed's warmup here is {wtype}-shaped (warmup_type, default log); parc's is linear")
+    notes.append("parc's linear warmup runs step s at lr·(s+1)/warmup, DeepSpeed's at lr·s/warmup: one step ahead")
+    peak = None
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        low, high = param("warmup_min_lr", 0.0), param("warmup_max_lr", 0.001)
+        peak = high if high == AUTO else repr(float(high))
+        if low not in (AUTO, 0, 0.0):
+            notes.append(f"warmup_min_lr {low}: parc's warmup starts near 0, not at warmup_min_lr")
+        if kind == "WarmupDecayLR":
+            total = param("total_num_steps", None)
+            if total is None:
+                raise ParcError("DeepSpeed WarmupDecayLR needs scheduler.params.total_num_steps")
+            parts += ["decay=linear", f"decay_steps={total}"]
+            if low not in (AUTO, 0, 0.0):
+                parts.append(f"min_lr={float(low)!r}")
+    else:
+        total = param("total_num_steps", None)
+        if total is None:
+            raise ParcError("DeepSpeed WarmupCosineLR needs scheduler.params.total_num_steps")
+        wmin, cmin = param("warmup_min_ratio", 0.0), param("cos_min_ratio", 0.0001)
+        if wmin not in (AUTO, 0, 0.0):
+            notes.append(f"warmup_min_ratio {wmin}: parc's warmup starts near 0, not at that ratio of lr")
+        notes.append("DeepSpeed's cosine runs one step ahead of parc's (its phase is s − W + 1, parc's s − W)")
+        parts += ["decay=cosine", f"decay_steps={total}"]
+        if cmin == AUTO or opt_lr == AUTO:
+            comments.append("# auto: min_lr is cos_min_ratio × lr: write it once both are known")
+            parts.append(f"min_lr={AUTO}")
+        elif cmin:
+            parts.append(f"min_lr={float(cmin) * opt_lr!r}")  # cos_min_ratio of the optimizer's lr
+    return parts, peak
 
 
 # Megatron's layout for the module names common models use: the first linear of a
@@ -247,6 +445,9 @@ def _tp_rules(paths: list[str] | None, notes: list[str]) -> list[str]:
 
 
 def _why(key: str) -> str:
+    for prefix in sorted(WHY_PREFIX, key=len, reverse=True):
+        if key == prefix or key.startswith(prefix + "."):
+            return WHY_PREFIX[prefix]
     top = key.split(".", 1)[0]
     return WHY.get(top, "no parc equivalent")
 
@@ -273,7 +474,7 @@ def write_plan(imp: Import, out: Path):
     text = imp.text
     try:
         parse(text, str(out))
-    except PlanError as e:
+    except ParcError as e:  # PlanSyntaxError (a value that is not a number: "auto") or PlanError
         errors = [d.message for d in e.diagnostics if d.severity == "error"]
         marks = "".join(f"# error: {m}\n" for m in errors)
         text = text.replace("\n", "\n" + marks, 1)  # after the first comment line
