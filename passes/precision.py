@@ -22,9 +22,18 @@ it from an explicit one, so it also stays fp32: the program then keeps that valu
 eager model rounds it to bf16, and autocast rounds it at the next matmul (one rounding later, never
 less precise; tests/test_bf16_casts.py holds such models to the serial bf16 run).
 
+- each floating tensor operand of an opaque op (a custom op outside aten/prims/parc: autocast does not
+  reach it) is cast to float32 before the op, so the op runs in the dtype it was traced in. Such an op
+  cannot be told which of its operands the model meant to follow which (`op(x.to(w.dtype), w)`, as
+  transformers' grouped-MoE fallback is called, traces as `op(x.to(torch.float32), w)`), and under bf16
+  its operands would otherwise arrive in two dtypes (fp32 from the traced cast, bf16 weights) and fail at
+  step 0. Computing the op in fp32 is autocast's own "promote" policy: never less precise than the eager
+  bf16 model, at the cost of fp32 copies of its operands (tests/test_bf16_casts.py).
+
 Assumes: the traced whole graph (before tensor_parallel, which keeps these nodes as they are).
-Guarantees: under bf16 no `_assert_tensor_metadata` of a floating tensor names a dtype, and no device
-move of a floating tensor casts it; every other node is untouched. Rewrites counted per node changed.
+Guarantees: under bf16 no `_assert_tensor_metadata` of a floating tensor names a dtype, no device
+move of a floating tensor casts it, and every floating tensor operand of an opaque op is float32; every
+other node is untouched. Rewrites counted per node changed.
 """
 
 from __future__ import annotations
@@ -36,19 +45,40 @@ from parc.runtime.precision import compute_dtype
 
 aten = torch.ops.aten
 NAME = "precision"
+AUTOCAST_REACHES = ("aten", "prims", "parc")  # op namespaces autocast (or parc's own runtime) casts for
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if compute_dtype(plan.precision) is None:
         return gm
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if _is_float_guard(node) or _is_device_move(node):
             node.args = node.args[:3]  # `dtype` is the guard's fourth positional argument when not a keyword
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
             ctx.count(NAME)
+        elif opaque_float_operands(node):
+            _operands_in_fp32(gm, node)
+            ctx.count(NAME)
     if ctx.rewrites.get(NAME):
         gm.recompile()
     return gm
+
+
+def opaque_float_operands(node: fx.Node) -> list[fx.Node]:
+    """The floating tensor operands of `node` if it calls an op autocast does not reach, else []."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace in AUTOCAST_REACHES:
+        return []
+    operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    return [a for a in operands if getattr(a.meta.get("val"), "dtype", torch.int64).is_floating_point]
+
+
+def _operands_in_fp32(gm: fx.GraphModule, node: fx.Node) -> None:
+    for operand in dict.fromkeys(opaque_float_operands(node)):
+        with gm.graph.inserting_before(node):
+            cast = gm.graph.call_function(aten._to_copy.default, (operand,), {"dtype": torch.float32})
+        cast.meta = dict(operand.meta)
+        node.replace_input_with(operand, cast)
 
 
 def float_guards(gm: fx.GraphModule) -> list[fx.Node]:

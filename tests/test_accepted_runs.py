@@ -131,8 +131,10 @@ def _modules(model: str) -> list[str]:
 
 def _tp_block(rng: random.Random, model: Model) -> str:
     rules = dict(model.rules)
-    linears = [p for p, k in rules.items() if k != "vocab"]
+    linears = [p for p, k in rules.items() if k in ("column", "row")]
     wrong = rng.choice(["none", "none", "missing", "swap", "vocab_on_linear", "drop", "replicate"])
+    if not linears and wrong != "drop":  # a family whose own plan shards only its vocabulary
+        wrong = "none"
     if wrong == "missing":
         rules[linears[0].rsplit(".", 1)[0] + ".nonexistent"] = rng.choice(["column", "row"])
     elif wrong == "swap":

@@ -4,7 +4,9 @@ HF's RMSNorm upcasts with `hidden_states.to(torch.float32)` and casts back with 
 torch.export guards each cast with `_assert_tensor_metadata(…, dtype=torch.float32)`, which failed at
 step 0 once the program ran on bf16 copies (issue 24). Qwen3 (a per-head RMSNorm on q and k as well) and
 Llama under bf16 with dp 2 and tp 2 train against the serial bf16 model; the unit test checks that no
-floating dtype guard is left in a bf16 program and that an fp32 program keeps its guards.
+floating dtype guard is left in a bf16 program and that an fp32 program keeps its guards. An opaque custom
+op (tests/models/custom_mm_tiny.py, called as transformers calls its grouped-MoE fallback) runs in fp32 under
+bf16, and trains against the serial bf16 model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PLANS = {  # name: (model, mesh and rules)
     "llama_dp": ("llama_tiny.py", "mesh dp=2\n"),
     "llama_tp": ("llama_tiny.py", "mesh tp=2\n" + llama_tp_rules()),
     "qwen3_tp": ("qwen3_tiny.py", "mesh tp=2\n" + llama_tp_rules()),
+    # an opaque custom op called as op(x.to(w.dtype), w): failed at step 0 until its operands ran in fp32
+    "custom_op_dp": ("custom_mm_tiny.py", "mesh dp=2\n"),
 }
 # tests/test_bf16_layout.py's tolerances, for its reasons: the serial run rounds the same fp32 masters to
 # bf16; summation order (dp and micro-batches; tp's bf16 partial sums, which round twice where serial
@@ -119,3 +123,14 @@ def test_the_pass_on_a_hand_built_graph():
     assert ctx.rewrites == {"precision": 2} and precision_casts.float_guards(gm) == []
     assert "dtype" not in guard.kwargs and guard.kwargs["device"] == torch.device("meta")
     assert "dtype" not in move.kwargs and cast.args == (move, torch.float32)
+
+
+def test_opaque_op_operands_run_in_fp32_under_bf16(tmp_path):
+    def program(precision):
+        root = compile_text("mesh dp=2\n" + COMMON.format(precision=precision), tmp_path / precision,
+                            MODELS / "custom_mm_tiny.py").root
+        return (root / "programs" / "stage0_tp0.py").read_text()
+
+    call = next(line for line in program("bf16").splitlines() if "same_dtype_mm.default(" in line)
+    assert call.count("_to_copy_default") >= 2, call  # both operands go through the fp32 casts
+    assert "_to_copy" not in next(line for line in program("fp32").splitlines() if "same_dtype_mm.default(" in line)
