@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import compile_text
+from helpers import ROOT, compile_text
 from parc import artifact, mesh as meshlib
 from parc.errors import PlanError
 from parc.grammar.parser import parse
@@ -28,6 +28,7 @@ from parc.trace import load_user_module
 from test_zero import BF16_TOL, LOSS_TOL, PARAM_TOL
 
 STEPS = 3
+MODELS = ROOT / "tests" / "models"
 DP, SHARD = 4, 2
 FP32 = "optimizer adamw lr=1e-2 clip=0.5\n"
 # bf16 at lr 1e-3 against the serial bf16 model: tests/test_zero.py's BF16_TOL, for its reasons
@@ -163,3 +164,47 @@ def test_shard_round_trips_and_groups_follow_the_mesh_order():
     assert groups["zero_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert meshlib.shard_sizes_in_node(plan.mesh, 4) == [1, 2]
     assert meshlib.shard_sizes_in_node(plan.mesh, 8) == [1, 2, 4]
+
+
+# --- with tp and pp: 4 ranks leave dp 2, so shard=1 (every rank holds the whole state, replicated over dp 2): the
+# shard-group collectives above become local copies, and what is proven here is the composition: the replicate
+# all-reduce, the global norm counted once per range over dp × tp × pp, tied copies summed over the shard group,
+# tp-partial sums on the ranges. Tolerances: tests/test_zero_combos.py's, for its reasons.
+TP_RULES = """tensor_parallel {
+    "blocks.*.attn.qkv": column
+    "blocks.*.attn.proj": row
+    "blocks.*.mlp.fc": column
+    "blocks.*.mlp.proj": row
+}"""
+COMBOS = {  # the pipeline case trains a tied embedding / head: its two copies are summed over pp and the shard group
+    "zero1_pp2_1f1b_tied": "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=1 shard=1\npipeline schedule=1f1b\n" + FP32,
+    "zero3_tp2": f"mesh dp=2 tp=2\nbatch global=8 micro=2\nzero stage=3 shard=1\n{TP_RULES}\n" + FP32,
+    "zero2_tp2_bf16": f"mesh dp=2 tp=2\nbatch global=8 micro=2\nzero stage=2 shard=1\n{TP_RULES}\n" + BF16,
+}
+COMBO_BF16_TOL = 4e-3  # tests/test_zero_combos.py: tp rounds each row layer's partial product to bf16 before the sum
+
+
+def _combo_body(ctx, roots: list[str]):
+    out = []
+    for root in roots:
+        trainer = Trainer.load(root, 0)
+        losses = trainer.global_losses([trainer.step(s).loss for s in range(STEPS)])
+        out.append({"losses": losses, "state": trainer.gathered_state()})
+    return out
+
+
+def test_hsdp_with_tp_and_pp_matches_serial(tmp_path):
+    roots = {n: compile_text(t, tmp_path / n / "c", **({"model": MODELS / "gpt_tied.py"} if "tied" in n else {})).root
+             for n, t in COMBOS.items()}
+    res = spawn(4, _combo_body, [str(r) for r in roots.values()])[0]
+    for (name, root), got in zip(roots.items(), res):
+        art = artifact.load(root)
+        assert art.plan["groups"]["zero_replicate"] and art.plan["plan"]["zero_shard"] == 1
+        assert bool(art.plan.get("tied")) == ("tied" in name)
+        serial_losses, serial_state = train_serial(load_user_module(root / "model/model.py"), art.plan, 0, STEPS)
+        verdict = compare(got["losses"], serial_losses, got["state"], serial_state,
+                          *((COMBO_BF16_TOL,) if name.endswith("bf16") else ()))
+        if name.endswith("bf16"):
+            assert verdict.ok, (name, verdict.render())
+        else:
+            assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, (name, verdict.render())
