@@ -208,3 +208,47 @@ def test_hsdp_with_tp_and_pp_matches_serial(tmp_path):
             assert verdict.ok, (name, verdict.render())
         else:
             assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, (name, verdict.render())
+
+
+def _report(tmp_path, zero: str) -> dict:
+    from parc.analysis import report
+
+    path = tmp_path / f"{zero.replace(' ', '_').replace('=', '')}.par"
+    path.write_text("mesh dp=8\ntopology nodes=2 gpus_per_node=4 preset=h100\nbatch global=32 micro=4\n"
+                    f"zero {zero}\nprecision bf16\n")
+    return report.build(model=ROOT / "examples" / "gpt.py", plan=path)
+
+
+def test_report_prices_hsdp_on_intra_and_inter_node_links(tmp_path):
+    """dp 8 over 2 nodes of 4: plain ZeRO-3's groups cross nodes; shard=4 keeps its reduce-scatters and gathers
+    on one node and sends only the all-reduce of 1/4 of the gradients between nodes; state memory ×2 (1/4, not 1/8)."""
+    flat, hsdp = _report(tmp_path, "stage=3"), _report(tmp_path, "stage=3 shard=4")
+    assert hsdp["plan"]["zero_shard"] == 4 and flat["plan"]["zero_shard"] == 8
+    rows = {r["collective"]: r for r in hsdp["communication"]["rows"] if r["axis"] == "dp"}
+    assert set(rows) == {"reduce-scatter", "all-gather", "all-reduce"}
+    assert rows["reduce-scatter"]["group"] == rows["all-gather"]["group"] == 4 and rows["all-reduce"]["group"] == 2
+    assert rows["reduce-scatter"]["inter_bytes"] == rows["all-gather"]["inter_bytes"] == 0
+    assert rows["all-reduce"]["intra_bytes"] == 0
+    # the formulas of runtime/parallel/zero.py, on the report's parameter count P (one micro-batch a step here):
+    # reduce-scatter P·4·(K−1)/K in fp32, all-reduce 2·(P/K)·4·(R−1)/R
+    params = hsdp["memory"]["per_pp_rank"][0]["params_count"]
+    assert rows["reduce-scatter"]["bytes_per_rank"] == round(params * 4 * 3 / 4)
+    assert rows["all-reduce"]["bytes_per_rank"] == round(2 * params * 4 / 4 * 1 / 2)
+    flat_rows = {r["collective"]: r for r in flat["communication"]["rows"] if r["axis"] == "dp"}
+    assert flat_rows["reduce-scatter"]["inter_bytes"] > 0 and "all-reduce" not in flat_rows
+    inter = sum(r["inter_bytes"] for r in hsdp["communication"]["rows"])
+    assert inter < sum(r["inter_bytes"] for r in flat["communication"]["rows"])
+    mem, flat_mem = hsdp["memory"]["per_pp_rank"][0], flat["memory"]["per_pp_rank"][0]
+    for kind in ("params", "grads", "optimizer"):  # ZeRO-3 holds each 1/K: K = 4 against 8
+        assert abs(mem[f"{kind}_bytes"] - 2 * flat_mem[f"{kind}_bytes"]) <= 1, kind
+
+
+def test_planner_tries_the_largest_in_node_shard():
+    from parc.analysis.planner import _zero_choices
+    from parc.grammar.plan import Mesh, Topology
+
+    # dp 8 over nodes of 4: each stage ≥ 1 also with shard 4
+    assert _zero_choices(Mesh(8, 1, 1), Topology(2, 4)) == [(z, None) for z in range(4)] + [(z, 4) for z in (1, 2, 3)]
+    # dp inside one node: plain ZeRO only; tp 4 fills each node, so dp neighbours are on other nodes: none fits
+    assert _zero_choices(Mesh(4, 1, 1), Topology(1, 8)) == [(z, None) for z in range(4)]
+    assert _zero_choices(Mesh(4, 1, 4), Topology(4, 4)) == [(z, None) for z in range(4)]
