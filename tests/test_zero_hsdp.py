@@ -5,7 +5,7 @@ One world of 4 gloo ranks (dp 4, shard 2: shard groups {0, 1} and {2, 3}, replic
 around the collectives adds up the bytes each rank sends, per collective and per group. Each step must
 send exactly runtime/parallel/zero.py's formulas: reduce-scatter and all-gather inside the shard group,
 one all-reduce of the reduced ranges across the replicate group, and the clip norm's scalar over dp.
-Held bytes after the last step equal `analytic_bytes` with N = K. The plan language (errors, warning,
+Held bytes after the last step equal `analytic_bytes` with N = K, and `parc report`'s memory. The plan language (errors, warning,
 printing) and the groups are checked in one process.
 """
 
@@ -130,6 +130,11 @@ def test_hsdp_memory_and_traffic_per_group(trained, name):
                 by_kind[key] = by_kind.get(key, 0) + b
             assert by_kind == want, (rank, by_kind, want)
         assert r[name]["memory"] == want_mem, (rank, r[name]["memory"], want_mem)
+    # `parc report` on this artifact prices the same bytes (examples/gpt.py's buckets need no padding)
+    from parc.analysis import report
+
+    row = report.build(arts[name].root)["memory"]["per_pp_rank"][0]
+    assert {k: row[f"{k}_bytes"] for k in want_mem} == want_mem, (row, want_mem)
     per_param = sum(want_mem.values()) / psi
     print(f"\n{name}: {per_param:g} bytes/param held (K={SHARD}); sent per step {want}")
 
@@ -252,3 +257,14 @@ def test_planner_tries_the_largest_in_node_shard():
     # dp inside one node: plain ZeRO only; tp 4 fills each node, so dp neighbours are on other nodes: none fits
     assert _zero_choices(Mesh(4, 1, 1), Topology(1, 8)) == [(z, None) for z in range(4)]
     assert _zero_choices(Mesh(4, 1, 4), Topology(4, 4)) == [(z, None) for z in range(4)]
+
+
+def test_hsdp_with_expert_parallelism_is_refused_at_shard():
+    from parc.analysis import support
+
+    plan = parse('mesh dp=4 ep=2\nbatch global=8 micro=2\nexpert_parallel {\n    "blocks.*.moe.experts"\n}\n'
+                 "zero stage=1 shard=2\n", file="moe.par")
+    with pytest.raises(PlanError) as err:
+        support.check(plan)
+    (d,) = err.value.diagnostics
+    assert "zero shard=2 with expert parallelism" in d.message and (d.span.line, d.span.col) == (6, 20)
