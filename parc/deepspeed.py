@@ -15,7 +15,6 @@ What maps to what:
 | tensor_parallel.tp_size / autotp_size, tensor_model_parallel_size (Megatron-DeepSpeed) | mesh tp= |
 | pipeline_parallel.pp_size, pipeline.stages (an integer), pipeline_model_parallel_size | mesh pp= |
 | zero_optimization.stage | zero stage= |
-| zero_optimization.mics_shard_size (MiCS) | zero shard= (HSDP) |
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
@@ -153,7 +152,7 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
     if skey and stage:
         if stage not in (1, 2, 3):
             raise ParcError(f"DeepSpeed zero_optimization.stage must be 0..3, got {stage!r}")
-        lines.append(f"zero stage={stage}" + _mics_shard(r, notes))
+        lines.append(f"zero stage={stage}")
     lines += _precision(r)
     lines += _optimizer(r, notes)
 
@@ -164,18 +163,6 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
         head.append("# not translated:")
         head += [f"#   {k}: {why}" for k, why in untranslated]
     return Import("\n".join(head + lines) + "\n", r.used, untranslated, notes, {"dp": dp, "pp": pp, "tp": tp})
-
-
-def _mics_shard(r: "_Reader", notes: list[str]) -> str:
-    """MiCS (`zero_optimization.mics_shard_size` K > 0): the ZeRO state sharded within groups of K ranks and
-    replicated across them, which is parc's HSDP, ` shard=K`. (ZeRO++'s `zero_hpz_partition_size` keeps only a
-    second copy of the weights per group, with the state still cut over all of dp: not this, left untranslated.)"""
-    key, k = r.take("zero_optimization.mics_shard_size")
-    if key is None or k == -1:  # DeepSpeed's default, -1: MiCS off
-        if key is not None:
-            notes.append("zero_optimization.mics_shard_size -1: MiCS off, the state cut over all of dp")
-        return ""
-    return f" shard={_int(key, k)}"
 
 
 def _batch(global_size, micro, acc, dp) -> list[str]:

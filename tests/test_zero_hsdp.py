@@ -269,17 +269,3 @@ def test_hsdp_with_expert_parallelism_is_refused_at_shard():
     (d,) = err.value.diagnostics
     assert "zero shard=2 with expert parallelism" in d.message and (d.span.line, d.span.col) == (6, 20)
 
-
-def test_deepspeed_mics_imports_as_shard():
-    from parc.deepspeed import translate
-
-    cfg = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 3, "mics_shard_size": 8}}
-    imp = translate(cfg, world_size=32)
-    assert "zero stage=3 shard=8" in imp.text and "zero_optimization.mics_shard_size" in imp.translated
-    assert parse(imp.text).zero.shard == 8
-    cfg["zero_optimization"]["mics_shard_size"] = -1  # MiCS off
-    assert "zero stage=3\n" in translate(cfg, world_size=32).text
-    cfg["zero_optimization"] = {"stage": 3, "zero_hpz_partition_size": 8}  # hpZ: a weight copy only, not HSDP
-    imp = translate(cfg, world_size=32)
-    assert "shard=" not in imp.text and any(k == "zero_optimization.zero_hpz_partition_size" for k, _ in imp.untranslated)
