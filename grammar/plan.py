@@ -113,6 +113,7 @@ class Pipeline:
 @dataclass(frozen=True)
 class Zero:
     stage: int = 0
+    shard: int | None = None  # HSDP: shard the state over groups of this many dp ranks; None = all of dp
     span: Span | None = field(default=None, compare=False)
 
 

@@ -42,7 +42,8 @@ def format_plan(plan: Plan) -> str:
     if plan.pipeline is not None:
         lines.append(_pipeline(plan.pipeline))
     if plan.zero.stage != 0:
-        lines.append(f"zero stage={plan.zero.stage}")
+        shard = f" shard={plan.zero.shard}" if plan.zero.shard is not None else ""
+        lines.append(f"zero stage={plan.zero.stage}{shard}")
     if plan.recompute.patterns:
         rc = plan.recompute
         lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))

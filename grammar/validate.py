@@ -279,10 +279,53 @@ def _check_cuts(plan: Plan, out: _Report, total: int) -> None:
                       'write the exact path, e.g. cut before "blocks.2"')
 
 
+def _check_zero_shard(plan: Plan, out: _Report) -> None:
+    """`zero shard=K` (HSDP): K dp ranks hold one copy of the sharded state, dp / K copies in all; K divides dp.
+    With a topology, a shard group whose ranks sit on several nodes is warned about: its per-layer
+    gathers and reduce-scatters would leave the node (placement: `parc.mesh.zero_groups`)."""
+    k, dp, z = plan.zero.shard, plan.mesh.dp, plan.zero
+    if k is None:
+        return
+    span = out.at("zero.shard", z)
+    if not _positive_int(k):
+        out.error(f"zero shard must be a positive integer, got {k}", span,
+                  "shard=K shards the state over groups of K dp ranks; K = dp is plain ZeRO")
+        return
+    if z.stage == 0:
+        out.error(f"zero shard={k} with stage 0: nothing is sharded", span,
+                  "write zero stage=1, 2 or 3 with shard=, or drop shard=")
+    if not _positive_int(dp):
+        return
+    if dp % k:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        out.error(f"zero shard {k} does not divide mesh dp {dp}: dp {dp} = shard × replicas needs "
+                  f"dp % shard = 0, got {dp} % {k} = {dp % k}", span,
+                  "shard must be one of the divisors of dp: " + ", ".join(map(str, divisors)))
+        return
+    if plan.mesh.ep != 1:
+        return  # refused with expert parallelism (parc/analysis/support.py), not placed here
+    topo = plan.topology
+    if not (_positive_int(topo.gpus_per_node) and all(_positive_int(plan.mesh.degree(a)) for a in AXES)) or \
+            sorted(plan.mesh.order) != sorted(AXES) or plan.mesh.world_size > MAX_WORLD:
+        return
+    from parc import mesh as meshlib  # pure arithmetic; imported here to keep the front end's imports small
+
+    gpn = topo.gpus_per_node
+    crossing = [g for g in meshlib.zero_groups(plan.mesh, k)["zero_shard"] if len({r // gpn for r in g}) > 1]
+    if crossing:
+        g = crossing[0]
+        out.warn(f"zero shard={k}: {len(crossing)} shard group{'s span' if len(crossing) != 1 else ' spans'} nodes under topology "
+                 f"gpus_per_node {gpn} (e.g. ranks {g[0]}..{g[-1]} on nodes {g[0] // gpn}..{g[-1] // gpn}): each "
+                 "layer's gathers and reduce-scatters leave the node", span,
+                 f"use shard ≤ the dp ranks of one node ({max(meshlib.shard_sizes_in_node(plan.mesh, gpn))} here), or reorder the mesh "
+                 "so dp is inner")
+
+
 def _check_rest(plan: Plan, out: _Report) -> None:
     if plan.zero.stage not in (0, 1, 2, 3) or isinstance(plan.zero.stage, bool):
         out.error(f"zero stage must be 0, 1, 2 or 3, got {plan.zero.stage}", out.at("zero.stage", plan.zero),
                   "1 shards optimizer state, 2 also gradients, 3 also parameters")
+    _check_zero_shard(plan, out)
     seen: dict[str, int] = {}
     for i, pattern in enumerate(plan.recompute.patterns):
         if not pattern:

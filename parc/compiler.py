@@ -242,6 +242,9 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         plan_json["expert_parallel"] = {"ep": m.ep, "layers": ctx.notes.get("expert_layers", [])}
         for entry in plan_json["ranks"]:
             entry["ep"] = meshlib.ep_rank(m, entry["rank"])
+    if zero.hsdp(plan):  # `zero shard=K` < dp: the shard and replicate groups (parc/mesh.py zero_groups)
+        plan_json["groups"].update(meshlib.zero_groups(m, plan.zero.shard))
+        plan_json["plan"]["zero_shard"] = plan.zero.shard  # recorded only under HSDP, as mesh ep is
     if n_stages > 1:
         plan_json["schedule"] = schedule
         plan_json["tied"] = _tied(programs, m.pp)

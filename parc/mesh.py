@@ -82,3 +82,26 @@ def expert_groups(mesh: Mesh) -> dict[str, list[list[int]]]:
 def ep_rank(mesh: Mesh, rank: int) -> int:
     """`rank`'s index in its ep group: which E/ep experts it holds."""
     return coords(mesh, rank).dp % mesh.ep
+
+
+def zero_groups(mesh: Mesh, shard: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups (`zero stage=N shard=K`): where ZeRO's state is sharded and where it is replicated.
+
+    Each dp group, in dp-coordinate order, is cut into runs of `shard` consecutive dp coordinates: a
+    "zero_shard" group, whose ranks hold different ranges of the state (reduce-scatter, all-gather).
+    The ranks of a dp group with equal `dp % shard` hold the same range: a "zero_replicate" group of
+    dp / shard ranks (the all-reduce of the reduced ranges). Consecutive dp coordinates are the nearest
+    ranks the mesh order allows, so a shard group stays inside a node when dp's stride times `shard`
+    fits in one (`shard_sizes_in_node`). Assumes `shard` divides dp (grammar/validate.py checks it).
+    """
+    out: dict[str, list[list[int]]] = {"zero_shard": [], "zero_replicate": []}
+    for dp_group in groups(mesh, "dp"):
+        out["zero_shard"] += [dp_group[i:i + shard] for i in range(0, len(dp_group), shard)]
+        out["zero_replicate"] += [dp_group[j::shard] for j in range(shard)]
+    return {k: sorted(v, key=lambda g: g[0]) for k, v in out.items()}
+
+
+def shard_sizes_in_node(mesh: Mesh, gpus_per_node: int) -> list[int]:
+    """The divisors K of dp whose shard groups each sit on one node of `gpus_per_node` ranks (rank // gpn)."""
+    return [k for k in range(1, mesh.dp + 1) if mesh.dp % k == 0 and
+            all(len({r // gpus_per_node for r in g}) == 1 for g in zero_groups(mesh, k)["zero_shard"])]

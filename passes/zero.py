@@ -19,6 +19,12 @@ parameter does). With expert parallelism the expert slots are left out of that
 table and cut into their own, `ctx.notes["zero_experts"]`, over the edp group
 (dp / ep ranks: those holding the same experts; runtime/parallel/expert_parallel.py
 `ExpertZero`). The graph is returned unchanged.
+
+HSDP (`zero stage=N shard=K`, K < dp): the table is cut for K ranks, the shard
+group (`parc.mesh.zero_groups`): shard = padded / K, and the ranks of a shard
+group own [r·shard, (r+1)·shard) by their index r in it; the dp / K shard groups
+hold the same ranges (replicas). `table["dp"]` stays the whole dp (the mean's
+divisor); `table["shard_size"]` is K.
 """
 
 from __future__ import annotations
@@ -57,8 +63,21 @@ def unit_of(fqn: str) -> str:
     return ".".join(parts[:-1]) or parts[0]
 
 
-def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, dp: int, align: int = ALIGN) -> dict:
-    """The partition table (see the module docstring) for the program `gm`."""
+def shard_size(plan) -> int:
+    """The ranks one copy of ZeRO's state is cut over: `zero shard=K`, else all of dp."""
+    return plan.zero.shard or plan.mesh.dp
+
+
+def hsdp(plan) -> bool:
+    """Whether the plan shards ZeRO's state over groups smaller than dp (and so replicates it across them)."""
+    return plan.zero.stage >= 1 and shard_size(plan) < plan.mesh.dp
+
+
+def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, dp: int, align: int = ALIGN,
+              shard: int | None = None) -> dict:
+    """The partition table (see the module docstring) for the program `gm`; `shard` (HSDP): the ranks the
+    ranges are cut over, default all of `dp`."""
+    k = shard or dp
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     specs = [s for s in state_specs if s.name in placeholders]
     by_name = {s.name: s for s in specs}
@@ -68,7 +87,7 @@ def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, d
     for name in ready:
         units.setdefault(unit_of(by_name[name].fqn), []).append(name)
     buckets, padding = [], 0
-    quantum = dp * align
+    quantum = k * align
     for unit, names in units.items():
         params, offset = [], 0
         for name in names:
@@ -79,8 +98,8 @@ def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, d
         padded = -(-offset // quantum) * quantum
         padding += padded - offset
         buckets.append({"unit": unit, "params": params, "numel": offset, "padded": padded,
-                        "shard": padded // dp, "dtype": by_name[names[0]].dtype})
-    return {"stage": stage, "dp": dp, "align": align, "buckets": buckets,
+                        "shard": padded // k, "dtype": by_name[names[0]].dtype})
+    return {"stage": stage, "dp": dp, "shard_size": k, "align": align, "buckets": buckets,
             "numel": sum(b["numel"] for b in buckets), "padding": padding}
 
 
@@ -89,7 +108,7 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
         return gm
     experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/parallel/expert_parallel.py)
     dense = [s for s in ctx.traced.state if s.name not in experts]
-    ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp)
+    ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp, shard=shard_size(plan))
     if experts:
         ctx.notes["zero_experts"] = partition(gm, [s for s in ctx.traced.state if s.name in experts], ctx.shards,
                                               plan.zero.stage, plan.mesh.dp // plan.mesh.ep)

@@ -39,7 +39,9 @@ class ParallelContext:
         me = plan_json["ranks"][rank]
         groups, group_ranks = {}, {}
         # ep and edp (expert parallelism, runtime/parallel/expert_parallel.py) only in plans with mesh ep > 1
-        for axis in ("dp", "pp", "tp", *(a for a in ("ep", "edp") if a in plan_json["groups"])):
+        # zero_shard and zero_replicate (HSDP, runtime/parallel/zero.py) only in plans with zero shard < dp
+        for axis in ("dp", "pp", "tp", *(a for a in ("ep", "edp", "zero_shard", "zero_replicate")
+                                         if a in plan_json["groups"])):
             for ranks in plan_json["groups"][axis]:
                 # every rank creates every group, in the same order: new_group is collective
                 pg = dist.new_group(ranks) if len(ranks) > 1 else None

@@ -96,6 +96,17 @@ class StepResult:
     lr: float | None = None  # the learning rate of the step (runtime/schedule_lr.py)
 
 
+def zero_groups(table: dict, ctx: ParallelContext) -> tuple[object, int, int, tuple[object, int]]:
+    """(group, size, this rank's index in it) ZeRO's ranges are cut over, and (replicate group, index in it):
+    all of dp and (None, 0), or under HSDP (`zero shard=K`) the shard and replicate groups (parc/mesh.py
+    `zero_groups`: consecutive dp coordinates shard, every K-th replicates)."""
+    dp, i = ctx.degree["dp"], ctx.coord["dp"]
+    k = table.get("shard_size", dp)
+    if k == dp:
+        return ctx.groups["dp"], dp, i, (None, 0)
+    return ctx.groups.get("zero_shard"), k, i % k, (ctx.groups.get("zero_replicate"), i // k)
+
+
 class Trainer:
     def __init__(self, art: Artifact, ctx: ParallelContext, user, seed: int, weights: str | Path | None = None):
         self.art, self.ctx, self.user, self.seed = art, ctx, user, seed
@@ -134,11 +145,13 @@ class Trainer:
         self.decay_of = {e["name"]: decay.get(e["fqn"], True) for e in self.entry["state"] if e["name"] in self.params}
         self.zero = None
         if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.parallel.zero)
-            self.zero = ZeroOptimizer(expert_parallel.dense_params(self.params, self.entry), self.entry["zero"], ctx.groups["dp"], ctx.degree["dp"],
-                                      ctx.coord["dp"], lambda shards: make_optimizer(shards, self.opt_cfg),
+            group, k, index, replicas = zero_groups(self.entry["zero"], ctx)
+            self.zero = ZeroOptimizer(expert_parallel.dense_params(self.params, self.entry), self.entry["zero"], group, k,
+                                      index, lambda shards: make_optimizer(shards, self.opt_cfg),
                                       self.decay_of,
                                       pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None,
-                                      compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]))
+                                      compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]),
+                                      divisor=ctx.degree["dp"], replicate=replicas[0], replica=replicas[1])
             if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/parallel/expert_parallel.py)
                 self.zero = expert_parallel.ExpertZero(self.zero, self.params, self.entry, ctx,
                                                        lambda shards: make_optimizer(shards, self.opt_cfg), self.decay_of,
@@ -304,8 +317,8 @@ class Trainer:
             if name in ranges:
                 view, a, e = ranges[name]
                 full[a:e] = view
-            if self.ctx.degree["dp"] > 1:
-                dist.all_reduce(full, group=self.ctx.groups["dp"])
+            if self.zero.dp > 1:  # over the ranks holding the other ranges: dp, or the shard group under HSDP
+                dist.all_reduce(full, group=self.zero.group)
             dist.all_reduce(full, group=pg)
             if name in ranges:
                 view.copy_(full[a:e])
@@ -325,7 +338,8 @@ class Trainer:
         names = grad_norm.counted(self.entry, self.ctx, self.tied_elsewhere)
         if self.zero:  # each dp rank owns its ranges: sum over dp too
             ranges = self.zero.grad_ranges()
-            owned = [ranges[n][0] for n in sorted(names) if n in ranges]
+            # HSDP: the replicas of a shard hold the same ranges; the first counts them (the sum runs over dp)
+            owned = [ranges[n][0] for n in sorted(names) if n in ranges] if self.zero.counts_in_norm() else []
             return owned, self.zero.master_grads(), ("dp", "tp", "pp")
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         experts = set(self.entry.get("experts") or ())

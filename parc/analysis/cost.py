@@ -36,6 +36,7 @@ docs/cost-model.md has the sources and the validation.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -447,6 +448,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     dtype = "fp32" if plan.precision == "fp32" else "bf16"
     pb, cb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
     z = plan.zero.stage
+    # HSDP (`zero shard=K`): ZeRO's state is cut over K ranks (the shard groups) and replicated over dp / K
+    k = (plan.zero.shard or dp) if z >= 1 else dp
     wire = 2 if plan.grad_reduce == "bf16" else gb  # `precision bf16 reduce=bf16`: the dp gradient reduction
     # CPU ranks of one host share its cores: compute slows by ranks / cores when they outnumber them, and by
     # the contention calibrate measured beyond that sharing (caches, switching) with every rank computing
@@ -537,9 +540,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         memory.append({"pp_rank": r, "params_count": params,
                        # ZeRO keeps 1/dp of the fp32 masters; stages 1–2 keep the whole compute copy, ZeRO-3 none:
                        # it gathers bf16 per layer (runtime/parallel/zero.py)
-                       "params": params * pb / (dp if sharded_masters else 1) + (params * cb if z < 3 else 0),
-                       "grads": params * gb / (dp if z >= 2 else 1),
-                       "optimizer": params * ob / (dp if z >= 1 else 1),
+                       "params": params * pb / (k if sharded_masters else 1) + (params * cb if z < 3 else 0),
+                       "grads": params * gb / (k if z >= 2 else 1),
+                       "optimizer": params * ob / (k if z >= 1 else 1),
                        "activations": act, "inflight": inflight[r],
                        "activations_kept": kept * inflight[r], "recompute_peak": rpeak,
                        "transient": transient})
@@ -570,11 +573,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             rs = acc if z >= 2 else 1
             ag = 2 * acc if z == 3 else 1
             gap = acc * micro_s / ((rs + ag) * units)   # the step's compute over all its calls
-            comms.append(_collective("dp", "reduce-scatter", dp, big * wire * rs, groups["dp"], hw, allreduce,
-                                     latency_steps=(dp - 1) * rs, calls=rs * units, gap=gap))
-            gathered = big * (cb or pb)
-            comms.append(_collective("dp", "all-gather", dp, gathered * ag, groups["dp"], hw, allreduce,
-                                     latency_steps=(dp - 1) * ag, calls=ag * units, gap=gap))
+            comms += _zero_comms(m, k, groups, hw, allreduce, big * wire, big * (cb or pb), rs, ag, units, gap)
     if tp > 1:
         tp_calls = max(max(d.get("tp_ops", 1) + d.get("tp_ops_recomputed", 0) for d in stages), 1) * acc * virtual
         tp_bytes = max(d["tp_bytes"] + d.get("tp_bytes_recomputed", 0) for d in stages) * act_b * acc * virtual
@@ -598,8 +597,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
     tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
     # ZeRO-0/1 accumulate every micro-batch's whole gradient before the reduction; ZeRO-2/3 their shard
-    optimizer_s = compute.step_seconds(hw, big / (dp if z >= 1 else 1), plan.optimizer.name, dtype, acc,
-                                       tensors=tensors, params_grads=big / (dp if z >= 2 else 1))
+    optimizer_s = compute.step_seconds(hw, big / (k if z >= 1 else 1), plan.optimizer.name, dtype, acc,
+                                       tensors=tensors, params_grads=big / (k if z >= 2 else 1))
     # the optimizer step in place (`in_step`), and the step's own work beyond its micro-batches and optimizer
     # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
@@ -615,7 +614,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
     if cb and 1 <= z <= 2:  # the whole bf16 copy is ZeRO's flat buffer; the fp32 masters are sharded
-        layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{dp} of the fp32 masters, gathering bf16"
+        layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{k} of the fp32 masters, gathering bf16"
+    if k < dp:
+        notes.append(f"HSDP: ZeRO-{z}'s state is cut over shard groups of {k} dp ranks and replicated over "
+                     f"{dp // k}; reduce-scatters and all-gathers stay in the shard group, and one all-reduce a step "
+                     f"of each rank's 1/{k} of the gradients crosses the replicate group")
     notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
                  f"dp gradients on the wire {wire}, activations {act_b}")
     if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:
@@ -644,6 +647,38 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     est.p2p_exposed_seconds = max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0
     est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
     return est
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_groups(m, k: int) -> dict[str, list[list[int]]]:
+    """parc/mesh.py `zero_groups`, once per mesh and shard size (the planner prices many plans of one mesh)."""
+    from parc import mesh as meshlib
+
+    return meshlib.zero_groups(m, k)
+
+
+def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_bytes: float, gathered_bytes: float,
+                rs: int, ag: int, units: int, gap: float) -> list[Comm]:
+    """ZeRO's collectives a step (runtime/parallel/zero.py): `rs` reduce-scatters of the gradients and `ag`
+    all-gathers of the parameters, one call a bucket (`units`), over the shard groups: all of dp, or K ranks
+    under HSDP, which then all-reduces each rank's 1/K of the gradients once a step over the dp / K replicas
+    (the groups of parc/mesh.py `zero_groups`, priced by where their ranks sit: intra- or inter-node)."""
+    dp = m.dp
+    if k == dp:
+        shard, replicate = groups["dp"], None
+    else:
+        zg = _zero_groups(m, k)
+        shard, replicate = zg["zero_shard"], zg["zero_replicate"]
+    out = []
+    if k > 1:
+        out.append(_collective("dp", "reduce-scatter", k, grad_bytes * rs, shard, hw, allreduce,
+                               latency_steps=(k - 1) * rs, calls=rs * units, gap=gap))
+        out.append(_collective("dp", "all-gather", k, gathered_bytes * ag, shard, hw, allreduce,
+                               latency_steps=(k - 1) * ag, calls=ag * units, gap=gap))
+    if replicate is not None:
+        out.append(_collective("dp", "all-reduce", dp // k, grad_bytes / k, replicate, hw, allreduce,
+                               calls=units, gap=gap))
+    return out
 
 
 def _transient(d: dict, tp: int, act_b: int) -> float:

@@ -306,7 +306,7 @@ class Candidate:
             v = p.pipeline.virtual
             parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
         parts.append(f"micro {p.micro_batch} × acc {p.accumulation}")
-        parts.append(f"ZeRO {p.zero.stage}")
+        parts.append(f"ZeRO {p.zero.stage}" + (f" shard {p.zero.shard}" if p.zero.shard else ""))
         if p.recompute.patterns:
             parts.append("recompute")
         if p.tensor_parallel.sequence_parallel:
@@ -385,15 +385,28 @@ def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: in
                 [Pipeline("interleaved_1f1b", virtual=v) for v in VIRTUALS if pp * v <= L]
             for micro in (m for m in MICROS if (global_batch // dp) % m == 0):
                 for pipe in pipes:
-                    for zero in (0, 1, 2, 3):
+                    for zero, shard in _zero_choices(Mesh(dp, pp, tp), topo):
                         for rec in (False, True):
                             for sp in ((False, True) if tp > 1 else (False,)):
                                 out.append(Plan(
                                     mesh=Mesh(dp, pp, tp), topology=topo, batch=Batch(global_batch, micro),
                                     tensor_parallel=TensorParallel(layout.rules if tp > 1 else (), sp),
-                                    pipeline=pipe, zero=Zero(zero),
+                                    pipeline=pipe, zero=Zero(zero, shard),
                                     recompute=Recompute((f"{prefix}.*",) if rec and prefix else ()),
                                     precision=precision))
+    return out
+
+
+def _zero_choices(mesh: Mesh, topo: Topology) -> list[tuple[int, int | None]]:
+    """(ZeRO stage, shard) pairs to try: stages 0–3 over all of dp, and, when dp's groups leave a node, each
+    stage ≥ 1 with HSDP's largest shard K < dp whose groups stay inside one (parc/mesh.py `zero_groups`):
+    memory × dp / K for collectives on NVLink and an all-reduce of 1/K of the gradients across nodes."""
+    from parc import mesh as meshlib
+
+    out: list[tuple[int, int | None]] = [(z, None) for z in (0, 1, 2, 3)]
+    inside = [k for k in meshlib.shard_sizes_in_node(mesh, topo.gpus_per_node) if 1 < k < mesh.dp]
+    if inside and mesh.dp not in meshlib.shard_sizes_in_node(mesh, topo.gpus_per_node):
+        out += [(z, inside[-1]) for z in (1, 2, 3)]
     return out
 
 

@@ -156,7 +156,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
-                 "zero": plan_obj.zero.stage, "recompute": list(plan_obj.recompute.patterns),
+                 "zero": plan_obj.zero.stage, "zero_shard": plan_obj.zero.shard or m.dp, "recompute": list(plan_obj.recompute.patterns),
                  "schedule": (plan_obj.pipeline.schedule if plan_obj.pipeline else "1f1b") if m.pp > 1 else None},
         "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
                    "over_bytes": max(round(over), 0), "verdict": verdict},
@@ -188,7 +188,9 @@ def render(rep: dict, console=None) -> None:
     console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks"
                   + (f" (ep {p['ep']} inside dp)" if p.get("ep", 1) > 1 else "") + ", "
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "
-                  f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}, schedule {p['schedule'] or '-'}, "
+                  f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}"
+                  + (f" shard {p['zero_shard']} (HSDP)" if p.get("zero_shard", p["dp"]) < p["dp"] and p["zero"] else "")
+                  + f", schedule {p['schedule'] or '-'}, "
                   f"recompute {', '.join(p['recompute']) or 'none'}")
     console.print(f"[bold]hardware[/]: {hw['name']} ({_size(hw['memory_bytes'])}), {hw['gpus_per_node']} per node, "
                   f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per GPU, "

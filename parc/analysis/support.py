@@ -9,6 +9,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   ZeRO-1/2/3 alone (dp)                                          test_zero
   ZeRO-1/2 with pp (one stage per rank) and tp                   test_3d, test_zero_combos
   ZeRO-3 with tp                                                 test_zero_combos
+  HSDP (zero shard=K < dp), stages 1–3, fp32 and bf16              test_zero_hsdp
   recompute with dp, tp + SP, pp (1F1B, ZB-H1), ZeRO-2, and 3D   test_recompute, test_report_memory
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
@@ -55,6 +56,10 @@ def check(plan: Plan) -> None:
         refuse(f"zero stage={z} with virtual stages ({virtual} per pp rank) is not supported: ZeRO partitions one "
                f"program per rank, and with virtual > 1 a rank runs {virtual}",
                "pipeline.virtual", pipe, "use schedule=1f1b with ZeRO, or drop zero")
+    if plan.zero.shard is not None and plan.zero.shard < m.dp and m.ep > 1:
+        refuse(f"zero shard={plan.zero.shard} with expert parallelism (mesh ep {m.ep}) is not supported: the experts' "
+               "state is cut over the expert-data-parallel group, and no test proves a shard group inside it",
+               "zero.shard", plan.zero, "drop shard= with ep (plain ZeRO-1/2 is proven with ep)")
     _expert_parallel(plan, refuse)
     if out:
         raise PlanError(diagnostics=out)

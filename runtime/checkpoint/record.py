@@ -149,6 +149,9 @@ def differences(info: dict, plan_json: dict, world_size: int, optim_loaded: bool
     if "mesh ep" in a or "mesh ep" in b:  # recorded only for mesh ep > 1 (parc/compiler.py): absent is ep 1
         a.setdefault("mesh ep", 1)
         b.setdefault("mesh ep", 1)
+    if "zero_shard" in a or "zero_shard" in b:  # recorded only under HSDP (parc/compiler.py): absent is all of dp
+        a.setdefault("zero_shard", a.get("mesh dp"))
+        b.setdefault("zero_shard", b.get("mesh dp"))
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             out.append(f"{k} {_show(a.get(k, '-'))} → {_show(b.get(k, '-'))}")

@@ -165,6 +165,10 @@ class ExpertZero:
     def grad_ranges(self) -> dict[str, tuple[Tensor, int, int]]:
         return {**self.dense.grad_ranges(), **self.experts.grad_ranges()}
 
+    def counts_in_norm(self) -> bool:
+        """Every rank's ranges count in the norm: HSDP (a replicated shard) is refused with ep (parc/analysis/support.py)."""
+        return self.dense.counts_in_norm()
+
     def master_grads(self) -> list[Tensor]:
         return self.dense.master_grads() + self.experts.master_grads()
 

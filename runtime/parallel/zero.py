@@ -34,6 +34,21 @@ tensor per bucket, padded to equal ranges):
            weight (a saved-tensor hook), then freed: 3Ψ(N−1)/N per micro-batch.
 With accumulation k, stages 2–3 send their reduce-scatter k times.
 
+HSDP (`zero stage=N shard=K`, PyTorch FSDP2's HybridShard, ZeRO++'s hpZ): the table is cut for
+K ranks, and `group` is this rank's shard group (K consecutive dp ranks, parc/mesh.py
+`zero_groups`), `replicate` its replicate group (the R = dp / K ranks holding the same
+ranges). Everything above happens inside the shard group, with N = K; the sum of the
+gradients still runs over all dp ranks: each reduce-scatter pre-divides by dp, and
+`finish` all-reduces each reduced range once a step across the replicas (after the
+last micro-batch; ranges are linear in the gradients, so summing micro-batches first
+is the same sum). Per rank, Ψ' the padded numel, w the gradient wire bytes, g the
+gathered bytes, k the accumulation, a the numel ZeRO-3 re-gathers in backward:
+  reduce-scatter (shard group): 1 (stage 1) or k (2–3) × Ψ'·w·(K−1)/K
+  all-reduce (replicate group): 2·(Ψ'/K)·w·(R−1)/R, once a step
+  all-gather (shard group):     stages 1–2: Ψ'·g·(K−1)/K; stage 3: k·(Ψ' + a)·g·(K−1)/K
+Only the all-reduce crosses nodes when a shard group is a node: Ψ'/K elements, not Ψ'.
+Memory is the table above with N = K.
+
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
 accumulators stay fp32, and only the rank's range of the masters exists, as in
 DeepSpeed and Megatron's distributed optimizer. Stages 1–2: the whole flat
@@ -92,14 +107,18 @@ class ZeroOptimizer:
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
                  decay_of: dict[str, bool] | None = None, read_range=None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 divisor: int | None = None):
+                 divisor: int | None = None, replicate=None, replica: int = 0):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/checkpoint/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
         wire dtype of the gradient reduction; None is the masters' fp32. `divisor` (default dp): the sum
-        over `group` is divided by it; expert parallelism's experts sum over edp, divided by all of dp."""
+        over `group` is divided by it; expert parallelism's experts sum over edp, divided by all of dp.
+        `replicate`, `replica` (HSDP, `zero shard=K`): the process group of the ranks holding this rank's
+        ranges (None: no other copy), and this rank's index in it; `group`, `dp`, `dp_rank` are then the
+        shard group's, and `divisor` all of dp."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.divisor = divisor or dp
+        self.replicate, self.replica = replicate, replica
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # None: the masters' fp32
         self.table = table
         self.params = params
@@ -272,9 +291,30 @@ class ZeroOptimizer:
                     # no backward reached this bucket's unshard: its gradient is zero
                     self._reduce_scatter(b, self._flat_grad(b, [None] * len(self.buckets[b]["params"])))
         self._drain()
+        self._reduce_replicas()
         if self.stage >= 2:
             for m, g in zip(self.master, self.grad_acc):
                 m.grad = g
+
+    def _reduce_replicas(self) -> None:
+        """HSDP: sum each reduced range over the replicas of this rank's shard (one all-reduce a bucket, a step).
+
+        Stage 1's range is the step's `master.grad`; stages 2–3 accumulated every micro-batch's into `grad_acc`.
+        The wire moves `reduce_dtype` when the plan says so, as the reduce-scatter did."""
+        if self.replicate is None:
+            return
+        ranges = [m.grad for m in self.master] if self.stage == 1 else self.grad_acc
+        wires = [r.to(self.reduce_dtype) if self.reduce_dtype is not None else r for r in ranges]
+        works = [dist.all_reduce(w, group=self.replicate, async_op=True) for w in wires]
+        for r, w, work in zip(ranges, wires, works):
+            work.wait()
+            if w is not r:
+                r.copy_(w)
+
+    def counts_in_norm(self) -> bool:
+        """Whether this rank's ranges count in the global gradient norm: under HSDP the R replicas hold the same
+        ranges, so only the first counts (the norm sums squares over dp: runtime/parallel/grad_norm.py)."""
+        return self.replica == 0
 
     # --- the update --------------------------------------------------------------------
 
@@ -515,12 +555,17 @@ def _bucket_numel(table: dict) -> int:
     return sum(b["padded"] for b in table["buckets"])
 
 
+def shard_ranks(table: dict) -> int:
+    """K, the ranks one copy of the state is cut over: `zero shard=K` (HSDP), else all of dp."""
+    return table.get("shard_size", table["dp"])
+
+
 def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None) -> dict[str, int]:
     """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state.
 
     `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
     fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table)."""
-    psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
+    psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
     params = psi * elem // (n if s >= 3 else 1)
     if compute_elem is not None and s < 3:
         params = psi * compute_elem + psi * elem // n
@@ -536,14 +581,26 @@ def analytic_comm_bytes(table: dict, accumulation: int = 1, elem: int = 4, backw
     (`backward_numel` of them; an embedding's backward needs only the indices): 3Ψ' when all are.
     `gather_elem` (2 under bf16): stages 1–2 all-gather the updated parameters in the compute dtype.
     """
-    psi, n, s = _bucket_numel(table), table["dp"], table["stage"]
+    return sum(analytic_comm_parts(table, accumulation, elem, backward_numel, gather_elem).values())
+
+
+def analytic_comm_parts(table: dict, accumulation: int = 1, elem: int = 4, backward_numel: int | None = None,
+                        gather_elem: int | None = None) -> dict[str, int]:
+    """`analytic_comm_bytes` by collective: "reduce_scatter" and "all_gather" inside the shard group (all of dp
+    without HSDP), and, under HSDP, "all_reduce" of this rank's ranges across the replicate group (the module
+    docstring's formulas)."""
+    psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
+    replicas = table["dp"] // n
     gathered = psi * (gather_elem or elem) * (n - 1) // n
-    if s == 1:
-        return psi * elem * (n - 1) // n + gathered
-    if s == 2:
-        return accumulation * psi * elem * (n - 1) // n + gathered
-    again = psi if backward_numel is None else backward_numel
-    return accumulation * (2 * psi + again) * elem * (n - 1) // n
+    out = {"reduce_scatter": (1 if s == 1 else accumulation) * psi * elem * (n - 1) // n}
+    if s < 3:
+        out["all_gather"] = gathered
+    else:
+        again = psi if backward_numel is None else backward_numel
+        out["all_gather"] = accumulation * (psi + again) * (gather_elem or elem) * (n - 1) // n
+    if replicas > 1:
+        out["all_reduce"] = 2 * (psi // n) * elem * (replicas - 1) // replicas
+    return out
 
 
 
