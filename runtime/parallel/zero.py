@@ -49,8 +49,8 @@ same, parc/analysis/cost.py `_zero_exposed`):
                   a layer's own bucket just before the layer, and later layers' gathers run under
                   earlier layers' compute. Anything else that reads or writes the weights first
                   calls `settle` (checkpoints, `held`, `load_full`, the next `step`, the end of
-                  `active`). Under `compile` the gathers are waited on in `step`: a compiled graph
-                  is not ordered against an op that reads no tensor.
+                  `active`). Under `compile` the gathers are waited on in `step`: the wait returns
+                  nothing the layer reads, so a compiled graph may run the layer before it.
   all-gather, 3   forward: `unshard(b)` waits for b and starts b−1's (the next layer's) before b
                   computes; backward: the first unpack of b gathers it and starts the next bucket
                   backward needs. At most two gathered layers are alive at once in either pass (the
