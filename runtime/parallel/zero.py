@@ -35,7 +35,7 @@ tensor per bucket, padded to equal ranges):
 With accumulation k, stages 2–3 send their reduce-scatter k times.
 
 Overlap: every collective is async; what waits, and when (`parc report` prices the
-same, parc/analysis/cost.py `_zero_exposed`):
+same, parc/analysis/cost.py `zero_exposed`):
   reduce-scatter  launched by a bucket's last gradient hook (stages 1–2, DDP's buckets; stage 1
                   in the last micro-batch only) or by `zero_unshard`'s backward (stage 3), so it
                   runs under the rest of that backward. Stages 2–3 keep at most
