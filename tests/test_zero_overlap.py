@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import compile_text
+from helpers import GPT, _compile
 from parc import artifact
 from parc.runtime.launch import spawn
 from parc.runtime.parallel import zero as zero_runtime
@@ -32,7 +32,9 @@ from parc.trace import load_user_module
 
 STEPS = 3
 PLAN = "mesh dp=2\nbatch global=8 micro=2\nzero stage={stage}\noptimizer adamw lr=1e-2\n{extra}"
-PLANS = {"zero1": (1, ""), "zero2": (2, ""), "zero3": (3, ""), "zero2_recompute": (2, 'recompute "blocks.*"\n')}
+PLANS = {"zero1": (1, ""), "zero2": (2, ""), "zero3": (3, ""), "zero2_recompute": (2, 'recompute "blocks.*"\n'),
+         # compiled: the graph is not ordered against the waits, so `step` waits for its gathers itself
+         "zero2_compiled": (2, "compile aot_eager\n")}
 
 
 class _Reads(TorchDispatchMode):
@@ -100,7 +102,7 @@ def _body(ctx, roots: dict[str, str]):
         launch_order = list(zero._gathers)  # dicts keep insertion order: the order `step` launched them
         events: list = []
         _instrument(zero, events)
-        with _Reads(zero, events) if zero.stage < 3 else contextlib.nullcontext():
+        with _Reads(zero, events) if zero.lazy_gather else contextlib.nullcontext():
             for s in range(1, STEPS):
                 local.append(trainer.step(s).loss)
         out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
@@ -112,7 +114,8 @@ def _body(ctx, roots: dict[str, str]):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero_overlap")
-    roots = {name: str(compile_text(PLAN.format(stage=s, extra=e), tmp / name).root) for name, (s, e) in PLANS.items()}
+    # as written, never with PARC_TEST_COMPILE's `compile` added (helpers.compile_text): eager is what overlaps
+    roots = {name: str(_compile(PLAN.format(stage=s, extra=e), tmp / name, GPT).root) for name, (s, e) in PLANS.items()}
     results = spawn(2, _body, roots)
     return {name: (results[0][name], roots[name]) for name in PLANS}
 
@@ -145,6 +148,11 @@ def test_post_step_gathers_overlap_the_next_forward(runs, name):
     between = [e for e in events[waits[0]:waits[n - 1]] if e[0] == "compute"]
     assert between, "no layer computed before the last bucket's gather was waited on"
     print(f"\n{name}: {len(between)} aten ops read gathered weights before the last bucket's wait")
+
+
+def test_compiled_program_gathers_in_the_step(runs):
+    run, _ = runs["zero2_compiled"]
+    assert not run["lazy"] and run["pending_after_step"] == []   # every gather done when `step` returned
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
