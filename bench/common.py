@@ -61,3 +61,27 @@ def report(title: str, times: dict[str, list[float]], ours: str, peer: str, targ
     verdict = "meets" if ratio <= target else "misses"
     lines.append(f"  ratio {ours}/{peer} = {ratio:.3f} ({verdict} the target ≤ {target})")
     return "\n".join(lines)
+
+
+def peak_rise(fn) -> int:
+    """Bytes: the highest the CPU allocator's live total rises above where it stood when `fn` started.
+
+    Read from the profiler's allocator events (`profile_memory=True`: every allocation and free of a
+    tensor's storage on this thread, in order), summed in time order; their running maximum is the
+    peak. Allocations on other threads (gloo's workers) are not seen. A GPU run reads
+    `torch.cuda.max_memory_allocated` instead; a CPU has no allocator statistics to read."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def mib(b: float) -> str:
+    return f"{b / 2 ** 20:.2f} MiB"
+

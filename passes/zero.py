@@ -37,6 +37,8 @@ import torch.fx as fx
 from parc.passes import PassCtx, grad_buckets
 from parc.runtime.parallel import zero as zero_runtime  # registers torch.ops.parc.zero_unshard
 
+# what places a node: its module path (the recompute pass's regions) and its pipeline stage
+_PLACE_META = ("nn_module_stack", "parc_stage", "stack_trace")
 ALIGN = 16  # elements per rank range: 64 bytes in fp32, a cache line; keeps every shard vector-aligned
 
 
@@ -115,8 +117,31 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     ctx.count("zero", len(ctx.notes["zero"]["buckets"]))
     if plan.zero.stage == 3:
         _insert_unshard(gm, ctx.notes["zero"])
-        gm.recompile()
+    else:
+        _insert_waits(gm, ctx.notes["zero"])
+    gm.recompile()
     return gm
+
+
+def _insert_waits(gm: fx.GraphModule, table: dict) -> None:
+    """Stages 1–2: a `zero_wait_gather` before each bucket's first use, so the next forward waits for
+    each layer's post-step all-gather just before that layer (runtime/parallel/zero.py, "Overlap").
+
+    The wait takes the first user's module path and stage, so the recompute pass keeps it inside that
+    user's region, still before it (a region is cut out whole and moved as one)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    op = torch.ops.parc.zero_wait_gather.default
+    for b, bucket in enumerate(table["buckets"]):
+        params = [nodes[p["name"]] for p in bucket["params"]]
+        users = [u for p in params for u in p.users]
+        if not users:
+            continue
+        first = min(users, key=order.__getitem__)
+        with gm.graph.inserting_before(first):
+            wait = gm.graph.call_function(op, (params, b))
+        wait.meta.update({k: v for k, v in first.meta.items() if k in _PLACE_META})
+    table["gather_waits"] = True  # the runtime may leave the gathers to these ops (runtime/train.py)
 
 
 def _insert_unshard(gm: fx.GraphModule, table: dict) -> None:

@@ -30,7 +30,8 @@ runs over as many NICs as it has ranks on a node, shared with the axis's other g
 node has fewer NICs than GPUs. The pipeline is timed by
 `parc.passes.simulate` with each stage's own costs. Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
-overlapping the last backward, ZeRO's collectives not overlapped.
+overlapping the last backward, ZeRO's overlapping the compute the runtime runs them under
+(`zero_exposed`).
 docs/cost-model.md has the sources and the validation.
 """
 
@@ -213,7 +214,7 @@ def graph_stats(traced, plan) -> dict:
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
     from parc.passes.zero import unit_of
 
-    units: list[set] = [set() for _ in range(n_stages)]
+    units: list[dict] = [{} for _ in range(n_stages)]   # ZeRO's buckets: unit → its elements on one tp rank
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -222,13 +223,15 @@ def graph_stats(traced, plan) -> dict:
         style = _style(spec.fqn.rsplit(".", 1)[0], rules)
         if style == "row" and spec.fqn.endswith(".bias"):
             style = None  # a row layer adds its bias after the all-reduce: every tp rank holds all of it
+        sharded = style in ("column", "row", "vocab")
         for s in used or [0]:
-            stages[s]["params_sharded" if style in ("column", "row", "vocab") else "params_replicated"] += \
-                math.prod(spec.shape)
+            stages[s]["params_sharded" if sharded else "params_replicated"] += math.prod(spec.shape)
             stages[s]["param_tensors"] += 1          # the optimizer's per-tensor loop (CPU)
-            units[s].add(unit_of(spec.fqn))           # ZeRO's buckets: one per layer or top-level module
+            unit = unit_of(spec.fqn)                  # ZeRO's buckets: one per layer or top-level module
+            units[s][unit] = units[s].get(unit, 0) + math.prod(spec.shape) / (plan.mesh.tp if sharded else 1)
     for d, u in zip(stages, units):
         d["zero_units"] = len(u)
+        d["zero_unit_max"] = max(u.values(), default=0)  # the largest bucket: ZeRO's in-flight working set
     sends = [sum(_elements(v.meta.get("val")) for v in cut) for cut in crossing(gm, n_stages)] \
         if n_stages > 1 else []
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
@@ -546,8 +549,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                        "activations": act, "inflight": inflight[r],
                        "activations_kept": kept * inflight[r], "recompute_peak": rpeak,
                        "transient": transient})
-    for row in memory:
-        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+    for r, row in enumerate(memory):
+        row["zero_working"] = _zero_working(z, [stages[r + k * pp] for k in range(virtual)], row["params_count"],
+                                            cb or pb, wire if dp > 1 else gb)
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["zero_working"]
 
     # -- communication per rank per step (the worst pp rank's sizes)
     comms = []
@@ -586,12 +591,21 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
                                  allreduce, latency_steps=2 * acc * virtual, calls=2 * acc * virtual))
     # tp and pp time is inside the simulated makespan. dp: plain dp's bucket all-reduces overlap the last
-    # micro-batch's backward (runtime/parallel/data_parallel.py), all but the last bucket's share; ZeRO's are not
+    # micro-batch's backward (runtime/parallel/data_parallel.py), all but the last bucket's share; ZeRO's
+    # overlap the compute runtime/parallel/zero.py runs them under ("Overlap"), all but one bucket's share each
     dp_time = sum(c.seconds for c in comms if c.axis == "dp")
     if z == 0 and dp > 1 and overlap_dp:
         window = max(sum(times[r + k * pp][1] for k in range(virtual)) for r in range(pp))
         last = dp_time * min(1.0, 25 * 2 ** 20 / max(big * wire, 1))   # the 25 MiB bucket after backward
         dp_exposed = max(dp_time - window, last)
+    elif z >= 1 and dp > 1 and overlap_dp:
+        fwd = sum(times[big_rank + k * pp][0] for k in range(virtual))   # one micro-batch of the rank
+        bwd = sum(times[big_rank + k * pp][1] for k in range(virtual))
+        lazy = getattr(plan, "compile", "none") == "none"   # compiled programs wait for the gathers in `step`
+        rs_s, ag_s, replicas_s = (sum(c.seconds for c in comms if c.axis == "dp" and c.collective == name)
+                                  for name in ("reduce-scatter", "all-gather", "all-reduce"))
+        # HSDP's all-reduce over the replicas runs in `finish`, after the last reduce-scatter: not overlapped
+        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd, lazy) + replicas_s
     else:
         dp_exposed = dp_time
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
@@ -609,9 +623,14 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
     overlap = "plain dp's bucket all-reduces overlap the last micro-batch's backward, all but the last " \
         "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
-        if z == 0 else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
+        if z == 0 else _zero_overlap_note(z, getattr(plan, "compile", "none") == "none", units) if overlap_dp \
+        else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
+    if z >= 2:
+        notes.append(f"ZeRO-{z} in flight (memory, `zero_working`): at most 2 bucket gradients being reduce-scattered"
+                     + (" and 2 gathered layers (the one computing, the one prefetched)" if z == 3 else "")
+                     + ", each bucket at the largest layer's size")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
     if cb and 1 <= z <= 2:  # the whole bf16 copy is ZeRO's flat buffer; the fp32 masters are sharded
         layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{k} of the fp32 masters, gathering bf16"
@@ -679,6 +698,55 @@ def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_byte
         out.append(_collective("dp", "all-reduce", dp // k, grad_bytes / k, replicate, hw, allreduce,
                                calls=units, gap=gap))
     return out
+
+
+def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: float, bwd: float,
+                 lazy: bool = True) -> float:
+    """Seconds of ZeRO's dp collectives compute does not hide, as runtime/parallel/zero.py overlaps them
+    ("Overlap"): `rs`, `ag` the step's reduce-scatter and all-gather seconds, `fwd`, `bwd` one micro-batch's
+    forward and backward on the rank, `units` its buckets.
+
+    Each phase's traffic runs under its window of compute; what the window cannot hold is exposed, and never
+    less than one bucket's share (1/units, buckets taken equal), which waits alone: the first layer's
+    gather before any compute, the last bucket's reduce-scatter after the backward (plain dp's rule for
+    its last bucket). Stage 1: one reduce-scatter under the last backward; stage 2: one per micro-batch,
+    each under its backward; stages 1–2: the post-step gather under the next step's first forward (under
+    `compile`, `lazy` False: waited in the step, all exposed). Stage 3, every micro-batch: half the gathers
+    under its forward, the other half with its reduce-scatter under its backward (one link for both)."""
+    def exposed(seconds: float, window: float) -> float:
+        return max(seconds - window, seconds / units) if seconds > 0 else 0.0
+
+    if stage == 3:
+        gather = ag / (2 * acc)
+        return acc * (exposed(gather, fwd) + exposed(gather + rs / acc, bwd))
+    reduced = acc * exposed(rs / acc, bwd) if stage == 2 else exposed(rs, bwd)
+    return reduced + (exposed(ag, fwd) if lazy else ag)
+
+
+def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wire_b: int) -> float:
+    """Bytes ZeRO holds for a moment beyond its state, at the bounds runtime/parallel/zero.py keeps
+    ("Overlap"): stages 2–3, `REDUCE_SCATTERS_IN_FLIGHT` (2) whole bucket gradients in the wire dtype
+    as reduce-scatter inputs; stage 3 also two gathered layers (the one computing, the one arriving) in
+    the gathered dtype. A bucket is taken at the largest unit's size (`zero_unit_max`; statistics
+    without it: the mean bucket)."""
+    if stage < 2:
+        return 0.0
+    units = max(sum(d.get("zero_units", 0) for d in held), 1)
+    largest = max((d.get("zero_unit_max", 0) for d in held), default=0) or params / units
+    return 2 * largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
+
+
+def _zero_overlap_note(stage: int, lazy: bool, units: int) -> str:
+    """The report's line on how ZeRO's collectives are priced (`zero_exposed`)."""
+    rs = "in each micro-batch's backward" if stage >= 2 else "in the last micro-batch's backward"
+    if stage == 3:
+        ag = "its all-gathers overlap each micro-batch's forward and backward, prefetching one layer ahead"
+    elif lazy:
+        ag = "its post-step all-gathers overlap the next step's forward, each layer waiting for its own bucket"
+    else:
+        ag = "its post-step all-gathers are waited on in the step (compiled programs), not overlapped"
+    return (f"ZeRO-{stage}'s reduce-scatters overlap the compute after them {rs}; {ag}; what compute cannot "
+            f"hide is exposed, at least one of {units} buckets' share of each")
 
 
 def _transient(d: dict, tp: int, act_b: int) -> float:

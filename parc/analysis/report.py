@@ -129,7 +129,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     for r, row in enumerate(est.memory):
         d = {f"{k}_bytes": round(v) for k, v in row.items()
              if k in ("params", "grads", "optimizer", "activations", "activations_kept", "recompute_peak", "total",
-                      "transient")}
+                      "transient", "zero_working")}
         d.update(pp_rank=r, params_count=int(row["params_count"]), inflight=row["inflight"])
         rows.append(d)
     worst = max(est.memory, key=lambda row: row["total"])
@@ -200,12 +200,14 @@ def render(rep: dict, console=None) -> None:
 
     mem = rep["memory"]
     t = Table(title="1. Memory per rank", title_justify="left")
-    cols = ["pp rank", "params", "grads", "optimizer", "activations", "in flight", "total"]
+    working = any(r.get("zero_working_bytes") for r in mem["per_pp_rank"])  # ZeRO-2/3's collectives in flight
+    cols = ["pp rank", "params", "grads", "optimizer", "activations", "in flight"] + (["ZeRO in flight"] if working else []) + ["total"]
     for c in cols:
         t.add_column(c, justify="right")
     for r in mem["per_pp_rank"]:
         t.add_row(str(r["pp_rank"]), *(_size(r[f"{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")),
-                  str(r["inflight"]), _size(r["total_bytes"]))
+                  str(r["inflight"]), *([_size(r.get("zero_working_bytes", 0))] if working else []),
+                  _size(r["total_bytes"]))
     console.print(t)
     console.print(("[green]" if mem["fits"] else "[red]") + mem["verdict"] + "[/]")
 

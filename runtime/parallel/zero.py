@@ -49,6 +49,28 @@ gathered bytes, k the accumulation, a the numel ZeRO-3 re-gathers in backward:
 Only the all-reduce crosses nodes when a shard group is a node: Ψ'/K elements, not Ψ'.
 Memory is the table above with N = K.
 
+Overlap: every collective is async; what waits, and when (`parc report` prices the
+same, parc/analysis/cost.py `zero_exposed`):
+  reduce-scatter  launched by a bucket's last gradient hook (stages 1–2, DDP's buckets; stage 1
+                  in the last micro-batch only) or by `zero_unshard`'s backward (stage 3), so it
+                  runs under the rest of that backward. Stages 2–3 keep at most
+                  `REDUCE_SCATTERS_IN_FLIGHT` (2) in flight: launching another first waits for the
+                  oldest beyond that, so at most two whole bucket gradients are alive, never the
+                  model's. The rest are waited on at the next micro-batch's start or in `finish`,
+                  before the update needs them.
+  all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
+                  and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
+                  `zero_wait_gather` before each bucket's first use, so the next forward waits for
+                  a layer's own bucket just before the layer, and later layers' gathers run under
+                  earlier layers' compute. Anything else that reads or writes the weights first
+                  calls `settle` (checkpoints, `held`, `load_full`, the next `step`, the end of
+                  `active`). Under `compile` the gathers are waited on in `step`: the wait returns
+                  nothing the layer reads, so a compiled graph may run the layer before it.
+  all-gather, 3   forward: `unshard(b)` waits for b and starts b−1's (the next layer's) before b
+                  computes; backward: the first unpack of b gathers it and starts the next bucket
+                  backward needs. At most two gathered layers are alive at once in either pass (the
+                  one computing and the one arriving): the report's ZeRO-3 working set.
+
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
 accumulators stay fp32, and only the rank's range of the masters exists, as in
 DeepSpeed and Megatron's distributed optimizer. Stages 1–2: the whole flat
@@ -93,6 +115,9 @@ def quiet_renamed_collectives() -> None:
 quiet_renamed_collectives()
 
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
+# stages 1–2 runtimes whose post-step all-gathers the program's `zero_wait_gather` ops wait on (see `step`)
+_GATHERING: list["ZeroOptimizer"] = []
+REDUCE_SCATTERS_IN_FLIGHT = 2  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
 
 
 class ZeroOptimizer:
@@ -107,7 +132,7 @@ class ZeroOptimizer:
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
                  decay_of: dict[str, bool] | None = None, read_range=None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 divisor: int | None = None, replicate=None, replica: int = 0):
+                 divisor: int | None = None, replicate=None, replica: int = 0, lazy_gather: bool = False):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/checkpoint/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
@@ -115,7 +140,9 @@ class ZeroOptimizer:
         over `group` is divided by it; expert parallelism's experts sum over edp, divided by all of dp.
         `replicate`, `replica` (HSDP, `zero shard=K`): the process group of the ranks holding this rank's
         ranges (None: no other copy), and this rank's index in it; `group`, `dp`, `dp_rank` are then the
-        shard group's, and `divisor` all of dp."""
+        shard group's, and `divisor` all of dp.
+        `lazy_gather` (stages 1–2, a program with `zero_wait_gather` ops run eagerly): the post-step
+        all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above)."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.divisor = divisor or dp
         self.replicate, self.replica = replicate, replica
@@ -181,6 +208,7 @@ class ZeroOptimizer:
         self.optimizer = make_opt(self.pieces.groups())
         self._pending: list[int] = []
         self._works: list = []
+        self._launched = 0                              # reduce-scatters launched: their order, for the bound
         self._sync = False
         # stage 3 bookkeeping: the storage of each bucket's latest gather (weak: forward frees it by dropping
         # references), buckets re-gathered for backward (strong, until their gradient is reduced), prefetches
@@ -188,6 +216,8 @@ class ZeroOptimizer:
         self._resident: dict[int, torch.Tensor] = {}
         self._prefetch: dict[int, tuple] = {}
         self._reduced: set[int] = set()               # buckets whose gradient this backward has reduced
+        self.lazy_gather = lazy_gather and self.stage < 3
+        self._gathers: dict[int, tuple] = {}          # stages 1–2: post-step all-gathers not yet waited on
         self._needed_in_backward: set[int] = set()    # buckets whose weights autograd saved (seen so far)
 
     def _master_from_weights(self, bucket: dict, ps: list[torch.Tensor], read_range, shared):
@@ -259,15 +289,29 @@ class ZeroOptimizer:
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)  # `reduce=bf16`: half the bytes on the wire
         out = torch.empty(self.buckets[b]["shard"], dtype=flat.dtype, device=flat.device)
+        if self.stage >= 2:
+            self._bound_reduce_scatters()
         if self.dp > 1:
             work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
         else:
             out.copy_(flat)
             work = None
-        self._works[b] = (work, flat, out)
+        self._launched += 1
+        self._works[b] = (work, flat, out, self._launched)
+
+    def _bound_reduce_scatters(self) -> None:
+        """Stages 2–3: before another bucket's reduce-scatter starts, wait for the oldest ones beyond
+        `REDUCE_SCATTERS_IN_FLIGHT − 1`, so at most that many whole bucket gradients (the collective's
+        input) are alive, not the whole model's by the end of backward. Collectives of one group finish
+        in launch order, so the oldest is the one nearest done; which bucket waits when changes no value
+        (each adds into its own range)."""
+        pending = [k for k, w in enumerate(self._works) if isinstance(w, tuple)]
+        pending.sort(key=lambda k: self._works[k][3])
+        for k in pending[:max(len(pending) - REDUCE_SCATTERS_IN_FLIGHT + 1, 0)]:
+            self._wait(k)
 
     def _wait(self, b: int) -> None:
-        work, _flat, out = self._works[b]
+        work, _flat, out, _order = self._works[b]
         if work is not None:
             work.wait()
         if self.stage == 1:
@@ -342,19 +386,38 @@ class ZeroOptimizer:
     def step(self, found: torch.Tensor | None = None) -> None:
         """The update of this rank's ranges (skipped where `found` > 0: runtime/optim_step.py), then stages
         1–2 all-gather the updated parameters."""
+        self.settle()
         self.pieces.bind_grads()
         step_unless(self.optimizer, found)
         if self.stage == 3:
             return  # parameters stay sharded; the next forward gathers them
-        works = []
-        for b, full in enumerate(self.full):
+        # in forward order (buckets are in backward order): the first layer's weights arrive first
+        for b in reversed(range(len(self.full))):
+            full = self.full[b]
             mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
-                works.append(dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True))
+                self._gathers[b] = (dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True), mine)
             elif self._low:
                 full.copy_(mine)  # one rank: the bf16 buffer is not a view of the master
-        for w in works:
-            w.wait()
+        if self.lazy_gather and self._gathers:
+            _GATHERING.append(self)  # the next forward's `zero_wait_gather` ops wait bucket by bucket
+        else:
+            self.settle()
+
+    def wait_gather(self, b: int) -> None:
+        """Stages 1–2: bucket b's weights are whole again (its post-step all-gather is done)."""
+        pending = self._gathers.pop(b, None)
+        if pending is not None:
+            pending[0].wait()
+        if not self._gathers and self in _GATHERING:
+            _GATHERING.remove(self)
+
+    def settle(self) -> None:
+        """Wait for every post-step all-gather still in flight: before anything but the program reads
+        or writes the parameters (the next update, a checkpoint, `held`, `load_full`), and after each
+        forward for a bucket no op of it waited on."""
+        for b in list(self._gathers):
+            self.wait_gather(b)
 
     def zero(self) -> None:
         for g in self.grad_flat:
@@ -441,7 +504,10 @@ class ZeroOptimizer:
         """Around the micro-batch loop: lets `torch.ops.parc.zero_unshard` find this runtime and, at
         stage 3, replaces every weight autograd saves by a reference that re-gathers it in backward."""
         if self.stage < 3:
-            yield
+            try:
+                yield
+            finally:
+                self.settle()  # buckets the forward never waited for (parameters it did not use)
             return
         _ACTIVE.append(self)
         try:
@@ -459,6 +525,7 @@ class ZeroOptimizer:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by placeholder name (collective over the dp group at stage 3)."""
+        self.settle()
         out = {}
         for b, bucket in enumerate(self.buckets):
             if self.stage < 3 and not self._low:
@@ -513,6 +580,7 @@ class ZeroOptimizer:
     def load_full(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
                   scalars: dict[str, torch.Tensor]) -> None:
         """Take whole parameters and optimizer state (by placeholder name); keep this rank's ranges."""
+        self.settle()  # no gather may land on what is loaded
         for b, bucket in enumerate(self.buckets):
             lo, n = self.rank * bucket["shard"], bucket["shard"]
 
@@ -543,6 +611,7 @@ class ZeroOptimizer:
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`)."""
+        self.settle()
         program = [p.detach() for p in self.params.values()]
         # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
         params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
@@ -648,3 +717,20 @@ def _unshard_backward(ctx, grad):
 zero_unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 for _op in (zero_unshard, zero_reduce_grad):
     mark_ordered(_op)  # collectives with side effects on the runtime: torch.compile keeps them, in program order
+
+
+@torch.library.custom_op("parc::zero_wait_gather", mutates_args=())
+def zero_wait_gather(params: list[torch.Tensor], bucket: int) -> None:
+    """ZeRO-1/2: wait for bucket `bucket`'s post-step all-gather, inserted by the zero pass before the
+    layer's first use of its weights (`params`, listed so the program shows what waits; not read).
+
+    The step launches every bucket's gather and returns; the next forward then waits for each layer's
+    own bucket just before that layer computes, so the gathers of later layers overlap the earlier
+    layers' compute. A no-op when nothing is pending (a compiled program: its runtime waits in `step`;
+    a recomputed region run again in backward).
+    """
+    for z in list(_GATHERING):
+        z.wait_gather(bucket)
+
+
+zero_wait_gather.register_fake(lambda params, bucket: None)

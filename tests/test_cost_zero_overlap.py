@@ -1,0 +1,122 @@
+"""`parc report` prices ZeRO's collectives as runtime/parallel/zero.py overlaps them ("Overlap"), in the
+dtype they move, and counts the working set it keeps in flight (issue 25, item 2).
+
+Hand-made statistics where the seconds can be worked out by hand (FLOPs at the preset's efficiency,
+ring formulas); examples/gpt.py through `report.build` for the bytes and the memory rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parc.analysis import cost, report
+from parc.grammar.parser import parse
+from parc.trace import load_user_module
+from helpers import GPT
+
+H100 = cost.hardware("h100")
+UNITS = 10
+
+
+def _stats(flops: float, psi: int) -> dict:
+    """One stage: `flops` forward FLOPs per micro-batch, `psi` replicated parameters in UNITS buckets."""
+    keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+            "kept_bytes_sharded", "kept_bytes_replicated", "params_sharded", "params_replicated", "tp_bytes",
+            "tp_ops", "recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated")
+    d = dict.fromkeys(keys, 0)
+    d.update(flops_replicated=flops, params_replicated=psi, zero_units=UNITS, zero_unit_max=psi // UNITS)
+    return {"stages": [d], "send_elements": [], "param_count": psi, "tokens_per_sample": 8}
+
+
+def _ring(n: int, size: float, calls: int) -> float:
+    """Seconds of `calls` ring reduce-scatters or all-gathers of `size` bytes in all, one node (NVLink)."""
+    return (n - 1) / n * size / H100.intra_bw + (n - 1) * calls / UNITS * H100.latency_intra
+
+
+def _windows(flops: float) -> tuple[float, float]:
+    """One micro-batch's forward and backward at the preset's efficiency (compute.fallback)."""
+    f = flops / (H100.flops["bf16"] * H100.achievable)
+    return f, 2 * f
+
+
+def _hide(seconds: float, window: float) -> float:
+    return max(seconds - window, seconds / UNITS)
+
+
+@pytest.mark.parametrize("flops", [1e12, 1e14])   # communication longer than compute, then shorter
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_exposed_seconds_by_hand(stage, flops):
+    dp, acc, psi = 8, 4, 2_000_000_000
+    plan = parse(f"mesh dp={dp}\nbatch global={dp * acc} micro=1\nzero stage={stage}\nprecision bf16\n")
+    est = cost.estimate(plan, _stats(flops, psi), H100)
+    rs, ag = est.comms
+    f, b = _windows(flops)
+    # bytes: the reduce-scatter moves fp32 (runtime: `reduce_dtype` None), the gathers the bf16 compute copy
+    sends = acc if stage >= 2 else 1
+    gathers = 2 * acc if stage == 3 else 1
+    assert rs.bytes == pytest.approx((dp - 1) / dp * psi * 4 * sends)
+    assert ag.bytes == pytest.approx((dp - 1) / dp * psi * 2 * gathers)
+    assert rs.seconds == pytest.approx(_ring(dp, psi * 4 * sends, sends * UNITS))
+    assert ag.seconds == pytest.approx(_ring(dp, psi * 2 * gathers, gathers * UNITS))
+    if stage == 1:    # one reduce-scatter under the last backward; the gather under the next forward
+        want = _hide(rs.seconds, b) + _hide(ag.seconds, f)
+    elif stage == 2:  # a reduce-scatter under each micro-batch's backward
+        want = acc * _hide(rs.seconds / acc, b) + _hide(ag.seconds, f)
+    else:             # per micro-batch: a gather under forward; a gather and a reduce-scatter under backward
+        g = ag.seconds / (2 * acc)
+        want = acc * (_hide(g, f) + _hide(g + rs.seconds / acc, b))
+    assert est.dp_exposed_seconds == pytest.approx(want)
+    assert est.dp_exposed_seconds < rs.seconds + ag.seconds          # something is hidden
+    assert est.step_seconds == pytest.approx(acc * (f + b) + want + est.optimizer_seconds)
+
+
+def test_compiled_zero1_waits_for_its_gathers_in_the_step():
+    """Under `compile` the runtime waits for the post-step gathers in `step` (a compiled graph is not
+    ordered against the wait op): the report exposes all of them."""
+    dp, psi, flops = 8, 2_000_000_000, 1e14
+    eager = cost.estimate(parse(f"mesh dp={dp}\nbatch global={dp} micro=1\nzero stage=1\n"), _stats(flops, psi), H100)
+    compiled = cost.estimate(parse(f"mesh dp={dp}\nbatch global={dp} micro=1\nzero stage=1\ncompile aot_eager\n"),
+                             _stats(flops, psi), H100)
+    ag = eager.comms[1].seconds
+    assert compiled.dp_exposed_seconds - eager.dp_exposed_seconds == pytest.approx(ag - _hide(ag, _windows(flops)[0]))
+
+
+def test_reduce_bf16_halves_the_reduce_scatter_only():
+    """`reduce=bf16`: the reduce-scatter moves bf16 (2 bytes), as runtime/parallel/zero.py `_reduce_scatter`."""
+    dp, acc, psi = 8, 2, 1_000_000
+    text = f"mesh dp={dp}\nbatch global={dp * acc} micro=1\nzero stage=2\nprecision bf16"
+    fp32 = cost.estimate(parse(text + "\n"), _stats(1e12, psi), H100).comms
+    bf16 = cost.estimate(parse(text + " reduce=bf16\n"), _stats(1e12, psi), H100).comms
+    assert bf16[0].bytes == pytest.approx(fp32[0].bytes / 2) == pytest.approx((dp - 1) / dp * psi * 2 * acc)
+    assert bf16[1].bytes == fp32[1].bytes
+
+
+def _largest_block() -> int:
+    """examples/gpt.py's largest ZeRO bucket, counted from the model: one transformer block."""
+    model = load_user_module(GPT).build_model()
+    return max(sum(p.numel() for p in blk.parameters()) for blk in model.blocks)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_report_rows_for_zero_by_hand(tmp_path, stage):
+    """examples/gpt.py, dp 4, accumulation 2, bf16: communication rows and the in-flight memory by hand."""
+    dp, acc = 4, 2
+    path = tmp_path / "z.par"
+    path.write_text(f"mesh dp={dp}\nbatch global={2 * dp * acc} micro=2\nzero stage={stage}\nprecision bf16\n")
+    rep = report.build(model=GPT, plan=path)
+    psi = rep["memory"]["per_pp_rank"][0]["params_count"]
+    assert psi == sum(p.numel() for p in load_user_module(GPT).build_model().parameters())
+    rows = {r["collective"]: r for r in rep["communication"]["rows"]}
+    sends, gathers = acc, (2 * acc if stage == 3 else 1)
+    assert rows["reduce-scatter"]["bytes_per_rank"] == round((dp - 1) / dp * psi * 4 * sends)
+    assert rows["all-gather"]["bytes_per_rank"] == round((dp - 1) / dp * psi * 2 * gathers)
+    block = _largest_block()
+    row = rep["memory"]["per_pp_rank"][0]
+    # two fp32 bucket gradients being reduce-scattered; ZeRO-3 also two gathered bf16 layers
+    assert row["zero_working_bytes"] == 2 * block * 4 + (2 * block * 2 if stage == 3 else 0)
+    assert row["total_bytes"] == pytest.approx(sum(row[f"{k}_bytes"] for k in
+                                                   ("params", "grads", "optimizer", "activations", "zero_working")),
+                                               abs=2)
+    note = next(n for n in rep["notes"] if n.startswith("communication:"))
+    assert f"ZeRO-{stage}'s reduce-scatters overlap" in note
+    assert rep["communication"]["exposed_seconds"] < rows["reduce-scatter"]["seconds"] + rows["all-gather"]["seconds"]
