@@ -269,3 +269,24 @@ def test_hsdp_with_expert_parallelism_is_refused_at_shard():
     (d,) = err.value.diagnostics
     assert "zero shard=2 with expert parallelism" in d.message and (d.span.line, d.span.col) == (6, 20)
 
+
+
+# --- shard groups of 2 beside tp and pp: 8 ranks, dp 4. The shard groups are dp coordinates 0-1 and 2-3 of each
+# (pp, tp) position (parc/mesh.py zero_groups, in mesh order), so each group's ranks hold the same tp shard and
+# pp stage; this is what the shard=1 cases above cannot show. Tolerances as above.
+COMBOS_8 = {
+    "zero3_dp4_tp2_shard2": f"mesh dp=4 tp=2\nbatch global=8 micro=2\nzero stage=3 shard=2\n{TP_RULES}\n" + FP32,
+    "zero1_dp4_pp2_shard2": "mesh dp=4 pp=2\nbatch global=8 micro=1\nzero stage=1 shard=2\npipeline schedule=1f1b\n"
+                            + FP32,
+}
+
+
+def test_hsdp_shard2_with_tp_and_pp_matches_serial(tmp_path):
+    roots = {n: compile_text(t, tmp_path / n / "c").root for n, t in COMBOS_8.items()}
+    res = spawn(8, _combo_body, [str(r) for r in roots.values()])[0]
+    for (name, root), got in zip(roots.items(), res):
+        art = artifact.load(root)
+        assert art.plan["plan"]["zero_shard"] == 2 and art.plan["groups"]["zero_replicate"]
+        serial_losses, serial_state = train_serial(load_user_module(root / "model/model.py"), art.plan, 0, STEPS)
+        verdict = compare(got["losses"], serial_losses, got["state"], serial_state)
+        assert verdict.loss_rel < LOSS_TOL and verdict.param_rel < PARAM_TOL, (name, verdict.render())
