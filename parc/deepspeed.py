@@ -15,6 +15,7 @@ What maps to what:
 | tensor_parallel.tp_size / autotp_size, tensor_model_parallel_size (Megatron-DeepSpeed) | mesh tp= |
 | pipeline_parallel.pp_size, pipeline.stages (an integer), pipeline_model_parallel_size | mesh pp= |
 | zero_optimization.stage | zero stage= |
+| zero_optimization.mics_shard_size (MiCS) | zero … shard= (HSDP) |
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
@@ -65,7 +66,9 @@ WHY = {
 WHY_PREFIX = {
     "zero_optimization.offload_optimizer": "parc has no optimizer offload yet: optimizer state stays on the device",
     "zero_optimization.offload_param": "parc has no parameter offload: parameters stay on the device",
-    "zero_optimization.zero_hpz_partition_size": "parc has no hierarchical (hpZ) partitioning yet",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ keeps a per-node copy of the weights for the gathers; "
+                                                 "parc has no such copy (its HSDP, `zero shard=`, is MiCS's "
+                                                 "mics_shard_size: the state itself sharded per group)",
 }
 AUTO = "auto"
 # HF Trainer's defaults for these optimizer "auto"s are parc's own defaults (adamw betas 0.9,0.999, eps 1e-8,
@@ -244,7 +247,11 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
     if skey and stage:
         if stage not in (1, 2, 3):
             raise ParcError(f"DeepSpeed zero_optimization.stage must be 0..3, got {stage!r}")
-        lines.append(f"zero stage={stage}")
+        mkey, mics = r.take("zero_optimization.mics_shard_size")
+        if mkey and mics not in (None, -1):  # MiCS: the state sharded in groups of K, replicated across them
+            lines.append(f"zero stage={stage} shard={_int(mkey, mics)}   # MiCS mics_shard_size: HSDP")
+        else:
+            lines.append(f"zero stage={stage}")
     lines += _precision(r, autos)
     lines += _optimizer(r, notes, autos)
 

@@ -234,3 +234,10 @@ def test_corpus_imports_checks_and_compiles(tmp_path, capsys, name):
         return
     assert rc == 0, captured.err
     assert main(["compile", str(ROOT / "examples" / "gpt.py"), "--plan", str(out), "-o", str(tmp_path / "c")]) == 0
+
+
+def test_mics_shard_size_is_hsdp(tmp_path):
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": False}}
+    plan = write_plan(translate(config, world_size=8), tmp_path / "p.par")
+    assert (plan.zero.stage, plan.zero.shard) == (3, 4)
