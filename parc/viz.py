@@ -92,8 +92,9 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
     where = (f"{stated} ranks per node (the plan's topology)" if stated else
              "no topology in the plan: ranks are not placed on nodes, boxes hold consecutive ranks")
     key = ("groups: ─▶ pp (stage order), ····· dp, - - - tp (a dashed frame on one node)"
-           + (", ━━ ep (all-to-all)" if mesh.get("ep", 1) > 1 else "")
-           + ("" if every else "; drawn for rank 0's groups only"))
+           + (", ━━ ep (all-to-all)" if mesh.get("ep", 1) > 1 else "") if every else
+           "groups of rank 0 (each group alike, shifted): thick outline = its pp group, thick dashed outline = its "
+           "dp group, dashed frame = its tp group on one node")
     g = graphviz.Digraph("mesh", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "nodesep": "0.15",
                          "label": f"mesh dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']} = {mesh['world_size']} "
                          f"ranks, order {','.join(mesh['order'])} (inner → outer); {where}\\n"
@@ -101,6 +102,8 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
                          + (f"; first {MAX_RANKS} ranks" if mesh["world_size"] > MAX_RANKS else ""), "labelloc": "t"},
                          node_attr={"shape": "box", "style": "filled", "fontname": "Helvetica", "fontsize": "10"},
                          edge_attr={"fontname": "Helvetica", "fontsize": "9"})
+    # a large mesh: rank 0's groups are marked on the boxes (edges would cross every node and reorder them)
+    of_0 = {a: set(next((grp for grp in pj["groups"].get(a, []) if 0 in grp), [0])) for a in ("pp", "dp")}
     by_node: dict[int, list[dict]] = {}
     for r in ranks:
         by_node.setdefault(r["rank"] // per_box, []).append(r)
@@ -129,7 +132,7 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
                         for r in rs:
                             ep = f" ep {r['ep']}" if "ep" in r else ""  # mesh ep > 1: which experts it holds
                             same.node(f"r{r['rank']}", f"r{r['rank']}\ndp {r['dp']} pp {r['pp']} tp {r['tp']}{ep}",
-                                      fillcolor=_colour(r["pp"]))
+                                      fillcolor=_colour(r["pp"]), **({} if every else _outline(r["rank"], of_0)))
                         for x, y in zip(rs, rs[1:]):  # an edge within a rank orders it left to right
                             same.edge(f"r{x['rank']}", f"r{y['rank']}", style="invis")
                 heads.append(f"r{rs[0]['rank']}")
@@ -140,12 +143,22 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
         below = first_last.get(node + NODES_PER_ROW)
         if below:
             g.edge(last, below[0], style="invis")
-    for axis in ("pp", "dp", "tp", "ep"):
-        drawn = [grp for grp in pj["groups"].get(axis, []) if len(grp) > 1 and (every or 0 in grp)]
+    for axis in ("pp", "dp", "tp", "ep") if every else ():
+        drawn = [grp for grp in pj["groups"].get(axis, []) if len(grp) > 1]
         if axis == "tp":  # a framed tp group is drawn already
             drawn = [grp for grp in drawn if tp_of[grp[0]] not in framed_groups]
         _group_edges(g, axis, drawn, shown)
     return g
+
+
+def _outline(rank: int, of_0: dict[str, set[int]]) -> dict[str, str]:
+    """The box of a rank in rank 0's pp group (thick), dp group (thick dashed), or both (rank 0: doubled)."""
+    pp, dp = rank in of_0["pp"], rank in of_0["dp"]
+    if pp and dp:
+        return {"penwidth": "3", "peripheries": "2"}
+    if pp:
+        return {"penwidth": "3"}
+    return {"penwidth": "3", "style": "filled,dashed"} if dp else {}
 
 
 def _group_edges(g: graphviz.Digraph, axis: str, groups: list[list[int]], shown: set[int]) -> None:
@@ -350,7 +363,7 @@ def schedule_graph(pj: dict, trace: Path | None = None, priced: tuple[str, float
              f"(formula {bubble_formula(sch['name'], pp, m, v):.1%})"]
     if priced is not None:
         title.append(f"parc report prices each stage's F and B on {priced[0]}: bubble {priced[1]:.1%} "
-                     f"(not the {bubble(sim):.1%} above where the stages' priced costs are not in the ratio of unit costs)")
+                     f"(differs from {bubble(sim):.1%} when the stages' priced costs are not in the unit costs' ratio)")
     kinds = {k for row in sim for _, _, k, _, _ in row}
     names = _panels(g, "simulated", title, sim, ("units", 1.0))
     if trace is not None:
@@ -392,10 +405,13 @@ def _count(n: int, noun: str) -> str:
 
 
 def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
-    g = graphviz.Digraph("stages", graph_attr={"rankdir": "LR", "fontname": "Helvetica", "label":
-                         "programs per stage: the torch.ops.parc.* collectives each one calls, and the dp ones the runtime adds", "labelloc": "t"},
-                         node_attr={"shape": "box", "fontname": "Helvetica", "style": "filled",
-                                    "fillcolor": "#eef3fb"})
+    # a long pipeline runs top to bottom: side by side, 16 stages are a 13,000 px strip
+    across = "LR" if len({p["stage"] for p in pj["programs"].values()}) <= 4 else "TB"
+    g = graphviz.Digraph("stages", graph_attr={"rankdir": across, "compound": "true", "fontname": "Helvetica", "label":
+                         "programs per stage: the torch.ops.parc.* collectives each one calls, and the dp ones the runtime adds\\n"
+                         "fill: pp rank, as in mesh.png; arrows: the values sent, by the module that made them", "labelloc": "t"},
+                         node_attr={"shape": "box", "fontname": "Helvetica", "style": "filled"},
+                         edge_attr={"fontname": "Helvetica", "fontsize": "10"})
     stages = {d.get("index", 0): d for d in pj.get("stages", [{"index": 0}])}
     by_stage: dict[int, list[str]] = {}
     box: dict[str, str] = {}  # program -> the box that draws it
@@ -415,14 +431,15 @@ def stages_graph(pj: dict, programs: dict[str, str]) -> graphviz.Digraph:
                 head = group[0] if len(group) == 1 else f"{group[0]} … {group[-1]} ({len(group)} programs, alike)"
                 for name in group:
                     box[name] = group[0]
-                c.node(group[0], "\\n".join([head, *lines]))
+                c.node(group[0], "\\n".join([head, *lines]), fillcolor=_colour(d.get("pp_rank", s), lightness=0.9))
     for s, names in sorted(by_stage.items()):
         nxt = by_stage.get(s + 1)
         if not nxt:
             continue
         sends = pj["programs"][names[0]].get("send", [])
         label = "\\n".join(_value_label(d) for d in sends[:3]) + ("\\n…" if len(sends) > 3 else "")
-        g.edge(box[names[0]], box[nxt[0]], label=label or "send", fontsize="10")
+        # from frame to frame (compound): an arrow into a box would cross its stage's title
+        g.edge(box[names[0]], box[nxt[0]], label=label or "send", ltail=f"cluster_s{s}", lhead=f"cluster_s{s + 1}")
     return g
 
 

@@ -168,10 +168,15 @@ def test_mesh_names_every_rank_without_a_compile():
     for r in range(64):
         assert f'r{r} [label="r{r}' in source
     assert "cluster_node7" in source and "8 ranks per node (the plan's topology)" in source
-    # 64 ranks: rank 0's groups are drawn (every group would hide the ranks), and the title says so
-    assert "drawn for rank 0's groups only" in source
+    # 64 ranks: rank 0's groups are marked on the boxes (edges across every node would reorder them), and the
+    # title says how
+    assert "groups of rank 0" in source and _edges(source, "pp") == _edges(source, "dp") == set()
     pp0, dp0 = (next(g for g in pj["groups"][a] if 0 in g) for a in ("pp", "dp"))
-    assert _edges(source, "pp") == set(zip(pp0, pp0[1:])) and _edges(source, "dp") == set(zip(dp0, dp0[1:]))
+    attrs = {r: source.split(f"\tr{r} [label=")[1].split("]")[0] for r in range(64)}
+    assert "peripheries=2" in attrs[0]
+    assert all("penwidth=3" in attrs[r] and "dashed" not in attrs[r] for r in pp0[1:])
+    assert all("penwidth=3" in attrs[r] and "dashed" in attrs[r] for r in dp0[1:])
+    assert all("penwidth" not in attrs[r] for r in set(range(64)) - set(pp0) - set(dp0))
 
 
 def test_dp_stages_name_the_runtime_all_reduce(tmp_path):
