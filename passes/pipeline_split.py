@@ -310,8 +310,11 @@ def crossing(gm: fx.GraphModule, stages: int) -> list[list[fx.Node]]:
 
 
 def _spec(n: fx.Node, grad: bool) -> dict:
+    """A value crossing a cut; `module` is the path of the module that made it (`blocks.1`; '' for the
+    root), the name a reader knows it by: parc viz labels the arrow between stages with it."""
     val = n.meta.get("val")
-    return {"name": n.name, "shape": [int(d) for d in val.shape], "dtype": str(val.dtype).removeprefix("torch."), "grad": grad}
+    return {"name": n.name, "module": module_path(n), "shape": [int(d) for d in val.shape],
+            "dtype": str(val.dtype).removeprefix("torch."), "grad": grad}
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:

@@ -11,11 +11,17 @@ sums the distinct storages still alive, leaving out the rank's state (weights,
 gradients, optimizer) and the step's batch (a micro-batch is a slice of it, so
 a target that the loss saves would keep the whole batch alive). A weak reference dies exactly when the tensor is freed:
 PyTorch keeps a tensor's Python object alive while C++ (a saved variable) holds it.
-A tensor that only a reference cycle holds is garbage the collector has not reached
-yet, not something kept for backward: `sample()` collects first. (Without it, 1 run in
-3 of examples/3d.par counted one micro-batch's activation, 16 KiB, more on 2 of its
-8 ranks, whenever the collector had not run since the forward: a flaky 33% over the
-report in tests/test_report_memory.py.)
+A buffer handed to a collective is held by the process group's work until the
+backend lets go of it, and gloo's worker thread does that a moment after `wait()`
+returns: sampled right after a forward whose last op communicates, the buffer may
+or may not still be alive. (1 run in 3 of examples/3d.par counted the sequence-parallel
+reduce-scatter's (2, 32, 64) all-reduce buffer, 16 KiB, on some ranks: 67200 B
+against 50816. Issue 29 took it for a reference cycle, which a `gc.collect()` before
+each sample hid by taking long enough; with the collector off, the same tensors die
+by themselves within 50 ms, and no cycle holds a tensor.) So a tensor handed to a
+`c10d` op counts only where the step keeps it: saved for backward, or an output
+of the forward (`sample(outputs)`); a communication buffer nothing else keeps is
+not an activation, however long the backend takes to drop it.
 
 A compiled program (`compile inductor | aot_eager`) is measured by the saved-tensor hook
 alone (`saved_only`): dynamo does not capture a program run inside a dispatch mode, and
@@ -28,7 +34,6 @@ what a compiled graph keeps for backward is exactly what its autograd function s
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
 
 import torch
@@ -55,6 +60,8 @@ class ActivationProbe(TorchDispatchMode):
         self._saved_only = saved_only  # a compiled program: the saved-tensor hook only (module docstring)
         self._inputs: set[int] = set()
         self._refs: list[weakref.ref] = []
+        self._saved_refs: list[weakref.ref] = []  # what autograd saved
+        self._comm_refs: list[weakref.ref] = []   # tensors handed to (or returned by) a collective
         self.peak = 0
 
     def ignore(self, tensors) -> None:
@@ -63,11 +70,16 @@ class ActivationProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        made = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._refs += made
+        if getattr(func, "namespace", None) == "c10d":  # a collective: its buffers the backend holds a while
+            self._comm_refs += made + [weakref.ref(t) for t in tree_leaves((args, kwargs))
+                                       if isinstance(t, torch.Tensor)]
         return out
 
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
         self._refs.append(weakref.ref(t))
+        self._saved_refs.append(weakref.ref(t))
         return t
 
     @contextlib.contextmanager
@@ -77,12 +89,15 @@ class ActivationProbe(TorchDispatchMode):
                 contextlib.nullcontext() if self._saved_only else self:
             yield
 
-    def sample(self) -> int:
-        """Live tracked bytes now (state excluded); updates and returns the running peak's sample."""
-        gc.collect()   # what a cycle alone holds is garbage, not kept for backward (module docstring)
-        alive = [t for t in (r() for r in self._refs) if t is not None]
-        self._refs = [weakref.ref(t) for t in alive]
-        exclude = frozenset(t.untyped_storage().data_ptr() for t in self._state_tensors()) | self._inputs
+    def sample(self, outputs=()) -> int:
+        """Live tracked bytes now (state excluded), the forward's `outputs` being kept; updates and returns the
+        running peak's sample. A collective's buffer counts only if saved or an output (module docstring)."""
+        alive, self._refs = _alive(self._refs)
+        saved, self._saved_refs = _alive(self._saved_refs)
+        comm, self._comm_refs = _alive(self._comm_refs)
+        kept = {_ptr(t) for t in (*saved, *(o for o in outputs if isinstance(o, torch.Tensor)))}
+        held_by_backend = {_ptr(t) for t in comm} - kept
+        exclude = frozenset(_ptr(t) for t in self._state_tensors()) | self._inputs | held_by_backend
         now = storage_bytes(alive, exclude)
         self.peak = max(self.peak, now)
         return now
@@ -92,6 +107,16 @@ class ActivationProbe(TorchDispatchMode):
             yield p
             if p.grad is not None:
                 yield p.grad
+
+
+def _alive(refs: list[weakref.ref]) -> tuple[list[torch.Tensor], list[weakref.ref]]:
+    """The tensors of `refs` still alive, and the references pruned to them."""
+    alive = [t for t in (r() for r in refs) if t is not None]
+    return alive, [weakref.ref(t) for t in alive]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def held_state(trainer) -> dict[str, int]:

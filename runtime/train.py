@@ -271,7 +271,7 @@ class Trainer:
                         with self.probe.tracking() if self.probe else contextlib.nullcontext():
                             (loss,) = self.forward(*self.state, *mb)
                         if self.probe:
-                            self.probe.sample()
+                            self.probe.sample([loss])
                         (loss / self.accumulation if self.accumulation > 1 else loss).backward()
                     total = loss.detach() if total is None else total + loss.detach()
             self.buckets.finish()

@@ -151,3 +151,32 @@ def test_bf16_state_is_the_design_formula(measured):
     for r in ranks:  # the bf16 buffer is whole at stage 2, the fp32 masters a range; the padding is state too
         assert (r["params"], r["grads"], r["optimizer"]) == (2 * padded + 4 * padded // dp, 4 * padded // dp,
                                                              8 * padded // dp)
+
+
+def _probe_rule(ctx) -> int:
+    """One gloo rank: a collective's buffer that only the backend (here: `held`, standing in for gloo's worker
+    thread, which lets go of a finished work a moment after `wait()`) still holds is not an activation; the
+    same kind of buffer counts when autograd saves it or the forward returns it."""
+    import torch
+
+    probe = ActivationProbe([])
+    x = torch.ones(1024, requires_grad=True)   # 4 KiB per buffer below
+    held = []
+    with probe.tracking():
+        buf = (x * 2).detach().clone()          # a transient buffer, as ops.reduce_scatter's `full`
+        dist.all_reduce(buf)
+        held.append(buf)                        # the backend's reference, after the op returned
+        del buf
+        kept = (x * 3).detach().clone()
+        dist.all_reduce(kept)
+        saved = kept.requires_grad_().sin()     # sin saves its input: kept for backward
+        out = (x * 4).detach().clone()
+        dist.all_reduce(out)                    # the forward's output (a pipeline stage sends it)
+    return probe.sample([saved, out])
+
+
+def test_a_collective_buffer_only_the_backend_holds_is_not_counted():
+    (got,) = spawn(1, _probe_rule, timeout=120)
+    # kept (saved by sin), sin's output, out: 3 × 4 KiB; the held all-reduce buffer and the freed x * k
+    # temporaries not at all, whenever the backend would have let go of its buffer
+    assert got == 3 * 4096, got

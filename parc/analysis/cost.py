@@ -479,13 +479,16 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                            latency_steps=2 * (tp - 1) * calls, calls=calls, gap=(f + b) * slow / calls)
         tp_t = tp_c.seconds if tp > 1 else 0.0
         rec_calls = d.get("tp_ops_recomputed", 0)   # the recomputed forward's all-reduces, in the backward
-        tp_r = _collective("tp", "all-reduce", tp, d["tp_bytes_recomputed"] * act_b, groups["tp"], hw, allreduce,
-                           latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
-                           gap=(f + b) * slow / calls).seconds if tp > 1 and rec_calls else 0.0
+        tp_r_c = _collective("tp", "all-reduce", tp, d["tp_bytes_recomputed"] * act_b, groups["tp"], hw, allreduce,
+                             latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
+                             gap=(f + b) * slow / calls) if tp > 1 and rec_calls else None
+        tp_r = tp_r_c.seconds if tp_r_c else 0.0
         tp_times.append(tp_t + tp_r)
+        tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c) if c is not None])
         f += hw.step_overhead[1]   # the runtime's own work per micro-batch (calibrated CPU; 0 elsewhere)
         return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
+    tp_comms: list[list[Comm]] = []   # per stage: its tp collectives of one micro-batch, as priced above
     times = [stage_times(d) for d in stages]
     cost_f, cost_b = [t[0] for t in times], [t[1] for t in times]
     send_el = max(stats.get("send_elements") or [0])
@@ -580,13 +583,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             gap = acc * micro_s / ((rs + ag) * units)   # the step's compute over all its calls
             comms += _zero_comms(m, k, groups, hw, allreduce, big * wire, big * (cb or pb), rs, ag, units, gap)
     if tp > 1:
-        tp_calls = max(max(d.get("tp_ops", 1) + d.get("tp_ops_recomputed", 0) for d in stages), 1) * acc * virtual
-        tp_bytes = max(d["tp_bytes"] + d.get("tp_bytes_recomputed", 0) for d in stages) * act_b * acc * virtual
-        if plan.tensor_parallel.sequence_parallel:
-            for name in ("all-gather", "reduce-scatter"):
-                comms.append(_collective("tp", name, tp, tp_bytes, groups["tp"], hw, allreduce, calls=tp_calls))
-        else:
-            comms.append(_collective("tp", "all-reduce", tp, tp_bytes, groups["tp"], hw, allreduce, calls=tp_calls))
+        comms += _tp_rows(tp_comms, tp_times, pp, virtual, acc, plan.tensor_parallel.sequence_parallel)
     if pp > 1:
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
                                  allreduce, latency_steps=2 * acc * virtual, calls=2 * acc * virtual))
@@ -747,6 +744,27 @@ def _zero_overlap_note(stage: int, lazy: bool, units: int) -> str:
         ag = "its post-step all-gathers are waited on in the step (compiled programs), not overlapped"
     return (f"ZeRO-{stage}'s reduce-scatters overlap the compute after them {rs}; {ag}; what compute cannot "
             f"hide is exposed, at least one of {units} buckets' share of each")
+
+
+def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual: int, acc: int,
+             sequence_parallel: bool) -> list[Comm]:
+    """The tp rows of the report: the collectives of the pp rank with the most tp time, its stages' every
+    micro-batch, priced exactly as the stage times price them (latency and overhead per call), so the
+    rows add up to `Estimate.tp_seconds` and the report's two communication figures are of one kind.
+    Sequence parallelism's all-gather and reduce-scatter pair moves an all-reduce's volume over its ring
+    steps, (n−1) each: the priced all-reduce, half to each row."""
+    busiest = max(range(pp), key=lambda r: sum(tp_times[r + k * pp] for k in range(virtual)))
+    held = [c for k in range(virtual) for c in tp_comms[busiest + k * pp]]
+    if not held:
+        return []
+    n = held[0].group
+    total = Comm("tp", "all-reduce", n, *(acc * sum(getattr(c, f) for c in held)
+                                         for f in ("bytes", "intra", "inter", "seconds")))
+    if not sequence_parallel:
+        return [total]
+    half = replace(total, bytes=total.bytes / 2, intra=total.intra / 2, inter=total.inter / 2,
+                   seconds=total.seconds / 2)
+    return [replace(half, collective="all-gather"), replace(half, collective="reduce-scatter")]
 
 
 def _transient(d: dict, tp: int, act_b: int) -> float:

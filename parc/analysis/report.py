@@ -33,6 +33,23 @@ def _size(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _unit(values) -> tuple[str, float]:
+    """One binary unit for a whole table, the largest that keeps its largest value ≥ 1: each cell is then a
+    bare number that fits an 80-column terminal, and the columns compare at a glance."""
+    top = max(values, default=0)
+    for unit, scale in (("TiB", 1024 ** 4), ("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if top >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def _in(b: float, scale: float) -> str:
+    """`b` bytes in the table's unit: two decimals (none for bytes); a non-zero size too small to show, "<0.01"."""
+    if scale == 1:
+        return f"{b:.0f}"
+    return f"{b / scale:.2f}" if b == 0 or b / scale >= 0.005 else "<0.01"
+
+
 def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
     """(plan, stats, notes, plan.json or None for the analytic report)."""
     from parc.grammar.parser import load_plan, parse
@@ -104,8 +121,13 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     topo = plan_obj.topology
     name = preset or topo.preset
     if name is None:
-        notes.append("no hardware preset in the plan's topology: assumed h100 (use --preset)")
+        notes.append("no hardware preset in the plan's topology: every rank priced as an H100 (use --preset; "
+                     "for CPU ranks, `parc calibrate --device cpu -o cpu.json` measures this machine for "
+                     "--preset cpu.json)")
     hw = cost.hardware(name, topo)
+    if topo.span is None:  # no `topology` line: the Topology defaults stand in for the nodes
+        notes.append(f"no topology in the plan: {topo.gpus_per_node} ranks per node assumed (rank r on node "
+                     f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
     ep_info = stats.get("experts")
     held = art_params if art_params is not None or ep_info is None else experts.params_per_rank(ep_info, plan_obj.mesh.ep)
     est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held)
@@ -152,7 +174,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
                      "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
-                     "gpus_per_node": hw.gpus_per_node, "allreduce": allreduce or "ring"},
+                     "gpus_per_node": hw.gpus_per_node, "cores": hw.cores, "allreduce": allreduce or "ring"},
         "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
@@ -161,6 +183,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
                    "over_bytes": max(round(over), 0), "verdict": verdict},
         "communication": {"rows": comm, "seconds": est.comm_seconds, "exposed_seconds": est.exposed_comm_seconds,
+                          "exposed_parts": _exposed_parts(est),
                           "share_of_step": round(est.exposed_comm_seconds / est.step_seconds, 4)
                           if est.step_seconds else 0},
         "utilization": {"model_flops_per_step": est.model_flops, "hardware_flops_per_step": est.hardware_flops,
@@ -171,6 +194,20 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     if ep is not None:
         rep["experts"] = ep["experts"]
     return rep
+
+
+def _exposed_parts(est) -> dict[str, float]:
+    """What each axis adds to the step (the exposed seconds, before their cap at the step), so the
+    report can say where the exposed communication comes from."""
+    return {"tp": est.tp_seconds, "pp": est.p2p_exposed_seconds, "dp": est.dp_exposed_seconds, "ep": est.ep_seconds}
+
+
+def _rank_words(hw: dict) -> tuple[str, str]:
+    """(what one rank is, the node line): a GPU preset names its device; a calibrated CPU preset (it
+    has cores) a share of its host. "GPU" is never said of a rank that is not one."""
+    if hw.get("cores"):
+        return f"each rank a process on {hw['name']} ({hw['cores']} cores shared)", "ranks per host"
+    return f"each rank one {hw['name']} ({_size(hw['memory_bytes'])})", "ranks per node"
 
 
 def to_json(rep: dict) -> str:
@@ -192,47 +229,52 @@ def render(rep: dict, console=None) -> None:
                   + (f" shard {p['zero_shard']} (HSDP)" if p.get("zero_shard", p["dp"]) < p["dp"] and p["zero"] else "")
                   + f", schedule {p['schedule'] or '-'}, "
                   f"recompute {', '.join(p['recompute']) or 'none'}")
-    console.print(f"[bold]hardware[/]: {hw['name']} ({_size(hw['memory_bytes'])}), {hw['gpus_per_node']} per node, "
-                  f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per GPU, "
+    device, per_node = _rank_words(hw)
+    console.print(f"[bold]hardware[/]: {device}, {hw['gpus_per_node']} {per_node}, "
+                  f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per rank, "
                   + (f"matmul efficiency from a {hw['matmul_table']}-shape table, memory {hw['memory_gbps']:g} GB/s"
                      if hw.get("matmul_table") else f"achievable {hw['achievable']:.0%} of peak")
                   + f", {hw['allreduce']} all-reduce" + (f" ({hw['source']})" if hw.get("source") else ""))
 
     mem = rep["memory"]
-    t = Table(title="1. Memory per rank", title_justify="left")
+    unit, scale = _unit(r["total_bytes"] for r in mem["per_pp_rank"])
+    t = Table(title=f"1. Memory per rank ({unit})", title_justify="left")
     working = any(r.get("zero_working_bytes") for r in mem["per_pp_rank"])  # ZeRO-2/3's collectives in flight
     cols = ["pp rank", "params", "grads", "optimizer", "activations", "in flight"] + (["ZeRO in flight"] if working else []) + ["total"]
     for c in cols:
-        t.add_column(c, justify="right")
+        t.add_column(c, justify="right", no_wrap=True)
     for r in mem["per_pp_rank"]:
-        t.add_row(str(r["pp_rank"]), *(_size(r[f"{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")),
-                  str(r["inflight"]), *([_size(r.get("zero_working_bytes", 0))] if working else []),
-                  _size(r["total_bytes"]))
+        t.add_row(str(r["pp_rank"]), *(_in(r[f"{k}_bytes"], scale) for k in ("params", "grads", "optimizer",
+                                                                            "activations")),
+                  str(r["inflight"]), *([_in(r.get("zero_working_bytes", 0), scale)] if working else []),
+                  _in(r["total_bytes"], scale))
     console.print(t)
     console.print(("[green]" if mem["fits"] else "[red]") + mem["verdict"] + "[/]")
 
     comm = rep["communication"]
-    t = Table(title="2. Communication per step, per rank", title_justify="left")
+    unit, scale = _unit(c["bytes_per_rank"] for c in comm["rows"])
+    t = Table(title=f"2. Communication per step, per rank (volumes in {unit}; seconds with every call's latency)",
+              title_justify="left")
     for c in ("axis", "collective", "group", "volume", "intra-node", "inter-node", "seconds"):
-        t.add_column(c, justify="right")
+        t.add_column(c, justify="right", no_wrap=c != "collective")  # a long collective name wraps, no number
     for c in comm["rows"]:
-        t.add_row(c["axis"], c["collective"], str(c["group"]), _size(c["bytes_per_rank"]), _size(c["intra_bytes"]),
-                  _size(c["inter_bytes"]), f"{c['seconds']:.3g}")
+        t.add_row(c["axis"], c["collective"], str(c["group"]), _in(c["bytes_per_rank"], scale),
+                  _in(c["intra_bytes"], scale), _in(c["inter_bytes"], scale), f"{c['seconds']:.3g}")
     console.print(t)
     if rep.get("experts"):
         console.print(experts.line(rep["experts"]))
-    console.print(f"communication {comm['seconds']:.3g} s if nothing overlapped; exposed "
-                  f"{comm['exposed_seconds']:.3g} s = {comm['share_of_step']:.1%} of the step (tp on the critical "
-                  f"path, P2P beyond the schedule's own bubble, dp not hidden behind backward)")
+    console.print(_comm_line(comm))
 
     u = rep["utilization"]
     t = Table(title="3. Utilization", title_justify="left")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_row("model FLOPs per step", f"{u['model_flops_per_step']:.3e}")
-    t.add_row("with recompute", f"{u['hardware_flops_per_step']:.3e}")
-    t.add_row("pipeline bubble (schedule)", f"{u['schedule_bubble']:.1%}")
-    t.add_row("idle share, P2P time included (simulated)", f"{u['bubble']:.1%}")
+    if p["recompute"]:  # the FLOPs the hardware runs: the recomputed forwards added
+        t.add_row("with recompute", f"{u['hardware_flops_per_step']:.3e}")
+    if p["schedule"]:  # a pipeline: its schedule's idle share, priced per stage (parc viz draws unit costs)
+        t.add_row("pipeline bubble (schedule, each stage's priced F and B)", f"{u['schedule_bubble']:.1%}")
+        t.add_row("idle share, P2P time included (simulated)", f"{u['bubble']:.1%}")
     t.add_row("compute time per step", f"{u['compute_seconds']:.3g} s")
     t.add_row("estimated step time", f"{u['step_seconds']:.3g} s")
     t.add_row("tokens per step", f"{u['tokens_per_step']:,}")
@@ -240,3 +282,19 @@ def render(rep: dict, console=None) -> None:
     console.print(t)
     for n in rep["notes"]:
         console.print(f"note: {n}")
+
+
+def _comm_line(comm: dict) -> str:
+    """The two totals under the table, both with every call's latency: the rows added up (as if nothing
+    overlapped compute), and what communication adds to the step, by axis."""
+    parts = comm.get("exposed_parts", {})
+    what = {"tp": "tp on the critical path", "pp": "P2P beyond the schedule's own bubble",
+            "dp": "dp not hidden behind backward", "ep": "ep all-to-all"}
+    named = ", ".join(f"{what[a]} {v:.3g} s" for a, v in parts.items() if v > 0) or "none"
+    line = (f"communication: {comm['seconds']:.3g} s per step, the rows above added up (latency included) as if "
+            f"none of it overlapped compute; exposed {comm['exposed_seconds']:.3g} s = {comm['share_of_step']:.1%} "
+            f"of the step, the time it adds to the step: {named}")
+    if comm["exposed_seconds"] > comm["seconds"] * (1 + 1e-9):
+        line += (" (more than the rows: the critical path crosses the P2P hops of several pp ranks, each row "
+                 "one rank's)")
+    return line

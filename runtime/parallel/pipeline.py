@@ -226,7 +226,7 @@ class PipelineExecutor:
                 out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
             mb.outputs = list(out)
             if probe:
-                probe.sample()
+                probe.sample(mb.outputs)
             self._inflight[s] += 1
             self.peak_inflight[s] = max(self.peak_inflight[s], self._inflight[s])
             return out[0].detach() if st.last else None
