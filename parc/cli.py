@@ -131,7 +131,7 @@ def cmd_compile(args) -> int:
     artifact.check_output(args.output, force=args.force)
     from parc.compiler import compile_model
     result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,
-                           exact_trace=args.exact_trace, force=args.force)
+                           exact_trace=args.exact_trace, force=args.force, grad_probe=args.grad_probe)
     _print(result.warnings)
     if plan.mesh.pp > 1:
         from parc.passes.pipeline_split import stage_lines
@@ -306,6 +306,10 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--exact-trace", action="store_true",
                    help="export every repeated block instead of replicating block 1 (slower; for models whose "
                         "code around the blocks branches on the block index)")
+    k.add_argument("--no-grad-probe", dest="grad_probe", action="store_false",
+                   help="skip the gradient probe (default: on): one eager forward+backward on CPU of a model of at "
+                        "most 50M parameters without random ops, against the traced program's, refused if a "
+                        "parameter's gradient differs by more than 1e-3 of its scale (parc/grad_probe.py)")
     k.set_defaults(fn=cmd_compile)
 
     e = sub.add_parser("export", help="write one consolidated safetensors file from a sharded checkpoint",

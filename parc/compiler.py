@@ -153,8 +153,10 @@ def _tied(programs: dict, pp: int) -> list[dict]:
 
 
 def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
-                  exact_trace: bool = False, force: bool = False) -> CompileResult:
-    """`force`: replace `out_dir` even if it is not an earlier artifact (parc/artifact.py `check_output`)."""
+                  exact_trace: bool = False, force: bool = False, grad_probe: bool = False) -> CompileResult:
+    """`force`: replace `out_dir` even if it is not an earlier artifact (parc/artifact.py `check_output`).
+    `grad_probe`: compare the traced program's gradients with eager's first (parc/grad_probe.py; the CLI's
+    default, off here so that tests compiling many plans of one model pay for it once)."""
     t0 = time.perf_counter()
     model_file = Path(model_file)
     artifact.check_output(Path(out_dir), force)
@@ -165,6 +167,9 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         raise PlanError(diagnostics=[unknown])
     user = load_user_module(model_file)
     traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug)
+    if grad_probe:
+        from parc.grad_probe import probe
+        probe(user, traced, plan.micro_batch)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
 
     m = plan.mesh
