@@ -15,7 +15,8 @@ When it runs (`--grad-probe`, on by default in `parc compile` and `parc check --
   few GiB of host memory); a larger one is not probed;
 - the traced graph has no random op (dropout, `rand*`, `bernoulli`): eager and the program would draw
   different masks, and the probe must never refuse a correct model. Such a model is not probed: run it with
-  its dropout set to 0 in `build_model` for the probe, or rely on `--verify` at run time.
+  its dropout set to 0 in `build_model` for the probe, or rely on `--verify` at run time;
+- one step of it runs on CPU (a model written for an accelerator only is not probed).
 
 Tolerance, and why it cannot refuse a correct model for rounding: per parameter, max |g_traced − g_eager|
 over the larger of the two gradients' max |g| (floored at 1e-6 of the largest gradient of the model, so an
@@ -26,6 +27,8 @@ gradient that flows where eager's does not) moves it by O(1).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -47,20 +50,23 @@ def skip_reason(traced: Traced) -> str | None:
 
 
 def _draws(node) -> bool:
-    """Whether the node draws random numbers: a seeded op, except attention or dropout with probability 0."""
+    """Whether the node draws random numbers: a seeded op, except attention or dropout with probability 0
+    (or dropout with train=False)."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
             torch.Tag.nondeterministic_seeded not in t.tags:
         return False
-    names = [a.name for a in t._schema.arguments]
-    for name in ("dropout_p", "p"):
-        if name in names:
-            i = names.index(name)
-            p = node.kwargs.get(name, node.args[i] if i < len(node.args) else t._schema.arguments[i].default_value)
-            train = node.kwargs.get("train", node.args[names.index("train")] if "train" in names and
-                                    names.index("train") < len(node.args) else True)
-            return bool(p) and bool(train)
-    return True
+    p = _arg(node, "dropout_p", _arg(node, "p", True))
+    return bool(p) and bool(_arg(node, "train", True))
+
+
+def _arg(node, name: str, absent):
+    """The value of the node's argument `name` (given, or the schema's default); `absent` if it has none."""
+    args = node.target._schema.arguments
+    for i, a in enumerate(args):
+        if a.name == name:
+            return node.kwargs.get(name, node.args[i] if i < len(node.args) else a.default_value)
+    return absent
 
 
 def probe(user, traced: Traced, micro_batch: int, seed: int = 0) -> str | None:
@@ -69,13 +75,10 @@ def probe(user, traced: Traced, micro_batch: int, seed: int = 0) -> str | None:
     why = skip_reason(traced)
     if why is not None:
         return why
-    torch.manual_seed(seed)
-    model = user.build_model().train()
-    batch = tuple(user.get_batch(0, micro_batch))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    eager = torch.autograd.grad(user.loss_fn(model, *batch), [p for _, p in named], allow_unused=True)
-    (loss,) = traced.gm(*state_values(traced, model), *batch)
-    program = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    try:
+        named, eager, program = _gradients(user, traced, micro_batch, seed)
+    except Exception as e:  # noqa: BLE001 — a model that runs only on an accelerator: not probed, never refused
+        return f"one step on CPU failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     top = max([g.abs().max().item() for g in (*eager, *program) if g is not None] + [0.0])
     worst = max(((_rel(a, b, top), name) for (name, _), a, b in zip(named, program, eager)), default=(0.0, ""))
     if worst[0] > RTOL:
@@ -85,6 +88,24 @@ def probe(user, traced: Traced, micro_batch: int, seed: int = 0) -> str | None:
                          hint="look for hand-made backward behaviour in the module that owns it (docs/"
                               "model-convention.md, \"Custom backward\"); `--no-grad-probe` skips this check")
     return None
+
+
+def _gradients(user, traced: Traced, micro_batch: int, seed: int):
+    """(name, parameter) pairs, eager's gradients and the traced program's, from one build and one batch."""
+    torch.manual_seed(seed)
+    model = user.build_model().train()
+    batch = tuple(user.get_batch(0, micro_batch))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    eager = torch.autograd.grad(user.loss_fn(model, *batch), [p for _, p in named], allow_unused=True)
+    (loss,) = _runnable(traced)(*state_values(traced, model), *batch)
+    return named, eager, torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+
+
+def _runnable(traced: Traced) -> torch.fx.GraphModule:
+    """A copy of the traced graph with the rewrites compile makes before any pass reads values (passes/portable.py:
+    HF's MoE takes a branch on meta, `histc` of int ids, that CPU kernels lack); the graph itself is unchanged."""
+    from parc.passes import PassCtx, portable
+    return portable.run(copy.deepcopy(traced.gm), None, PassCtx(traced))
 
 
 def _rel(a: torch.Tensor | None, b: torch.Tensor | None, top: float) -> float:

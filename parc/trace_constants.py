@@ -159,7 +159,7 @@ def _is_sequence(x) -> bool:
 
 
 def constant_source(model: torch.nn.Module, fqn: str, value: torch.Tensor, user_nodes: list, user_path: Path,
-                    constants: dict[str, torch.Tensor]) -> str:
+                    constants: dict[str, torch.Tensor], max_carried: int = MAX_CARRIED_ELEMENTS) -> str:
     """The FQN the runtime reads constant `fqn` from (its own, or the attribute path holding `value`);
     a value made in forward is recorded in `constants` instead. Raises a located TraceError otherwise."""
     try:
@@ -179,11 +179,14 @@ def constant_source(model: torch.nn.Module, fqn: str, value: torch.Tensor, user_
                               "holds a tensor, say): make it with torch.tensor(data, device=x.device), or hold it in a "
                               "buffer or a plain tensor attribute of a module (also in a list or dict), which each rank "
                               "reads from its own build")
-    if value.numel() > MAX_CARRIED_ELEMENTS:
+    if value.numel() > max_carried:
         raise TraceError(f"a {tuple(value.shape)} tensor is made in forward from data: {value.numel()} elements > "
-                         f"{MAX_CARRIED_ELEMENTS}, the most parc carries inline in plan.json", span,
+                         f"{max_carried}, the most parc carries inline in plan.json", span,
                          hint="hold it in a buffer (register_buffer(name, t, persistent=False)) or a plain tensor "
-                              "attribute of a module, made once in __init__; each rank reads those from its own build")
+                              "attribute of a module, made once in __init__; each rank reads those from its own "
+                              f"build. In code you cannot edit (a library's): `parc compile --max-carried-constant "
+                              f"{value.numel()}` carries it in plan.json (as a JSON list, in each program that uses "
+                              f"it)")
     constants[fqn] = value.detach().clone()
     return fqn
 

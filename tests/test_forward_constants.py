@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import ROOT, compile_text, parallel_vs_serial
+from parc.cli import parser
 from parc.compiler import pass_errors
 from parc.errors import TraceError
 from parc.grammar.parser import parse
@@ -111,6 +112,7 @@ def test_too_large_data_constant_is_refused_where_it_is_made(tmp_path):
     assert (Path(span.file).resolve(), span.line) == (path.resolve(), 11)  # table = torch.tensor(...)
     assert f"{(MAX_CARRIED_ELEMENTS // 8 + 1) * 8} elements > {MAX_CARRIED_ELEMENTS}" in err.value.message
     assert "register_buffer" in str(err.value)
+    assert f"--max-carried-constant {(MAX_CARRIED_ELEMENTS // 8 + 1) * 8}" in str(err.value)
 
 
 INDEXING = """\
@@ -173,3 +175,23 @@ def test_list_indexing_keeps_its_value(tmp_path, line, dtypes):
     batch = user.get_batch(3, 2)
     (out,) = traced.gm(*state_values(traced, model), *batch)
     assert torch.equal(out, user.loss_fn(model, *batch))
+
+
+def test_large_data_constant_carried_with_the_option(tmp_path):
+    """`parc compile --max-carried-constant N`, the way out for a library's forward: the constant travels in
+    plan.json and the program computes what eager does."""
+    path = tmp_path / "model.py"
+    path.write_text(BIG)
+    n = (MAX_CARRIED_ELEMENTS // 8 + 1) * 8
+    user = load_user_module(path)
+    traced = trace(user, micro_batch=2, max_carried=n)
+    (value,) = traced.constants.values()
+    assert value.numel() == n and value.device.type == "cpu"
+    torch.manual_seed(0)
+    model = user.build_model().train()
+    batch = user.get_batch(0, 2)
+    (out,) = traced.gm(*state_values(traced, model), *batch)
+    assert torch.equal(out, user.loss_fn(model, *batch))
+    assert parser().parse_args(["compile", "m.py", "--plan", "p.par"]).max_carried_constant == MAX_CARRIED_ELEMENTS
+    args = parser().parse_args(["compile", "m.py", "--plan", "p.par", "--max-carried-constant", str(n)])
+    assert args.max_carried_constant == n and args.grad_probe  # the probe is on unless --no-grad-probe
