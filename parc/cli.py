@@ -67,7 +67,11 @@ def cmd_check(args) -> int:
     if args.model:
         from parc.trace import load_user_module, trace
 
-        traced = trace(load_user_module(_existing(args.model, "model")), plan.micro_batch)
+        user = load_user_module(_existing(args.model, "model"))
+        traced = trace(user, plan.micro_batch, max_carried=args.max_carried_constant)
+        if args.grad_probe:
+            from parc.grad_probe import probe
+            probe(user, traced, plan.micro_batch)
     try:
         diags = validate(plan, world_size=args.world_size, module_paths=traced and traced.module_paths,
                          num_layers=traced and traced.num_layers)
@@ -131,7 +135,8 @@ def cmd_compile(args) -> int:
     artifact.check_output(args.output, force=args.force)
     from parc.compiler import compile_model
     result = compile_model(_existing(args.model, "model"), plan, args.output, debug=args.debug,
-                           exact_trace=args.exact_trace, force=args.force)
+                           exact_trace=args.exact_trace, force=args.force, grad_probe=args.grad_probe,
+                           max_carried_constant=args.max_carried_constant)
     _print(result.warnings)
     if plan.mesh.pp > 1:
         from parc.passes.pipeline_split import stage_lines
@@ -279,6 +284,17 @@ def _exported(checkpoint, files: list[Path]) -> str:
     return f"{tensors} tensors, {numel:,} parameters, from {where} (after {step} steps)"
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """What `check --model` and `compile` trace with, so that check accepts exactly what compile does."""
+    p.add_argument("--max-carried-constant", type=int, default=4096, metavar="ELEMENTS",
+                   help="the largest tensor made in forward from Python data (torch.tensor(list), a list index) "
+                        "that plan.json carries (default 4096); a larger one is refused where it is made")
+    p.add_argument("--no-grad-probe", dest="grad_probe", action="store_false",
+                   help="skip the gradient probe (default: on): one eager forward+backward on CPU of a model of at "
+                        "most 50M parameters without random ops, against the traced program's, refused if a "
+                        "parameter's gradient differs by more than 1e-3 of its scale (parc/grad_probe.py)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="parc", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,6 +307,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", type=Path, help="model file to check the plan against (module paths, layers)")
     c.add_argument("--world-size", type=int, help="the launch's world size, checked against dp × pp × tp")
     c.add_argument("--preset", help="hardware for the memory check (default: the plan's topology preset)")
+    _model_options(c)
     c.set_defaults(fn=cmd_check)
 
     k = sub.add_parser("compile", help="compile a model under a plan into a directory of per-rank programs",
@@ -309,6 +326,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--exact-trace", action="store_true",
                    help="export every repeated block instead of replicating block 1 (slower; for models whose "
                         "code around the blocks branches on the block index)")
+    _model_options(k)
     k.set_defaults(fn=cmd_compile)
 
     e = sub.add_parser("export", help="write one consolidated safetensors file from a sharded checkpoint",

@@ -67,19 +67,11 @@ def _plan_summary(plan: Plan) -> dict:
     }
 
 
-MAX_INLINE_CONSTANT = MAX_CARRIED_ELEMENTS  # trace refuses a larger one where it is made; kept as a backstop
-
-
 def _state_entry(spec, shard, constants: dict) -> dict:
     entry = {"name": spec.name, "fqn": spec.fqn, "kind": spec.kind, "shape": _local_shape(spec.shape, shard),
              "dtype": spec.dtype, "requires_grad": spec.requires_grad, "shard": shard}
     if spec.fqn in constants:
-        value = constants[spec.fqn]
-        if value.numel() > MAX_INLINE_CONSTANT:
-            raise TraceError(f"the model creates a {tuple(value.shape)} tensor inside forward; parc carries at most "
-                             f"{MAX_INLINE_CONSTANT} elements of such constants",
-                             hint="register it as a buffer: self.register_buffer(name, tensor, persistent=False)")
-        entry["value"] = value.tolist()
+        entry["value"] = constants[spec.fqn].tolist()  # its size was bounded where the trace made it
     return entry
 
 
@@ -153,8 +145,12 @@ def _tied(programs: dict, pp: int) -> list[dict]:
 
 
 def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
-                  exact_trace: bool = False, force: bool = False) -> CompileResult:
-    """`force`: replace `out_dir` even if it is not an earlier artifact (parc/artifact.py `check_output`)."""
+                  exact_trace: bool = False, force: bool = False, grad_probe: bool = False,
+                  max_carried_constant: int = MAX_CARRIED_ELEMENTS) -> CompileResult:
+    """`force`: replace `out_dir` even if it is not an earlier artifact (parc/artifact.py `check_output`).
+    `grad_probe`: compare the traced program's gradients with eager's first (parc/grad_probe.py; the CLI's
+    default, off here so that tests compiling many plans of one model pay for it once).
+    `max_carried_constant`: parc/trace_constants.py's bound on a tensor made in forward from data."""
     t0 = time.perf_counter()
     model_file = Path(model_file)
     artifact.check_output(Path(out_dir), force)
@@ -164,7 +160,10 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
         raise PlanError(diagnostics=[unknown])
     user = load_user_module(model_file)
-    traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug)
+    traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug, max_carried=max_carried_constant)
+    if grad_probe:
+        from parc.grad_probe import probe
+        probe(user, traced, plan.micro_batch)
     warnings = validate(plan, module_paths=traced.module_paths, num_layers=traced.num_layers)
 
     m = plan.mesh

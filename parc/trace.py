@@ -41,7 +41,9 @@ State and where its values come from at run time (`state_values`):
   value is real, and stored in `Traced.constants` (plan.json carries it).
 
 While export runs, parc/trace_guards.py refuses what would change the backward
-behind the graph's back: custom autograd.Functions and backward hooks.
+behind the graph's back: custom autograd.Functions, backward hooks, gradients taken in forward,
+reentrant checkpointing, custom ops without autograd. What no rule names, parc/grad_probe.py
+catches after the trace (compile and check run it).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from torch.export.graph_signature import InputKind
 from parc import replicate
 from parc.errors import Span, TraceError
 from parc.pretrained import pretrained_as_config
-from parc.trace_constants import constant_source, keep_data_constants
+from parc.trace_constants import MAX_CARRIED_ELEMENTS, constant_source, keep_data_constants
 from parc.trace_guards import guarded
 from parc.trace_regions import inline_regions
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
@@ -123,8 +125,12 @@ def _batch_of_samples(get_samples):
     return get_batch
 
 
-def trace(user: UserModel, micro_batch: int, fast: bool = True, debug: bool = False) -> Traced:
+def trace(user: UserModel, micro_batch: int, fast: bool = True, debug: bool = False,
+          max_carried: int = MAX_CARRIED_ELEMENTS) -> Traced:
     """Export `loss_fn(build_model(), *get_batch(0, micro_batch))` on meta; no weight memory is used.
+
+    `max_carried`: the most elements of a tensor made in forward from data that plan.json carries
+    (parc/trace_constants.py; `parc compile --max-carried-constant`).
 
     With `fast`, a model with ≥ 3 repeated blocks is exported with 2 and the rest
     replicated (`parc.replicate`), which gives the same graph in a fraction of the time.
@@ -137,8 +143,8 @@ def trace(user: UserModel, micro_batch: int, fast: bool = True, debug: bool = Fa
                          _def_span(user, "build_model"), hint=_SIGNATURES["build_model"])
     model.train()  # dropout and friends must appear as they will run in training
     batch = _sample_batch(user, micro_batch)
-    traced = replicate.trace_replicated(lambda m: _export(user, m, batch, debug), model) if fast else None
-    return traced if traced is not None else _export(user, model, batch, debug)
+    traced = replicate.trace_replicated(lambda m: _export(user, m, batch, debug, max_carried), model) if fast else None
+    return traced if traced is not None else _export(user, model, batch, debug, max_carried)
 
 
 @contextlib.contextmanager
@@ -166,7 +172,8 @@ def _quiet_unless_failed_in_debug(debug: bool):
             sys.stderr.write(held.getvalue())
 
 
-def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], debug: bool = False) -> Traced:
+def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], debug: bool = False,
+            max_carried: int = MAX_CARRIED_ELEMENTS) -> Traced:
     """The whole model through torch.export (what `trace` does when replication does not apply)."""
     wrapper = _LossWrapper(model, user.loss_fn)
     with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants(), \
@@ -191,7 +198,8 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         fqn = _strip_wrapper(spec.target)
         kind = _KINDS[spec.kind]
         if kind == "constant":  # where its value comes from at run time (parc/trace_constants.py)
-            fqn = constant_source(model, fqn, ep.constants[spec.target], list(node.users), user.path, constants)
+            fqn = constant_source(model, fqn, ep.constants[spec.target], list(node.users), user.path, constants,
+                                  max_carried)
         node.meta["parc_fqn"] = fqn  # lets module_path() place state placeholders
         state.append(StateInput(spec.arg.name, fqn, kind, tuple(val.shape), _dtype(val.dtype),
                                 kind == "param" and bool(get(model, fqn).requires_grad)))

@@ -14,8 +14,23 @@ keeps none of the ways it can:
   on parameters (`p.register_hook`, `register_post_accumulate_grad_hook`): parc's
   runtime makes its own parameter tensors and never runs the module's forward.
 
+Nor does it keep these, which `_BackwardGuard` refuses at the call:
+
+- a gradient taken inside forward: `torch.autograd.grad(..., create_graph=False)` is a
+  constant in eager (no graph), but its traced ops are differentiated like any others, so
+  the gradient would flow through it; `Tensor.backward` / `torch.autograd.backward`
+  accumulate into `.grad` outside the loss, which the program never does;
+- a custom op with no registered autograd applied to a tensor that requires grad: the
+  program's first backward would raise, so compile does;
+- `torch.utils.checkpoint(..., use_reentrant=True)`: export traces its Function's forward
+  under no_grad, so no gradient would flow through the region.
+
 Each is refused with a TraceError: `.apply` and `register_hook` at the call (the
 frame that made it, file:line:col), a registered hook at the hook function's `def`.
+What export keeps as eager runs it is let through: non-reentrant checkpointing, `no_grad` /
+`enable_grad` / `inference_mode` regions, `detach_`, `requires_grad_`, `retain_grad`,
+`torch.compiler.disable`d and `torch.jit.script`ed functions. For what no list names,
+parc/grad_probe.py compares the traced program's gradients with eager's at compile.
 Functions torch defines itself are let through (a custom op's backward is one,
 below). Only with grad on and a tensor argument that requires grad: under `torch.no_grad()`
 the backward never runs, and neither does a Function's on inputs without grad.
@@ -36,6 +51,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd.function import Function
+from torch.overrides import TorchFunctionMode
 
 from parc.errors import Span, TraceError
 
@@ -56,6 +72,11 @@ def guarded(model: torch.nn.Module, user_path: Path):
     apply, register_hook = Function.__dict__["apply"], torch.Tensor.register_hook
 
     def guarded_apply(cls, *args, **kwargs):
+        if torch.is_grad_enabled() and cls.__name__ == "CheckpointFunction" and _needs_grad(args, kwargs):
+            raise TraceError(f"`torch.utils.checkpoint(..., use_reentrant=True)`{_running_module(names)}: torch.export "
+                             f"traces the region's forward under no_grad, so no gradient would flow through it",
+                             _caller_span(), hint="pass use_reentrant=False (export keeps it exactly), or drop the "
+                                                  "checkpoint and write `recompute` in the plan")
         if torch.is_grad_enabled() and not _torch_own(cls) and _needs_grad(args, kwargs):
             span = _caller_span()
             where = _running_module(names)
@@ -73,11 +94,61 @@ def guarded(model: torch.nn.Module, user_path: Path):
     Function.apply = classmethod(guarded_apply)
     torch.Tensor.register_hook = guarded_register_hook
     try:
-        yield
+        with _BackwardGuard(names):
+            yield
     finally:
         Function.apply = apply
         torch.Tensor.register_hook = register_hook
     check_hooks(model)  # a hook registered while forward ran
+
+
+_OWN_NAMESPACES = ("aten", "prims", "parc")
+
+
+class _BackwardGuard(TorchFunctionMode):
+    """Refuses, at the user's call, the ops whose traced backward would differ from eager's (module docstring)."""
+
+    def __init__(self, names: dict[int, str]):
+        super().__init__()
+        self.names = names
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled():
+            why = self._why(func, args, kwargs)
+            if why is not None:
+                message, hint = why
+                raise TraceError(message + _running_module(self.names), _caller_span(), hint=hint)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _why(func, args, kwargs) -> tuple[str, str] | None:
+        if func is torch.autograd.grad and not kwargs.get("create_graph", args[4] if len(args) > 4 else False) \
+                and _needs_grad(args[:1], {}):
+            return ("`torch.autograd.grad(..., create_graph=False)` in forward: in eager the gradient is a constant, "
+                    "but the traced program differentiates the ops that compute it",
+                    "pass create_graph=True (and `.detach()` the result if it should be a constant), or compute it "
+                    "outside the model")
+        if func in (torch.autograd.backward, torch.Tensor.backward):
+            return ("`backward()` in forward: it accumulates into `.grad` outside the loss's graph, which the "
+                    "traced program never does", "return what it computes as part of the loss instead")
+        if isinstance(func, torch._ops.OpOverload) and func.namespace not in _OWN_NAMESPACES \
+                and _needs_grad(args, kwargs) and not _has_autograd(func):
+            return (f"custom op `{func.namespace}::{func._opname}` has no registered autograd, and a tensor it "
+                    f"takes requires grad: the program's first backward would fail", _CUSTOM_OP_HINT)
+        return None
+
+
+def _has_autograd(op: torch._ops.OpOverload) -> bool:
+    """Whether backward through `op` runs: a `torch.library.custom_op` with `register_autograd`, an op with an
+    Autograd kernel of its own, or one that decomposes (CompositeImplicitAutograd, which export inlines)."""
+    from torch._library.custom_ops import OPDEFS
+    opdef = OPDEFS.get(f"{op.namespace}::{op._opname}")
+    if opdef is not None:
+        return opdef._backward_fn is not None
+    keys = torch._C.DispatchKey
+    return op.has_kernel_for_dispatch_key(keys.Autograd) or \
+        op.has_kernel_for_dispatch_key(keys.CompositeImplicitAutograd)
 
 
 def check_hooks(model: torch.nn.Module) -> None:

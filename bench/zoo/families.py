@@ -49,7 +49,15 @@ TINY = {
 }
 
 # family → fields on top of TINY, with why
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    # Falcon's "new decoder architecture" (Falcon-40B/180B): grouped fused qkv, whose keys and values are
+    # selected by list indexing, `qkv[..., [-2], :]`, a constant torch's indexing makes from Python data
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
+}
+
+# families whose config declares no tensor-parallel plan, kept for what their code exercises:
+# model_type → (config class, …ForCausalLM class)
+EXTRA = {"falcon": ("FalconConfig", "FalconForCausalLM")}
 
 ENCODER, VISION = "eurobert", "vit"
 
@@ -80,6 +88,8 @@ def families() -> dict[str, Family]:
         # Llama-4's causal LM is built from its text config, not the composite one the mapping names
         config_class = getattr(model_class, "config_class", None) or config_class
         out[mt] = Family(mt, config_class, model_class, "causal")
+    for mt, (config_name, lm) in EXTRA.items():
+        out[mt] = Family(mt, getattr(transformers, config_name), getattr(transformers, lm), "causal")
     out[ENCODER] = Family(ENCODER, transformers.EuroBertConfig, transformers.EuroBertForMaskedLM, "masked")
     out[VISION] = Family(VISION, transformers.ViTConfig, transformers.ViTForImageClassification, "image")
     return out
