@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_contract
+from parc.passes import tp_contract, tp_norms
 from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
 from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
@@ -125,7 +125,7 @@ class Layouts:
         handler = {aten.transpose.int: self._transpose, aten.permute.default: self._permute,
                    aten.t.default: self._t, aten.unsqueeze.default: self._unsqueeze,
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
-                   aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
+                   aten.cat.default: self._cat,
                    aten.linear.default: self._linear, aten.embedding.default: self._embedding,
                    aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex,
                    aten.copy_.default: self._copy}.get(t)
@@ -138,6 +138,8 @@ class Layouts:
             return s
         if t in tp_contract.RULES:
             return tp_contract.RULES[t](self, node)
+        if t in tp_norms.RULES:
+            return tp_norms.RULES[t](self, node)
         self.fail(node, "parc has no sharding rule for this op", self.get(ins[0]))
 
     # --- elementwise ---------------------------------------------------------------
@@ -359,14 +361,6 @@ class Layouts:
             elif self.get(mask) not in (None, q):
                 self.fail(node, f"an attention mask sharded as {self.get(mask)} beside heads sharded as {q}", q)
         return q
-
-    def _layer_norm(self, node):
-        s = self.get(node.args[0])
-        if any(self.get(a) is not None for a in node.args[2:4]):
-            self.fail(node, "sharded LayerNorm parameters", s)
-        if s.dim >= len(shape(node)) - len(node.args[1]):
-            self.fail(node, f"it normalizes over dim {s.dim}, which is sharded across tp", s)
-        return s
 
     def _linear(self, node):
         """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features.
