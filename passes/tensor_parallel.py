@@ -49,7 +49,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.parallel.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
-from parc.passes import tp_grads
+from parc.passes import tp_gqa, tp_grads
 from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
 from parc.passes.tp_shard import reads_only_meta, slice_bounds
 from parc.passes.tp_linears import as_linears
@@ -72,13 +72,14 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         as_linears(gm, rw)
         rw.start()
         for node in list(gm.graph.nodes):
-            if node.op == "call_function":
+            if node.op == "call_function" and not node._erased:  # a rule may erase nodes it rewrote (tp_pieces)
                 rw.visit(node)
         node = None
         if rw.errors:
             raise ParcError(diagnostics=rw.errors)
         rw.finish()
         gm.graph.eliminate_dead_code()
+        ctx.notes["tp_grad_gathers"] = tp_grads.gathers(gm)
         gm.recompile()
         _local_shapes(gm, ctx)
     except ParcError as e:
@@ -291,12 +292,28 @@ class _Rewriter:
         x, w, *rest = node.args
         b = rest[0] if rest else None
         blocks = _fused_blocks(node)
+        heads = tp_gqa.heads_below_tp(node, self.tp) if rule.style == "column" and blocks == 1 else None
+        if heads is not None:
+            return self.auto_replicate(node, rule, w, heads)
         self.shard_weight(node, w, 0, rule, blocks)
         if isinstance(b, fx.Node):
             self.shard_param(b, node, 0, rule, blocks)
         node.replace_input_with(x, self.replicated_input(node, x, rule))
         self.lay.of[node] = Shard(len(shape(node)) - 1, blocks, False, rule)
         self.ctx.count(NAME)
+
+    def auto_replicate(self, node: fx.Node, rule, w: fx.Node, heads: int) -> None:
+        """k/v with fewer heads than tp: the layer runs whole, as under `replicate` (passes/tp_gqa.py), and
+        the plan says so (a warning for `parc check`, `tp_auto_replicated` in plan.json for the report)."""
+        self.lay.of[node] = self.lay.propagate(node)
+        path, w = module_path(node), self.conv1d.get(w, w)
+        notes = self.ctx.notes.setdefault("tp_auto_replicated", [])
+        notes.append({"module": path, "param": w.name, "rule": rule.pattern, "heads": heads, "tp": self.tp,
+                      "numel": int(w.meta["val"].numel()),
+                      # forward and backward (data and weight gradients) matmuls per micro-batch: 3 × 2·tokens·in·out
+                      "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
+        self.ctx.notes.setdefault("tp_warnings", []).append(
+            tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None))
 
     def row(self, node: fx.Node, rule) -> None:
         x, w, *rest = node.args

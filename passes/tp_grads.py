@@ -156,6 +156,20 @@ def complete(gm: fx.GraphModule, lay, shards: dict, ctx, count=lambda: None) -> 
     ctx.notes["tp_grad_reductions"] = reductions
 
 
+def gathers(gm: fx.GraphModule) -> list[dict]:
+    """Each replicated value that keeps this rank's chunk (`parc.split_allgather`) and carries a gradient:
+    its backward all-gathers that gradient over tp, once per micro-batch (plan.json `tp_grad_gathers`,
+    priced by `parc report`)."""
+    grad = carries_grad(gm)
+    return [{"value": _label(n.args[0]), "numel": _numel(n.args[0]), "module": module_path(n), "node": n.name}
+            for n in gm.graph.nodes if n.target is parc_ops.split_allgather.default and n.args[0] in grad]
+
+
+def _label(a: fx.Node) -> str:
+    p = _root_param(a)
+    return a.name if p is None else p.meta.get("parc_fqn", p.name)
+
+
 def _numel(n: fx.Node) -> int:
     val = n.meta.get("val")
     return int(val.numel()) if isinstance(val, torch.Tensor) else 0
