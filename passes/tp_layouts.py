@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_contract, tp_norms
+from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces
 from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
 from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
@@ -140,6 +140,8 @@ class Layouts:
             return tp_contract.RULES[t](self, node)
         if t in tp_norms.RULES:
             return tp_norms.RULES[t](self, node)
+        if t in tp_channels.RULES:
+            return tp_channels.RULES[t](self, node)
         self.fail(node, "parc has no sharding rule for this op", self.get(ins[0]))
 
     # --- elementwise ---------------------------------------------------------------
@@ -195,8 +197,8 @@ class Layouts:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
             o = outs[0]
             if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
-                heads = " (grouped-query attention: kv heads must be a multiple of tp too, or mark the k and v " \
-                    "projections `replicate`: each rank then keeps its heads of the repeated k and v)" if len(go) > 1 else ""
+                heads = " (grouped-query attention: kv heads at least tp must be a multiple of it; fewer than tp " \
+                    "are kept whole by the pass, or mark the k and v projections `replicate`)" if len(go) > 1 else ""
                 try:
                     self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
                               f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
@@ -302,15 +304,16 @@ class Layouts:
 
     def _cat(self, node):
         """Along an unsharded dim, of values sharded alike; a replicated one with the sharded dim's full
-        extent (a per-head attention sink beside head-sharded scores) keeps this rank's chunk."""
+        extent (a per-head attention sink beside head-sharded scores) keeps this rank's chunk. Along the
+        sharded dim: passes/tp_channels.py."""
         tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+        if any(isinstance(self.get(a), Shard) and self.get(a).dim == dim for a in tensors):
+            return tp_channels.cat(self, node, dim)  # along the sharded dim: the operands' blocks, concatenated
         shards = {self.get(a) for a in tensors} - {None}
         if len(shards) != 1:
             self.fail(node, f"it concatenates tensors sharded differently: {sorted(map(repr, shards))}",
                       next(iter(shards)))
         (s,) = shards
-        if dim == s.dim:
-            self.fail(node, f"it concatenates along dim {dim}, which is sharded across tp", s)
         for a in tensors:
             if self.get(a) is None:
                 if len(shape(a)) != len(shape(node)) and a.meta["val"].numel() == 0:
@@ -329,6 +332,8 @@ class Layouts:
         pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
         if dim != s.dim:
             return [s] * len(pieces)
+        if s.blocks == 1 and not s.seq and tp_pieces.per_head_norms(self, node, s):
+            return None  # one norm per head, rewritten into one norm on the local heads; the split is now dead
         if s.blocks == 1 or pieces != block_sizes(full[dim], s.blocks):
             self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the blocks "
                       f"{block_sizes(full[dim], s.blocks)} the weight was sharded by", s)

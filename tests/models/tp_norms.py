@@ -6,7 +6,9 @@ trained under tensor parallelism against the serial model (tests/test_tp_ops.py)
   q/k norms over the projected width are: its mean and variance are sums over tp;
 - `k_rms`: an nn.RMSNorm (`aten.rms_norm`) over the full width of column-sharded k;
 - `v_rms`: `F.rms_norm` over each head of head-sharded v, with no weight (a norm over unsharded dims);
-- `out_ln`: `F.layer_norm` with no weight over the sharded MLP hidden.
+- `F.layer_norm` with no weight over the sharded MLP hidden;
+- `q_heads`: one nn.LayerNorm per head applied to `q.split(1, dim=1)` and concatenated back (StableLM's
+  `qk_layernorm`), on head-sharded q: each rank runs its own heads' norms (passes/tp_pieces.py).
 
 Start here: `build_model`. Batches and loss are tests/models/llama_tiny.py's.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -34,12 +37,14 @@ class Block(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
         self.q_ln = nn.LayerNorm(D)
         self.k_rms = nn.RMSNorm(D, eps=1e-5)
+        self.q_heads = nn.ModuleList(nn.LayerNorm(HD) for _ in range(HEADS))
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x):  # (B, T, D)
         B, T, _ = x.shape
         h = self.ln(x)
         q = self.q_ln(self.q(h)).view(B, T, -1, HD).transpose(1, 2)  # (B, nh, T, hd)
+        q = torch.cat([norm(one) for norm, one in zip(self.q_heads, torch.split(q, 1, dim=1))], dim=1)
         k = self.k_rms(self.k(h)).view(B, T, -1, HD).transpose(1, 2)
         v = F.rms_norm(self.v(h).view(B, T, -1, HD), (HD,)).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
