@@ -16,6 +16,9 @@ rewrite, a later `split` by the global widths becomes a split by the per-rank wi
   (`parc.split_allgather`: slice forward, all-gather of the gradient backward: the gradient is whole
   on every rank). `groups` becomes the local channel count. Exact: no sum crosses a channel.
 
+`repeat_interleave` with an int count along the sharded dim repeats each rank's own elements: the same op
+on the local value.
+
 A cat with a replicated operand along d keeps that operand's chunk as one more block. Any other
 conv (channels mixed across groups) on sharded channels is refused.
 """
@@ -92,4 +95,21 @@ def keep_chunks(lay, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:
     node.replace_input_with(a, whole)
 
 
-RULES = {aten.conv1d.default: conv1d}
+def repeat_interleave(lay, node: fx.Node):
+    """`x.repeat_interleave(r, dim)` with an int r (Qwen3-Next repeating q and k heads to v's count): each
+    element repeated r times in place, so along the sharded dim this rank's chunk of the output is its own
+    chunk of x, repeated: the same op on the local value (an `output_size` made local)."""
+    s = lay.get(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        lay.fail(node, "repeat_interleave without a dim flattens the sharded value", s)
+    if dim % len(shape(node)) != s.dim:
+        return s
+    if s.blocks != 1:
+        lay.fail(node, f"repeat_interleave of a fused output of {s.blocks} blocks along its sharded dim", s)
+    if node.kwargs.get("output_size") is not None:
+        node.kwargs = {**node.kwargs, "output_size": node.kwargs["output_size"] // lay.tp}
+    return s
+
+
+RULES = {aten.conv1d.default: conv1d, aten.repeat_interleave.self_int: repeat_interleave}

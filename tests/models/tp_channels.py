@@ -1,8 +1,10 @@
 """A small decoder with a linear-attention style mixer (Qwen3-Next, Qwen3.5): q, k and v projected
-apart and head-sharded, concatenated along their sharded features, convolved per channel by a
-depthwise causal `conv1d`, and split back by their global widths, so passes/tp_channels.py's rules
-(`cat` along the sharded dim, depthwise `conv1d`) and the blocked `split` are trained under tensor
-parallelism against the serial model (tests/test_tp_ops.py). q and k have 2 heads, v 4: the blocks
+and head-sharded, convolved per channel by a depthwise causal `conv1d`, and split back by their global
+widths, so passes/tp_channels.py's rules (`cat` along the sharded dim, depthwise `conv1d`,
+`repeat_interleave` of heads) and the blocked `split` are trained under tensor parallelism against the
+serial model (tests/test_tp_ops.py). The first layer projects q, k and v apart and concatenates them
+along their sharded features (Qwen3-Next); the second projects them fused (`qkv`, Qwen3.5's
+`in_proj_qkv`), whose blocks the pass finds at the split after the transposes and the conv. q and k have 2 heads, v 4: the blocks
 are unequal (32, 32, 64). The conv weight is used as the transformers code uses it
 (`weight.squeeze(1)`, then `unsqueeze(1)` inside `causal_conv1d_fn`).
 
@@ -32,21 +34,29 @@ def causal_conv1d(x, weight, bias):  # x (B, C, T), weight (C, K): one filter pe
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, fused: bool):
         super().__init__()
+        self.fused = fused
         self.ln = nn.LayerNorm(D)
-        self.q, self.k, self.v = nn.Linear(D, KD, bias=False), nn.Linear(D, KD, bias=False), nn.Linear(D, VD)
+        if fused:
+            self.qkv = nn.Linear(D, 2 * KD + VD)
+        else:
+            self.q, self.k, self.v = nn.Linear(D, KD, bias=False), nn.Linear(D, KD, bias=False), nn.Linear(D, VD)
         self.conv1d = nn.Conv1d(2 * KD + VD, 2 * KD + VD, K, groups=2 * KD + VD, padding=K - 1)
         self.o = nn.Linear(VD, D)
 
     def forward(self, x):  # (B, T, D)
         B, T, _ = x.shape
         h = self.ln(x)
-        mixed = torch.cat((self.q(h), self.k(h), self.v(h)), dim=-1).transpose(1, 2)  # (B, 2KD+VD, T)
+        mixed = self.qkv(h) if self.fused else torch.cat((self.q(h), self.k(h), self.v(h)), dim=-1)
+        mixed = mixed.transpose(1, 2)  # (B, 2KD+VD, T)
         mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias).transpose(1, 2)
         q, k, v = torch.split(mixed, [KD, KD, VD], dim=-1)
         rep = VD // KD  # q and k heads repeated to v's
-        q, k = (t.view(B, T, -1, 1, HD).expand(B, T, KD // HD, rep, HD).reshape(B, T, -1, HD) for t in (q, k))
+        if self.fused:
+            q, k = (t.view(B, T, -1, HD).repeat_interleave(rep, dim=2) for t in (q, k))
+        else:
+            q, k = (t.view(B, T, -1, 1, HD).expand(B, T, KD // HD, rep, HD).reshape(B, T, -1, HD) for t in (q, k))
         v = v.view(B, T, -1, HD)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(B, T, VD))
@@ -56,7 +66,7 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(fused=i % 2 == 1) for i in range(LAYERS))
         self.norm = nn.LayerNorm(D)
         self.lm_head = nn.Linear(D, VOCAB, bias=False)
 
