@@ -312,8 +312,9 @@ class _Rewriter:
                       "numel": int(w.meta["val"].numel()),
                       # forward and backward (data and weight gradients) matmuls per micro-batch: 3 × 2·tokens·in·out
                       "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
-        self.ctx.notes.setdefault("tp_warnings", []).append(
-            tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None))
+        if sum(r["rule"] == rule.pattern for r in notes) == 1:  # one warning per rule: plan.json lists every layer
+            self.ctx.notes.setdefault("tp_warnings", []).append(
+                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None))
 
     def row(self, node: fx.Node, rule) -> None:
         x, w, *rest = node.args

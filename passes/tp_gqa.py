@@ -74,8 +74,9 @@ def warning(path: str, rule, heads: int, tp: int, source: str | None):
     from parc.errors import Diagnostic
 
     return Diagnostic(f"`{rule.style}` on `{path}`: its output has {heads} head{'s' if heads > 1 else ''}, fewer "
-                      f"than tp {tp}; parc keeps the layer whole on every tp rank and each rank uses its q heads' "
-                      "share of the repeated heads (exact; costs the layer's full matmul per rank and an all-gather "
-                      "of its repeated output's gradient per micro-batch)", rule.span,
-                      f"mark `{path}` `replicate` to say so in the plan, or use a tp that divides the kv heads",
+                      f"than tp {tp}; parc keeps it (and each layer of this rule with as few heads: plan.json "
+                      "`tp_auto_replicated`) whole on every tp rank, and each rank uses its q heads' share of the "
+                      "repeated heads (exact; costs the layer's full matmul per rank and an all-gather of its "
+                      "repeated output's gradient per micro-batch)", rule.span,
+                      "mark these layers `replicate` to say so in the plan, or use a tp that divides the kv heads",
                       "warning", source)
