@@ -463,7 +463,7 @@ def _split_later(node: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
     activation, the transpose back, then `split([kd, kd, vd])`), with the features' dim there; else None."""
     n = node
     for _ in range(16):
-        users = list(n.users)
+        users = [u for u in n.users if u.target is not aten._assert_tensor_metadata.default]  # `.to(dtype)`'s check
         if len(users) != 1:
             return None
         u = users[0]

@@ -1,10 +1,10 @@
 """A small decoder with a linear-attention style mixer (Qwen3-Next, Qwen3.5): q, k and v projected
 and head-sharded, convolved per channel by a depthwise causal `conv1d`, and split back by their global
 widths, so passes/tp_channels.py's rules (`cat` along the sharded dim, depthwise `conv1d`,
-`repeat_interleave` of heads) and the blocked `split` are trained under tensor parallelism against the
+`repeat_interleave` of heads; `pad`, `cumsum` and `tril` along each head's tokens) and the blocked `split` are trained under tensor parallelism against the
 serial model (tests/test_tp_ops.py). The first layer projects q, k and v apart and concatenates them
 along their sharded features (Qwen3-Next); the second projects them fused (`qkv`, Qwen3.5's
-`in_proj_qkv`), whose blocks the pass finds at the split after the transposes and the conv. q and k have 2 heads, v 4: the blocks
+`in_proj_qkv`), whose blocks the pass finds at the split after the transposes, the cast and the conv. q and k have 2 heads, v 4: the blocks
 are unequal (32, 32, 64). The conv weight is used as the transformers code uses it
 (`weight.squeeze(1)`, then `unsqueeze(1)` inside `causal_conv1d_fn`).
 
@@ -30,7 +30,8 @@ D, HD, KD, VD, K, LAYERS = 64, 16, 32, 64, 4, 2
 
 def causal_conv1d(x, weight, bias):  # x (B, C, T), weight (C, K): one filter per channel
     T = x.shape[-1]
-    return F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[:, :, :T])
+    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])
+    return F.silu(out[:, :, :T])
 
 
 class Block(nn.Module):
@@ -59,6 +60,8 @@ class Block(nn.Module):
             q, k = (t.view(B, T, -1, 1, HD).expand(B, T, KD // HD, rep, HD).reshape(B, T, -1, HD) for t in (q, k))
         v = v.view(B, T, -1, HD)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # (B, H, T, hd): ops along the tokens and features of each head, as a chunked delta rule writes them
+        y = y + 0.1 * F.pad(y, (0, 0, 1, 0))[:, :, :T].cumsum(2) + 0.01 * (y @ y.transpose(-1, -2)).tril() @ y
         return x + self.o(y.transpose(1, 2).reshape(B, T, VD))
 
 
