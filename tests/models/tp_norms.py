@@ -6,7 +6,8 @@ trained under tensor parallelism against the serial model (tests/test_tp_ops.py)
   q/k norms over the projected width are: its mean and variance are sums over tp;
 - `k_rms`: an nn.RMSNorm (`aten.rms_norm`) over the full width of column-sharded k;
 - `v_rms`: `F.rms_norm` over each head of head-sharded v, with no weight (a norm over unsharded dims);
-- `F.layer_norm` with no weight over the sharded MLP hidden;
+- `F.layer_norm` with no weight over the sharded MLP hidden, then `torch.native_layer_norm` with a weight
+  and bias (`mid_w`, `mid_b`), its mean statistic used too;
 - `q_heads`: one nn.LayerNorm per head applied to `q.split(1, dim=1)` and concatenated back (StableLM's
   `qk_layernorm`), on head-sharded q: each rank runs its own heads' norms (passes/tp_pieces.py).
 
@@ -39,6 +40,7 @@ class Block(nn.Module):
         self.k_rms = nn.RMSNorm(D, eps=1e-5)
         self.q_heads = nn.ModuleList(nn.LayerNorm(HD) for _ in range(HEADS))
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.mid_w, self.mid_b = nn.Parameter(torch.linspace(0.5, 1.5, 4 * D)), nn.Parameter(torch.zeros(4 * D))
 
     def forward(self, x):  # (B, T, D)
         B, T, _ = x.shape
@@ -50,7 +52,8 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
         u = F.gelu(self.up(self.ln(x)))
-        return x + self.down(F.layer_norm(u, (4 * D,)))
+        u, mean, _ = torch.native_layer_norm(F.layer_norm(u, (4 * D,)), (4 * D,), self.mid_w, self.mid_b, 1e-5)
+        return x + self.down(u + 0.1 * mean)
 
 
 class Model(nn.Module):
