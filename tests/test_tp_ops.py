@@ -97,3 +97,40 @@ def test_integer_histc_made_portable(tmp_path):
     for name in names:
         (made,) = [x for x in src.splitlines() if x.strip().startswith(f"{name} = ")]
         assert "_to_copy" in made and "torch.float32" in made, made
+
+
+PER_HEAD_SCALES = '''
+import sys
+import torch
+sys.path.insert(0, {models!r})
+import tp_norms
+from tp_norms import get_batch, loss_fn  # noqa: F401
+
+
+class Scaled(tp_norms.Block):
+    def forward(self, x):  # each head of q scaled by its own constant: no per-rank rule for that
+        B, T, _ = x.shape
+        q = self.q(self.ln(x)).view(B, T, -1, tp_norms.HD).transpose(1, 2)
+        q = torch.cat([h * (i + 1) for i, h in enumerate(torch.split(q, 1, dim=1))], dim=1)
+        return x + self.o(q.transpose(1, 2).reshape(B, T, -1))
+
+
+def build_model():
+    model = tp_norms.Model()
+    model.layers = torch.nn.ModuleList(Scaled() for _ in model.layers)
+    return model
+'''
+
+
+def test_a_split_of_the_heads_that_is_not_per_head_norms_is_refused(tmp_path):
+    """passes/tp_pieces.py rewrites only split → one norm per head → cat; any other use of one-head pieces of
+    a head-sharded value has no per-rank layout parc knows, and is refused at the rule, naming the split."""
+    from parc.errors import ParcError
+
+    model = tmp_path / "scaled.py"
+    model.write_text(PER_HEAD_SCALES.format(models=str(MODELS)))
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan(OPS_RULES, False), tmp_path / "c", model)
+    assert "split" in e.value.message and "splits sharded dim 1 into [1, 1, 1, 1]" in e.value.message
+    assert "layers.0" in e.value.message
+    assert '"layers.*.q" : column' in _plan(OPS_RULES, False).splitlines()[e.value.span.line - 1]
