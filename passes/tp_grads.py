@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from parc.passes.tp_layouts import Shard, is_param
+from parc.passes.tp_rows import Rows
 from parc.passes.tp_shard import reads_only_meta
 from parc.traced import module_path
 
@@ -57,7 +58,7 @@ def sharded(layout) -> bool:
     """Does a value with this layout hold, on each tp rank, only a part of the full value?"""
     if isinstance(layout, (list, tuple)):
         return any(sharded(x) for x in layout)
-    return isinstance(layout, Shard) or layout == "partial"
+    return isinstance(layout, (Shard, Rows)) or layout == "partial"
 
 
 def _floating(val) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces
+from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_rows
 from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
 from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
@@ -102,6 +102,8 @@ class Layouts:
             return src[node.args[1]] if isinstance(src, list) else src
         if not ins:
             return None
+        if any(isinstance(self.get(a), tp_rows.Rows) for a in ins):
+            return tp_rows.propagate(self, node)  # a sharded dim merged under outer dims: row-wise ops only
         if t is aten._assert_tensor_metadata.default:
             s = self.get(node.args[0])
             if node.kwargs.get("size") is not None or len(node.args) > 1:
@@ -191,6 +193,9 @@ class Layouts:
             if s.dim not in gi:
                 continue
             if any(a[k] != 1 for k in gi if k < s.dim):
+                rows = tp_rows.merge(self, node, s, gi, go)  # (B, T, H, d) → (B·T·H, d): rows (passes/tp_rows.py)
+                if rows is not None:
+                    return rows
                 self.fail(node, f"sharded dim {s.dim} is merged under outer dims {[a[k] for k in gi]}", s)
             outs = [o for o in go if b[o] != 1]
             if not outs:

@@ -45,6 +45,7 @@ PHI3_RULES = """tensor_parallel {
 
 CHANNEL_RULES = """tensor_parallel {
     "layers.*.qkv" : column
+    "layers.*.z" : column
     "layers.*.q" : column
     "layers.*.k" : column
     "layers.*.v" : column

@@ -1,7 +1,8 @@
 """A small decoder with a linear-attention style mixer (Qwen3-Next, Qwen3.5): q, k and v projected
 and head-sharded, convolved per channel by a depthwise causal `conv1d`, and split back by their global
 widths, so passes/tp_channels.py's rules (`cat` along the sharded dim, depthwise `conv1d`,
-`repeat_interleave` of heads; `pad`, `cumsum` and `tril` along each head's tokens) and the blocked `split` are trained under tensor parallelism against the
+`repeat_interleave` of heads; `pad`, `cumsum` and `tril` along each head's tokens), the heads flattened into
+rows for a gated RMSNorm and reshaped back (passes/tp_rows.py), and the blocked `split` are trained under tensor parallelism against the
 serial model (tests/test_tp_ops.py). The first layer projects q, k and v apart and concatenates them
 along their sharded features (Qwen3-Next); the second projects them fused (`qkv`, Qwen3.5's
 `in_proj_qkv`), whose blocks the pass finds at the split after the transposes, the cast and the conv. q and k have 2 heads, v 4: the blocks
@@ -44,7 +45,14 @@ class Block(nn.Module):
         else:
             self.q, self.k, self.v = nn.Linear(D, KD, bias=False), nn.Linear(D, KD, bias=False), nn.Linear(D, VD)
         self.conv1d = nn.Conv1d(2 * KD + VD, 2 * KD + VD, K, groups=2 * KD + VD, padding=K - 1)
+        self.z = nn.Linear(D, VD, bias=False)  # the gate of the norm below
+        self.norm_w = nn.Parameter(torch.linspace(0.5, 1.5, HD))
         self.o = nn.Linear(VD, D)
+
+    def gated_norm(self, rows, gate):  # (N, hd) each: an RMSNorm of each row, gated (Qwen3-Next's RMSNormGated)
+        h = rows.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norm_w * h.to(rows.dtype) * F.silu(gate.to(torch.float32))
 
     def forward(self, x):  # (B, T, D)
         B, T, _ = x.shape
@@ -62,7 +70,9 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         # (B, H, T, hd): ops along the tokens and features of each head, as a chunked delta rule writes them
         y = y + 0.1 * F.pad(y, (0, 0, 1, 0))[:, :, :T].cumsum(2) + 0.01 * (y @ y.transpose(-1, -2)).tril() @ y
-        return x + self.o(y.transpose(1, 2).reshape(B, T, VD))
+        # heads flattened into rows (B·T·H, hd), normed row by row, and back (B, T, H·hd), as Qwen3-Next does
+        rows = self.gated_norm(y.transpose(1, 2).reshape(-1, HD), self.z(h).view(B, T, -1, HD).reshape(-1, HD))
+        return x + self.o(rows.reshape(B, T, -1))
 
 
 class Model(nn.Module):
