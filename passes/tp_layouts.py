@@ -18,22 +18,18 @@ import torch.fx as fx
 
 from parc.errors import ParcError
 from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_rows
-from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
+from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, is_param, shape, slice_bounds  # noqa: F401 (re-exported)
+from parc.passes.tp_shard import dim_groups as _groups
 from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
 
 aten = torch.ops.aten
 
 
-SAME_LAYOUT = {aten.dropout.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
-               aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-               aten.to.other, aten.lift_fresh_copy.default}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 RESHAPES = VIEWS | {aten.flatten.using_ints, aten.unflatten.int}  # regroup dims; only VIEWS carry all sizes
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 SDPA = {aten.scaled_dot_product_attention.default}
-LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
 NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
@@ -397,24 +393,3 @@ class Layouts:
 
 def _raise(e: ParcError) -> None:
     raise e
-
-
-def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Pair runs of dims of shape a and shape b with equal products (how a reshape regroups dims)."""
-    out, i, j = [], 0, 0
-    while i < len(a) or j < len(b):
-        gi, gj = [], []
-        pa = pb = 1
-        if i < len(a):
-            gi.append(i); pa = a[i]; i += 1  # noqa: E702
-        if j < len(b):
-            gj.append(j); pb = b[j]; j += 1  # noqa: E702
-        while pa != pb:
-            if pa < pb and i < len(a):
-                gi.append(i); pa *= a[i]; i += 1  # noqa: E702
-            elif j < len(b):
-                gj.append(j); pb *= b[j]; j += 1  # noqa: E702
-            else:
-                break
-        out.append((gi, gj))
-    return out

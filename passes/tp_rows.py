@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from parc.passes.tp_shard import Shard, shape
+from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, dim_groups, shape
 
 aten = torch.ops.aten
 ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim}
@@ -59,8 +59,6 @@ def merge(lay, node: fx.Node, s: Shard, gi: list[int], go: list[int]) -> Rows | 
 
 def propagate(lay, node: fx.Node):
     """The layout of an op with an input laid out as rows, or a refusal."""
-    from parc.passes.tp_layouts import LIKE, SAME_LAYOUT, VIEWS
-
     t, r = node.target, next(lay.get(a) for a in node.all_input_nodes if isinstance(lay.get(a), Rows))
     if t is aten._assert_tensor_metadata.default:
         if node.kwargs.get("size") is not None or len(node.args) > 1:
@@ -111,10 +109,8 @@ def _reduce(lay, node: fx.Node, r: Rows):
 def _split_back(lay, node: fx.Node, r: Rows):
     """A reshape that splits the rows into dims whose leading product is `outer` and whose next dim starts
     with the sharded n (times dims merged after it): that dim is `Shard`ed again, its size made local."""
-    from parc.passes.tp_layouts import _groups
-
     a, b = shape(node.args[0]), shape(node)
-    for gi, go in _groups(a, b):
+    for gi, go in dim_groups(a, b):
         if r.dim not in gi:
             continue
         if gi[0] != r.dim:
