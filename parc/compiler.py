@@ -183,8 +183,11 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         for tp_rank in range(m.tp):
             name = f"stage{stage}_tp{tp_rank}"
             gm, ctx = compile_program(traced, plan, stage, tp_rank, debug, n_stages, whole)
+            if stage == 0 and tp_rank == 0:
+                warnings += ctx.notes.get("tp_warnings", [])  # layers tp keeps whole by itself (passes/tp_gqa.py)
             split = ctx.notes.get("pipeline", {"recv": [], "send": [], "last": True})
             placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+            nodes = {n.name for n in gm.graph.nodes}
             state = [s for s in traced.state if s.name in placeholders]
             src = codegen.program_source(
                 gm, stage=stage, tp_rank=tp_rank, tp=m.tp, model=model_file.name, plan=Path(plan.file).name,
@@ -199,6 +202,10 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
                 "rewrites": dict(sorted(ctx.rewrites.items())),
                 "tp_partial_grads": ctx.notes.get("tp_partial_grads", []),  # passes/tensor_parallel.py
                 "tp_grad_reductions": ctx.notes.get("tp_grad_reductions", []),  # passes/tp_grads.py
+                "tp_grad_gathers": [g for g in ctx.notes.get("tp_grad_gathers", [])  # passes/tp_grads.py
+                                    if g["node"] in nodes],
+                "tp_auto_replicated": [r for r in ctx.notes.get("tp_auto_replicated", [])  # passes/tp_gqa.py
+                                       if r["param"] in placeholders],
                 "zero": ctx.notes.get("zero"),  # ZeRO partition table (passes/zero.py); None at stage 0
                 "recompute": ctx.notes.get("recompute", []),  # checkpointed module instances (passes/recompute.py)
             }
@@ -303,14 +310,18 @@ def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
     not divide, shared weights, ops it cannot shard), the pipeline split, ZeRO, a parameter two stages of one
     pp rank share, a constant too large to carry. Runs each stage's program for tp rank 0 only: the tp ranks'
     programs differ only in shard indices and vocab offsets, which no check reads. Assumes
-    `pipeline_split.assign_stages` already ran on `traced` (as `parc check` and compile both do)."""
+    `pipeline_split.assign_stages` already ran on `traced` (as `parc check` and compile both do). With no error,
+    the warnings compile would print: layers tensor parallelism keeps whole by itself (passes/tp_gqa.py)."""
     _, virtual = _pipeline(plan)
     n = plan.mesh.pp * virtual
     whole: dict = {}
     programs = {}
+    warnings: list[Diagnostic] = []
     try:
         for stage in range(n):
-            gm, _ = compile_program(traced, plan, stage, 0, stages=n, whole=whole)
+            gm, ctx = compile_program(traced, plan, stage, 0, stages=n, whole=whole)
+            if stage == 0:
+                warnings = ctx.notes.get("tp_warnings", [])  # layers tp keeps whole by itself (passes/tp_gqa.py)
             held = {x.name for x in gm.graph.nodes if x.op == "placeholder"}
             programs[stage] = {"stage": stage, "state": [{"fqn": s.fqn, "kind": s.kind, "requires_grad": s.requires_grad}
                                                          for s in traced.state if s.name in held]}
@@ -321,4 +332,4 @@ def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
                 _state_entry(spec, None, traced.constants)
     except ParcError as e:
         return e.diagnostics
-    return []
+    return warnings

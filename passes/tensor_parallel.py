@@ -49,8 +49,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.parallel.ops  # noqa: F401 — registers torch.ops.parc.*
 from parc.errors import Diagnostic, ParcError
-from parc.passes import tp_grads
-from parc.passes.tp_layouts import SDPA, Layouts, Shard, is_param, shape
+from parc.passes import tp_gqa, tp_grads
+from parc.passes.tp_layouts import SAME_LAYOUT, SDPA, Layouts, Shard, is_param, shape
 from parc.passes.tp_shard import reads_only_meta, slice_bounds
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import call_site as _call_site, shared_rules
@@ -72,13 +72,14 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         as_linears(gm, rw)
         rw.start()
         for node in list(gm.graph.nodes):
-            if node.op == "call_function":
+            if node.op == "call_function" and not node._erased:  # a rule may erase nodes it rewrote (tp_pieces)
                 rw.visit(node)
         node = None
         if rw.errors:
             raise ParcError(diagnostics=rw.errors)
         rw.finish()
         gm.graph.eliminate_dead_code()
+        ctx.notes["tp_grad_gathers"] = tp_grads.gathers(gm)
         gm.recompile()
         _local_shapes(gm, ctx)
     except ParcError as e:
@@ -291,12 +292,29 @@ class _Rewriter:
         x, w, *rest = node.args
         b = rest[0] if rest else None
         blocks = _fused_blocks(node)
+        heads = tp_gqa.heads_below_tp(node, self.tp) if rule.style == "column" and blocks == 1 else None
+        if heads is not None:
+            return self.auto_replicate(node, rule, w, heads)
         self.shard_weight(node, w, 0, rule, blocks)
         if isinstance(b, fx.Node):
             self.shard_param(b, node, 0, rule, blocks)
         node.replace_input_with(x, self.replicated_input(node, x, rule))
         self.lay.of[node] = Shard(len(shape(node)) - 1, blocks, False, rule)
         self.ctx.count(NAME)
+
+    def auto_replicate(self, node: fx.Node, rule, w: fx.Node, heads: int) -> None:
+        """k/v with fewer heads than tp: the layer runs whole, as under `replicate` (passes/tp_gqa.py), and
+        the plan says so (a warning for `parc check`, `tp_auto_replicated` in plan.json for the report)."""
+        self.lay.of[node] = self.lay.propagate(node)
+        path, w = module_path(node), self.conv1d.get(w, w)
+        notes = self.ctx.notes.setdefault("tp_auto_replicated", [])
+        notes.append({"module": path, "param": w.name, "rule": rule.pattern, "heads": heads, "tp": self.tp,
+                      "numel": int(w.meta["val"].numel()),
+                      # forward and backward (data and weight gradients) matmuls per micro-batch: 3 × 2·tokens·in·out
+                      "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
+        if sum(r["rule"] == rule.pattern for r in notes) == 1:  # one warning per rule: plan.json lists every layer
+            self.ctx.notes.setdefault("tp_warnings", []).append(
+                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None))
 
     def row(self, node: fx.Node, rule) -> None:
         x, w, *rest = node.args
@@ -418,10 +436,14 @@ def _fused_blocks(node: fx.Node) -> int | tuple[int, ...]:
     it is only split into k equal pieces, the pieces' widths when they differ (grouped-query attention's
     q, k, v), as a split or as slices that tile the features (Phi-3's `qkv_proj`); else 1."""
     users, last = list(node.users), len(shape(node)) - 1
-    if len(users) == 1 and users[0].target in SPLIT_OPS:
-        u = users[0]
-        dim = (u.args[2] if len(u.args) > 2 else 0) % (last + 1)
+    later = _split_later(node, last)
+    if later is not None:
+        u, features = later
+        dim = (u.args[2] if len(u.args) > 2 else 0) % len(shape(u.args[0]))
         pieces = [tuple(v.shape)[dim] for v in u.meta["val"]]
+        if dim != features:
+            return 1
+        dim = last
     elif len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
         runs = sorted(_slice_range(u, last) for u in users)
         if any(lo < 0 for lo, _ in runs) or runs[0][0] != 0 or runs[-1][1] != shape(node)[last] \
@@ -433,6 +455,38 @@ def _fused_blocks(node: fx.Node) -> int | tuple[int, ...]:
     if dim != last or len(pieces) < 2:
         return 1
     return len(pieces) if len(set(pieces)) == 1 else tuple(pieces)
+
+
+def _split_later(node: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
+    """The split a fused output reaches through a chain of single-user ops that keep each feature in place
+    (Qwen3.5's `in_proj_qkv(x).transpose(1, 2)`, a depthwise causal `conv1d`, its `[:, :, :T]` slice, an
+    activation, the transpose back, then `split([kd, kd, vd])`), with the features' dim there; else None."""
+    n = node
+    for _ in range(16):
+        users = [u for u in n.users if u.target is not aten._assert_tensor_metadata.default]  # `.to(dtype)`'s check
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target in SPLIT_OPS:
+            return u, dim
+        if u.args[0] is not n or len([a for a in u.all_input_nodes if a is n]) != 1:
+            return None
+        rank = len(shape(n))
+        if u.target is aten.transpose.int:
+            d0, d1 = u.args[1] % rank, u.args[2] % rank
+            dim = d1 if dim == d0 else d0 if dim == d1 else dim
+        elif u.target is aten.conv1d.default:
+            if dim != 1 or (u.args[6] if len(u.args) > 6 else 1) != shape(n)[1]:
+                return None  # only a depthwise conv keeps each channel in place
+        elif u.target is aten.slice.Tensor:
+            if slice_bounds(u)[0] == dim:
+                return None
+        elif not (u.target in SAME_LAYOUT or (isinstance(u.target, torch._ops.OpOverload)
+                                               and torch.Tag.pointwise in u.target.tags
+                                               and len(u.all_input_nodes) == 1)):
+            return None
+        n = u
+    return None
 
 
 def _slice_range(u: fx.Node, last: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ insert a collective where one makes the op exact:
   replicated side's gradient stays whole on every rank (`Layouts.localize`).
 - batched matmuls (`matmul`, `bmm`, `mm`, `einsum`) follow a shard through the batch dims and the
   free row (n) and column (m) dims; the contracted dim k is the reduction case.
+- `pad`, `cumsum`, `tril`, `triu` along dims other than the sharded one keep the shard.
 - a **variance** (`var`, `std`) over the sharded dim is computed in two passes with two sums over
   tp (the mean, then the squared deviations), as the serial op does.
 
@@ -256,7 +257,27 @@ def index_select(lay, node: fx.Node):
     return s
 
 
-RULES = {aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
+def along_other_dims(lay, node: fx.Node):
+    """Ops that work along some dims and leave every other dim alone: `pad` / `constant_pad_nd` (the dims
+    their pad pairs name, counted from the last), `cumsum` (its dim), `tril` / `triu` (the last two dims).
+    Fine when the sharded dim is not one of them: each slice along it is computed as in the serial op."""
+    s = lay.get(node.args[0])
+    n = len(shape(node.args[0]))
+    if node.target in (aten.pad.default, aten.constant_pad_nd.default):
+        amounts = list(node.args[1])
+        touched = {n - 1 - i // 2 for i, k in enumerate(amounts) if k != 0}
+    elif node.target is aten.cumsum.default:
+        touched = {node.args[1] % n}
+    else:
+        touched = {n - 2, n - 1}
+    if s.dim in touched:
+        lay.fail(node, f"it works along dim {s.dim}, which is sharded across tp", s)
+    return s
+
+
+RULES = {aten.pad.default: along_other_dims, aten.constant_pad_nd.default: along_other_dims,
+         aten.cumsum.default: along_other_dims, aten.tril.default: along_other_dims,
+         aten.triu.default: along_other_dims, aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
          aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
          aten.amin.default: reduction, aten.logsumexp.default: reduction, aten.max.dim: max_min,
          aten.min.dim: max_min, aten.stack.default: stack, aten.select.int: select,

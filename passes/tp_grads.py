@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from parc.passes.tp_layouts import Shard, is_param
+from parc.passes.tp_rows import Rows
 from parc.passes.tp_shard import reads_only_meta
 from parc.traced import module_path
 
@@ -57,7 +58,7 @@ def sharded(layout) -> bool:
     """Does a value with this layout hold, on each tp rank, only a part of the full value?"""
     if isinstance(layout, (list, tuple)):
         return any(sharded(x) for x in layout)
-    return isinstance(layout, Shard) or layout == "partial"
+    return isinstance(layout, (Shard, Rows)) or layout == "partial"
 
 
 def _floating(val) -> bool:
@@ -154,6 +155,20 @@ def complete(gm: fx.GraphModule, lay, shards: dict, ctx, count=lambda: None) -> 
         u.replace_input_with(a, made[a])
     ctx.notes["tp_partial_grads"] = [p.name for p in step_sums]
     ctx.notes["tp_grad_reductions"] = reductions
+
+
+def gathers(gm: fx.GraphModule) -> list[dict]:
+    """Each replicated value that keeps this rank's chunk (`parc.split_allgather`) and carries a gradient:
+    its backward all-gathers that gradient over tp, once per micro-batch (plan.json `tp_grad_gathers`,
+    priced by `parc report`)."""
+    grad = carries_grad(gm)
+    return [{"value": _label(n.args[0]), "numel": _numel(n.args[0]), "module": module_path(n), "node": n.name}
+            for n in gm.graph.nodes if n.target is parc_ops.split_allgather.default and n.args[0] in grad]
+
+
+def _label(a: fx.Node) -> str:
+    p = _root_param(a)
+    return a.name if p is None else p.meta.get("parc_fqn", p.name)
 
 
 def _numel(n: fx.Node) -> int:

@@ -17,23 +17,19 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_contract
-from parc.passes.tp_shard import Shard, is_param, shape, slice_bounds  # noqa: F401 (is_param: tensor_parallel imports it here)
+from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_rows
+from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, is_param, shape, slice_bounds  # noqa: F401 (re-exported)
+from parc.passes.tp_shard import dim_groups as _groups
 from parc.runtime.checkpoint.state import block_sizes
 from parc.traced import module_path
 
 aten = torch.ops.aten
 
 
-SAME_LAYOUT = {aten.dropout.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
-               aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-               aten.to.other, aten.lift_fresh_copy.default}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 RESHAPES = VIEWS | {aten.flatten.using_ints, aten.unflatten.int}  # regroup dims; only VIEWS carry all sizes
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 SDPA = {aten.scaled_dot_product_attention.default}
-LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
 NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
@@ -102,6 +98,8 @@ class Layouts:
             return src[node.args[1]] if isinstance(src, list) else src
         if not ins:
             return None
+        if any(isinstance(self.get(a), tp_rows.Rows) for a in ins):
+            return tp_rows.propagate(self, node)  # a sharded dim merged under outer dims: row-wise ops only
         if t is aten._assert_tensor_metadata.default:
             s = self.get(node.args[0])
             if node.kwargs.get("size") is not None or len(node.args) > 1:
@@ -125,7 +123,7 @@ class Layouts:
         handler = {aten.transpose.int: self._transpose, aten.permute.default: self._permute,
                    aten.t.default: self._t, aten.unsqueeze.default: self._unsqueeze,
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
-                   aten.cat.default: self._cat, aten.layer_norm.default: self._layer_norm,
+                   aten.cat.default: self._cat,
                    aten.linear.default: self._linear, aten.embedding.default: self._embedding,
                    aten.view_as_complex.default: self._complex, aten.view_as_real.default: self._complex,
                    aten.copy_.default: self._copy}.get(t)
@@ -138,6 +136,10 @@ class Layouts:
             return s
         if t in tp_contract.RULES:
             return tp_contract.RULES[t](self, node)
+        if t in tp_norms.RULES:
+            return tp_norms.RULES[t](self, node)
+        if t in tp_channels.RULES:
+            return tp_channels.RULES[t](self, node)
         self.fail(node, "parc has no sharding rule for this op", self.get(ins[0]))
 
     # --- elementwise ---------------------------------------------------------------
@@ -187,14 +189,17 @@ class Layouts:
             if s.dim not in gi:
                 continue
             if any(a[k] != 1 for k in gi if k < s.dim):
+                rows = tp_rows.merge(self, node, s, gi, go)  # (B, T, H, d) → (B·T·H, d): rows (passes/tp_rows.py)
+                if rows is not None:
+                    return rows
                 self.fail(node, f"sharded dim {s.dim} is merged under outer dims {[a[k] for k in gi]}", s)
             outs = [o for o in go if b[o] != 1]
             if not outs:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
             o = outs[0]
             if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
-                heads = " (grouped-query attention: kv heads must be a multiple of tp too, or mark the k and v " \
-                    "projections `replicate`: each rank then keeps its heads of the repeated k and v)" if len(go) > 1 else ""
+                heads = " (grouped-query attention: kv heads at least tp must be a multiple of it; fewer than tp " \
+                    "are kept whole by the pass, or mark the k and v projections `replicate`)" if len(go) > 1 else ""
                 try:
                     self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
                               f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
@@ -300,15 +305,16 @@ class Layouts:
 
     def _cat(self, node):
         """Along an unsharded dim, of values sharded alike; a replicated one with the sharded dim's full
-        extent (a per-head attention sink beside head-sharded scores) keeps this rank's chunk."""
+        extent (a per-head attention sink beside head-sharded scores) keeps this rank's chunk. Along the
+        sharded dim: passes/tp_channels.py."""
         tensors, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
+        if any(isinstance(self.get(a), Shard) and self.get(a).dim == dim for a in tensors):
+            return tp_channels.cat(self, node, dim)  # along the sharded dim: the operands' blocks, concatenated
         shards = {self.get(a) for a in tensors} - {None}
         if len(shards) != 1:
             self.fail(node, f"it concatenates tensors sharded differently: {sorted(map(repr, shards))}",
                       next(iter(shards)))
         (s,) = shards
-        if dim == s.dim:
-            self.fail(node, f"it concatenates along dim {dim}, which is sharded across tp", s)
         for a in tensors:
             if self.get(a) is None:
                 if len(shape(a)) != len(shape(node)) and a.meta["val"].numel() == 0:
@@ -327,6 +333,8 @@ class Layouts:
         pieces = [tuple(v.shape)[dim] for v in node.meta["val"]]
         if dim != s.dim:
             return [s] * len(pieces)
+        if s.blocks == 1 and not s.seq and tp_pieces.per_head_norms(self, node, s):
+            return None  # one norm per head, rewritten into one norm on the local heads; the split is now dead
         if s.blocks == 1 or pieces != block_sizes(full[dim], s.blocks):
             self.fail(node, f"it splits sharded dim {dim} into {pieces}, not into the blocks "
                       f"{block_sizes(full[dim], s.blocks)} the weight was sharded by", s)
@@ -360,14 +368,6 @@ class Layouts:
                 self.fail(node, f"an attention mask sharded as {self.get(mask)} beside heads sharded as {q}", q)
         return q
 
-    def _layer_norm(self, node):
-        s = self.get(node.args[0])
-        if any(self.get(a) is not None for a in node.args[2:4]):
-            self.fail(node, "sharded LayerNorm parameters", s)
-        if s.dim >= len(shape(node)) - len(node.args[1]):
-            self.fail(node, f"it normalizes over dim {s.dim}, which is sharded across tp", s)
-        return s
-
     def _linear(self, node):
         """A linear no rule names: fine on a tensor sharded along a row dim (tokens), not on its features.
         On a sequence slice with no sharded layer after it (a replicated lm head), it takes the whole
@@ -393,24 +393,3 @@ class Layouts:
 
 def _raise(e: ParcError) -> None:
     raise e
-
-
-def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Pair runs of dims of shape a and shape b with equal products (how a reshape regroups dims)."""
-    out, i, j = [], 0, 0
-    while i < len(a) or j < len(b):
-        gi, gj = [], []
-        pa = pb = 1
-        if i < len(a):
-            gi.append(i); pa = a[i]; i += 1  # noqa: E702
-        if j < len(b):
-            gj.append(j); pb = b[j]; j += 1  # noqa: E702
-        while pa != pb:
-            if pa < pb and i < len(a):
-                gi.append(i); pa *= a[i]; i += 1  # noqa: E702
-            elif j < len(b):
-                gj.append(j); pb *= b[j]; j += 1  # noqa: E702
-            else:
-                break
-        out.append((gi, gj))
-    return out

@@ -21,6 +21,15 @@ class Shard:
     rule: object = field(default=None, compare=False)  # the plan rule it came from, for error spans
 
 
+# ops whose output is laid out like their (first) input
+SAME_LAYOUT = {aten.dropout.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
+               aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+               aten.to.other, aten.lift_fresh_copy.default}
+# reshapes that carry every output size (their size constants are made local)
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# a new tensor shaped like the input
+LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+
 # ops that read the argument at this index only for its dtype or shape: no value, no gradient flows
 SHAPE_ONLY = {aten.type_as.default: 1, aten.view_as.default: 1, aten._assert_tensor_metadata.default: 0}
 
@@ -52,3 +61,24 @@ def shape(n) -> tuple[int, ...]:
 def is_param(n) -> bool:
     """A parameter placeholder of the traced graph (torch.export names them `p_<fqn>`)."""
     return isinstance(n, fx.Node) and n.op == "placeholder" and n.name.startswith("p_")
+
+
+def dim_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of shape a and shape b with equal products (how a reshape regroups dims)."""
+    out, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj = [], []
+        pa = pb = 1
+        if i < len(a):
+            gi.append(i); pa = a[i]; i += 1  # noqa: E702
+        if j < len(b):
+            gj.append(j); pb = b[j]; j += 1  # noqa: E702
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i); pa *= a[i]; i += 1  # noqa: E702
+            elif j < len(b):
+                gj.append(j); pb *= b[j]; j += 1  # noqa: E702
+            else:
+                break
+        out.append((gi, gj))
+    return out

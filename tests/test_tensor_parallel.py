@@ -88,12 +88,35 @@ def test_indivisible_width_names_the_arithmetic(tmp_path):
     assert e.value.span.line == 4
 
 
-def test_gqa_kv_heads_below_tp_is_an_error(tmp_path):
+def test_gqa_kv_heads_below_tp_are_kept_whole_and_said(tmp_path):
+    """2 kv heads at tp 4 under `column` rules: the k/v projections run whole (passes/tp_gqa.py), and the
+    plan says so: a warning at the rule (what `parc check` prints), and plan.json's `tp_auto_replicated`,
+    which `parc report` prices. tests/test_tp_ops.py trains it against serial."""
+    from parc.compiler import compile_model
+    from parc.grammar.parser import parse
+
     plan = "mesh tp=4\nbatch global=4 micro=2\n" + LLAMA_RULES
-    with pytest.raises(ParcError) as e:
-        compile_text(plan, tmp_path / "c", model=LLAMA)
-    assert "2 is not divisible by tp 4" in e.value.message and "kv heads" in e.value.message
-    assert "model.layers.0.self_attn" in e.value.message
+    result = compile_model(LLAMA, parse(plan, file=str(tmp_path / "t.par")), tmp_path / "c")
+    said = [w for w in result.warnings if "fewer than tp 4" in w.message]
+    # one warning per rule (its first layer); plan.json lists every layer
+    assert [w.message.split("`")[3] for w in said] == ["model.layers.0.self_attn.k_proj",
+                                                       "model.layers.0.self_attn.v_proj"]
+    assert all("2 heads" in w.message and w.severity == "warning" for w in said)
+    assert plan.splitlines()[said[0].span.line - 1].strip().startswith('"model.layers.*.self_attn.k_proj"')
+    assert plan.splitlines()[said[1].span.line - 1].strip().startswith('"model.layers.*.self_attn.v_proj"')
+    for r in range(4):
+        prog = result.plan_json["programs"][f"stage0_tp{r}"]
+        assert [(x["module"], x["heads"]) for x in prog["tp_auto_replicated"]] == \
+            [(f"model.layers.{i}.self_attn.{p}_proj", 2) for i in (0, 1) for p in "kv"]
+        assert not any("k_proj" in s["fqn"] and s.get("shard") for s in prog["state"])
+        # each rank keeps its q head's share of the repeated k and v: their gradients are all-gathered
+        assert {g["module"] for g in prog["tp_grad_gathers"]} >= {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    from parc.analysis import report
+
+    rep = report.build(tmp_path / "c", preset="h100")
+    assert any(c["collective"] == "all-gather (partial gradients)" and c["axis"] == "tp" for c in rep["communication"]["rows"])
+    note = next(n for n in rep["notes"] if "fewer kv heads than tp" in n)
+    assert "model.layers.1.self_attn.v_proj" in note and "ms to the step" in note
 
 
 def test_unprovable_op_names_node_and_module(tmp_path):

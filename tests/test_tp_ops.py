@@ -3,7 +3,11 @@ program traced on meta that runs on CPU ranks (passes/portable.py).
 
 tests/models/tp_ops.py uses type_as, view_as, view_as_complex/real rotary, zeros_like, new_zeros,
 eager attention with a per-head ALiBi bias, SDPA with a per-head mask, stack/unbind: every one on
-head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Llama with one kv head keeps k and v whole at tp 2.
+head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Llama with one kv head keeps k and v whole at tp 2 (`replicate`), and
+at tp 4 with one and with two kv heads under `column` rules (passes/tp_gqa.py keeps them whole by itself).
+tests/models/tp_norms.py normalizes over sharded widths (LayerNorm, RMSNorm) and per head through a split
+(as HF StableLM's `qk_layernorm` does, trained too); tests/models/tp_channels.py concatenates sharded q, k, v,
+convolves them depthwise and splits them back (Qwen3-Next's linear attention).
 HF Phi-3 slices q, k, v out of one fused projection: equal blocks (MHA) and unequal ones (GQA). HF Qwen2-MoE, traced on meta,
 counts tokens per expert with histc on int32, which no CPU kernel runs: compiled, it died at step 0
 on CPU ranks. The check is test_tp_grads.py's: one SGD step with lr 1, per-tensor update error.
@@ -39,10 +43,28 @@ PHI3_RULES = """tensor_parallel {
 }
 """
 
+CHANNEL_RULES = """tensor_parallel {
+    "layers.*.qkv" : column
+    "layers.*.z" : column
+    "layers.*.q" : column
+    "layers.*.k" : column
+    "layers.*.v" : column
+    "layers.*.o" : row
+}
+"""
+
 CASES = {
     "ops_tp2": (MODELS / "tp_ops.py", OPS_RULES, False, "mesh tp=2"),
     "ops_tp2_sp": (MODELS / "tp_ops.py", OPS_RULES, True, "mesh tp=2"),
+    "norms_tp2": (MODELS / "tp_norms.py", OPS_RULES, False, "mesh tp=2"),
+    "norms_tp2_sp": (MODELS / "tp_norms.py", OPS_RULES, True, "mesh tp=2"),
+    "stablelm_qk_layernorm_tp2": (MODELS / "stablelm_qk_ln.py", llama_tp_rules(), False, "mesh tp=2"),
+    "channels_tp2": (MODELS / "tp_channels.py", CHANNEL_RULES, False, "mesh tp=2"),
+    "channels_tp2_sp": (MODELS / "tp_channels.py", CHANNEL_RULES, True, "mesh tp=2"),
     "llama_mqa_tp2": (MODELS / "llama_mqa.py", MQA_RULES, False, "mesh tp=2"),
+    # k/v `column` with fewer kv heads than tp: kept whole by the pass itself (passes/tp_gqa.py)
+    "llama_mqa_auto_tp4": (MODELS / "llama_mqa.py", llama_tp_rules(), False, "mesh tp=4"),
+    "llama_gqa2_auto_tp4_sp": (MODELS / "llama_tiny.py", llama_tp_rules(), True, "mesh tp=4"),
     "phi3_sliced_qkv_tp2": (MODELS / "phi3_tiny.py", PHI3_RULES, False, "mesh tp=2"),
     "phi3_gqa_sliced_qkv_tp2_sp": (MODELS / "phi3_gqa.py", PHI3_RULES, True, "mesh tp=2"),
     "gemma3_tp2": (MODELS / "gemma3_tiny.py", llama_tp_rules(), False, "mesh tp=2"),
@@ -76,3 +98,40 @@ def test_integer_histc_made_portable(tmp_path):
     for name in names:
         (made,) = [x for x in src.splitlines() if x.strip().startswith(f"{name} = ")]
         assert "_to_copy" in made and "torch.float32" in made, made
+
+
+PER_HEAD_SCALES = '''
+import sys
+import torch
+sys.path.insert(0, {models!r})
+import tp_norms
+from tp_norms import get_batch, loss_fn  # noqa: F401
+
+
+class Scaled(tp_norms.Block):
+    def forward(self, x):  # each head of q scaled by its own constant: no per-rank rule for that
+        B, T, _ = x.shape
+        q = self.q(self.ln(x)).view(B, T, -1, tp_norms.HD).transpose(1, 2)
+        q = torch.cat([h * (i + 1) for i, h in enumerate(torch.split(q, 1, dim=1))], dim=1)
+        return x + self.o(q.transpose(1, 2).reshape(B, T, -1))
+
+
+def build_model():
+    model = tp_norms.Model()
+    model.layers = torch.nn.ModuleList(Scaled() for _ in model.layers)
+    return model
+'''
+
+
+def test_a_split_of_the_heads_that_is_not_per_head_norms_is_refused(tmp_path):
+    """passes/tp_pieces.py rewrites only split → one norm per head → cat; any other use of one-head pieces of
+    a head-sharded value has no per-rank layout parc knows, and is refused at the rule, naming the split."""
+    from parc.errors import ParcError
+
+    model = tmp_path / "scaled.py"
+    model.write_text(PER_HEAD_SCALES.format(models=str(MODELS)))
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan(OPS_RULES, False), tmp_path / "c", model)
+    assert "split" in e.value.message and "splits sharded dim 1 into [1, 1, 1, 1]" in e.value.message
+    assert "layers.0" in e.value.message
+    assert '"layers.*.q" : column' in _plan(OPS_RULES, False).splitlines()[e.value.span.line - 1]

@@ -139,7 +139,13 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         est = tp_grad_sums.charge(est, rows)
         if rows:
             notes.append(f"tp partial gradients: {per_step:,} parameter elements summed over tp once a step, "
-                         f"{per_micro:,} elements' gradients per micro-batch (plan.json tp_grad_reductions)")
+                         f"{per_micro:,} elements' gradients per micro-batch (plan.json tp_grad_reductions; "
+                         "all-gathers: tp_grad_gathers)")
+        extra, whole = tp_grad_sums.replicated_compute(pj, plan_obj, hw)
+        if whole:
+            est = tp_grad_sums.charge_compute(est, extra)
+            notes.append(f"kept whole on every tp rank for fewer kv heads than tp (plan.json tp_auto_replicated): "
+                         f"{', '.join(whole)}; their matmuls add {extra * 1e3:.3f} ms to the step")
     elif plan_obj.mesh.tp > 1:
         notes.append("tp partial gradients (replicated values on sharded ones, passes/tp_grads.py) are priced "
                      "from a compiled/ directory only: this analytic report does not run the pass")

@@ -11,7 +11,16 @@ the gradient on each tp rank; the compiler completes each such gradient and list
   replicated values): an all-reduce of that value's gradient in every micro-batch's backward, in the
   compute dtype, on the critical path like tp's other collectives.
 
-Both are charged to the step, not overlapped. The numbers are those of the busiest pp rank's programs
+- a replicated value that enters a sharded region keeps this rank's chunk (`parc.split_allgather`: a norm's
+  weight over a sharded hidden, a per-head mask, the repeated k and v of a layer kept whole for its few
+  kv heads): its gradient is all-gathered over tp in every micro-batch's backward
+  (`programs.<name>.tp_grad_gathers`).
+
+A layer the pass kept whole because it has fewer kv heads than tp (`programs.<name>.tp_auto_replicated`,
+passes/tp_gqa.py) also runs its whole matmul on every rank: `replicated_compute` prices the (1 − 1/tp)
+of it the analytic model counts as split.
+
+All are charged to the step, not overlapped. The numbers are those of the busiest pp rank's programs
 (all tp ranks of a stage insert the same sums). The analytic report (--model and --plan, no compile)
 does not run the pass, so it cannot see them: it says so.
 """
@@ -33,16 +42,19 @@ def section(pj: dict, plan, hw, allreduce: str):
     for prog in pj["programs"].values():
         if prog.get("tp_rank", 0) != 0:
             continue
-        sums = per_rank.setdefault(prog["stage"] % pp, [0, 0, 0])
+        sums = per_rank.setdefault(prog["stage"] % pp, [0, 0, 0, 0, 0])
         for r in prog.get("tp_grad_reductions", []):
             if r["how"] == "per step":
                 sums[0] += r["numel"]
             else:
                 sums[1] += r["numel"]
                 sums[2] += 1
+        for r in prog.get("tp_grad_gathers", []):
+            sums[3] += r["numel"]
+            sums[4] += 1
     if not per_rank:
         return [], 0, 0
-    step_el, micro_el, fs = max(per_rank.values(), key=lambda s: 4 * s[0] + 2 * s[1])
+    step_el, micro_el, fs, gathered, gs = max(per_rank.values(), key=lambda s: 4 * s[0] + 2 * s[1] + s[3])
     groups = meshlib.groups(plan.mesh, "tp")
     act_b = 4 if plan.precision == "fp32" else 2
     acc = plan.accumulation
@@ -52,10 +64,38 @@ def section(pj: dict, plan, hw, allreduce: str):
     if micro_el:
         rows.append(_collective("tp", "all-reduce", tp, micro_el * act_b * acc, groups, hw, allreduce,
                                 calls=fs * acc))
+    if gathered:
+        rows.append(_collective("tp", "all-gather", tp, gathered * act_b * acc, groups, hw, allreduce,
+                                calls=gs * acc))
     return rows, step_el, micro_el
+
+
+def replicated_compute(pj: dict, plan, hw) -> tuple[float, list[str]]:
+    """(seconds per step, names) of the layers kept whole for fewer kv heads than tp, on the busiest pp rank:
+    each rank runs the (1 − 1/tp) of their forward and backward matmuls that a split layer would not."""
+    pp, tp = pj["mesh"]["pp"], plan.mesh.tp
+    flops: dict[int, float] = {}
+    names: list[str] = []
+    for prog in pj["programs"].values():
+        if prog.get("tp_rank", 0) != 0:
+            continue
+        for r in prog.get("tp_auto_replicated", []):
+            flops[prog["stage"] % pp] = flops.get(prog["stage"] % pp, 0.0) + r["flops"] * (1 - 1 / tp)
+            names.append(r["module"])
+    if not flops:
+        return 0.0, []
+    peak = hw.flops.get(plan.precision, hw.flops["fp32"]) * hw.achievable
+    return max(flops.values()) * plan.accumulation / peak, names
 
 
 def charge(est, rows):
     """`est` with the sums' time on the step and their rows (named apart from tp's activation all-reduces)."""
     return on_step(est, [dataclasses.replace(c, collective=f"{c.collective} (partial gradients)") for c in rows],
                    "tp_seconds")
+
+
+def charge_compute(est, seconds: float):
+    """`est` with `seconds` more compute on the step (the matmuls of layers kept whole), MFU on the longer step."""
+    step = est.step_seconds + seconds
+    return dataclasses.replace(est, step_seconds=step, compute_seconds=est.compute_seconds + seconds,
+                               mfu=est.mfu * est.step_seconds / step if step else 0.0)
