@@ -148,9 +148,11 @@ def test_padding_idx_stays_with_its_row(trained):
 def test_a_failure_inside_the_pass_is_located(tmp_path, monkeypatch):
     """A gap in the pass itself (here: LayerNorm's handler made to crash) reaches the user as a diagnostic at the
     rule of the nearest sharded value upstream, naming the node, not as a traceback."""
-    from parc.passes.tp_layouts import Layouts
+    import torch
 
-    monkeypatch.setattr(Layouts, "_layer_norm", lambda self, node: {}["no rule"])
+    from parc.passes import tp_norms
+
+    monkeypatch.setitem(tp_norms.RULES, torch.ops.aten.layer_norm.default, lambda self, node: {}["no rule"])
     plan = _plan(gpt_tp_rules(True))
     with pytest.raises(ParcError) as e:
         compile_text(plan, tmp_path / "c", GPT)
