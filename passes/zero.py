@@ -123,21 +123,26 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     return gm
 
 
+def _first_uses(gm: fx.GraphModule, table: dict):
+    """(bucket index, bucket, its parameters' placeholder nodes, the graph's first node using any of them), for
+    each bucket the graph uses: where a bucket's weights must be whole (gathered) at the latest."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for b, bucket in enumerate(table["buckets"]):
+        params = [nodes[p["name"]] for p in bucket["params"]]
+        users = [u for p in params for u in p.users]
+        if users:
+            yield b, bucket, params, min(users, key=order.__getitem__)
+
+
 def _insert_waits(gm: fx.GraphModule, table: dict) -> None:
     """Stages 1–2: a `zero_wait_gather` before each bucket's first use, so the next forward waits for
     each layer's post-step all-gather just before that layer (runtime/parallel/zero.py, "Overlap").
 
     The wait takes the first user's module path and stage, so the recompute pass keeps it inside that
     user's region, still before it (a region is cut out whole and moved as one)."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     op = torch.ops.parc.zero_wait_gather.default
-    for b, bucket in enumerate(table["buckets"]):
-        params = [nodes[p["name"]] for p in bucket["params"]]
-        users = [u for p in params for u in p.users]
-        if not users:
-            continue
-        first = min(users, key=order.__getitem__)
+    for b, bucket, params, first in _first_uses(gm, table):
         with gm.graph.inserting_before(first):
             wait = gm.graph.call_function(op, (params, b))
         wait.meta.update({k: v for k, v in first.meta.items() if k in _PLACE_META})
@@ -145,15 +150,8 @@ def _insert_waits(gm: fx.GraphModule, table: dict) -> None:
 
 
 def _insert_unshard(gm: fx.GraphModule, table: dict) -> None:
-    nodes = {n.name: n for n in gm.graph.nodes}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     op = torch.ops.parc.zero_unshard.default
-    for b, bucket in enumerate(table["buckets"]):
-        params = [nodes[p["name"]] for p in bucket["params"]]
-        users = [u for p in params for u in p.users]
-        if not users:
-            continue
-        first = min(users, key=order.__getitem__)
+    for b, bucket, params, first in _first_uses(gm, table):
         sizes = [p["numel"] for p in bucket["params"]] + [bucket["padded"] - bucket["numel"]]
         with gm.graph.inserting_before(first):
             flat = gm.graph.call_function(op, (params, b))

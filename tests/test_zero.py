@@ -28,17 +28,20 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 
 
-def _recording(sent: dict):
-    """Wrap the collectives ZeRO and the trainer use; add each call's ring volume per rank to `sent`."""
+def _recording(sent: dict, by_group: bool = False):
+    """Wrap the collectives ZeRO and the trainer use; add each call's ring volume per rank to `sent[name]`, or with
+    `by_group` to `sent[(name, the group's ranks)]` (HSDP: tests/test_zero_hsdp.py)."""
     originals = {name: getattr(dist, name)
                  for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")}
 
     def wrap(name, size_of, factor):
         def call(*args, **kwargs):
             group = kwargs.get("group")
-            n = dist.get_world_size(group)
-            t = size_of(args)
-            sent[name] = sent.get(name, 0) + factor * t.numel() * t.element_size() * (n - 1) // n
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+                tuple(range(dist.get_world_size()))
+            n, t = len(ranks), size_of(args)
+            key = (name, ranks) if by_group else name
+            sent[key] = sent.get(key, 0) + factor * t.numel() * t.element_size() * (n - 1) // n
             return originals[name](*args, **kwargs)
         return call
 
@@ -48,18 +51,24 @@ def _recording(sent: dict):
     return originals
 
 
-def _body(ctx, compiled: str):
-    trainer = Trainer.load(compiled, 0)
-    sent_per_step, local = [], []
-    for s in range(STEPS):
+def steps_recorded(trainer, steps: int, by_group: bool = False) -> tuple[list, list[dict]]:
+    """Train `steps` steps; this rank's losses and, per step, the bytes it sent per collective (`_recording`)."""
+    losses, sent_per_step = [], []
+    for s in range(steps):
         sent: dict = {}
-        originals = _recording(sent)
+        originals = _recording(sent, by_group)
         try:
-            local.append(trainer.step(s).loss)
+            losses.append(trainer.step(s).loss)
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
         sent_per_step.append(sent)
+    return losses, sent_per_step
+
+
+def _body(ctx, compiled: str):
+    trainer = Trainer.load(compiled, 0)
+    local, sent_per_step = steps_recorded(trainer, STEPS)
     held = trainer.zero.held()
     # Adam's per-tensor `step` counters are 0-dim tensors: one scalar per bucket, outside the formula
     scalars = [t for t in held["optimizer"] if t.dim() == 0]
@@ -132,16 +141,7 @@ def _bf16_body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
-        sent_per_step, local = [], []
-        for s in range(STEPS):
-            sent: dict = {}
-            originals = _recording(sent)
-            try:
-                local.append(trainer.step(s).loss)
-            finally:
-                for fn_name, fn in originals.items():
-                    setattr(dist, fn_name, fn)
-            sent_per_step.append(sent)
+        local, sent_per_step = steps_recorded(trainer, STEPS)
         held = held_state(trainer) if trainer.zero else None  # StepCasts copies included: none under ZeRO
         losses, state = trainer.global_losses(local), trainer.gathered_state()
         out[name] = {"losses": losses, "state": state, "sent": sent_per_step, "memory": held,
@@ -224,17 +224,7 @@ def test_partition_table_is_balanced_and_aligned():
 
 def _dp_traffic_body(ctx, compiled: str):
     trainer = Trainer.load(compiled, 0)
-    per_step = []
-    for s in range(2):
-        sent: dict = {}
-        originals = _recording(sent)
-        try:
-            trainer.step(s)
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-        per_step.append(sent)
-    return per_step
+    return steps_recorded(trainer, 2)[1]
 
 
 @pytest.mark.parametrize("dp", [2, 4])

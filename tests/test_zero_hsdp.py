@@ -10,8 +10,6 @@ printing) and the groups are checked in one process.
 """
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from helpers import ROOT, compile_text
 from parc import artifact, mesh as meshlib
@@ -25,7 +23,7 @@ from parc.runtime.parallel.zero import analytic_bytes, analytic_comm_parts
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module
-from test_zero import BF16_TOL, LOSS_TOL, PARAM_TOL
+from test_zero import BF16_TOL, LOSS_TOL, PARAM_TOL, steps_recorded
 
 STEPS = 3
 MODELS = ROOT / "tests" / "models"
@@ -37,42 +35,11 @@ PLANS = {f"zero{s}_{p}": f"mesh dp={DP}\nbatch global=16 micro=2\nzero stage={s}
          + (FP32 if p == "fp32" else BF16) for s in (1, 2, 3) for p in ("fp32", "bf16")}
 
 
-def _recording(sent: dict):
-    """Wrap the collectives; add each call's ring volume per rank to `sent[(name, group ranks)]`."""
-    originals = {name: getattr(dist, name)
-                 for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")}
-
-    def wrap(name, size_of, factor):
-        def call(*args, **kwargs):
-            group = kwargs.get("group")
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-                tuple(range(dist.get_world_size()))
-            n, t = len(ranks), size_of(args)
-            key = (name, ranks)
-            sent[key] = sent.get(key, 0) + factor * t.numel() * t.element_size() * (n - 1) // n
-            return originals[name](*args, **kwargs)
-        return call
-
-    dist.reduce_scatter_tensor = wrap("reduce_scatter_tensor", lambda a: a[1], 1)  # input: the whole flat
-    dist.all_gather_into_tensor = wrap("all_gather_into_tensor", lambda a: a[0], 1)  # output: the whole flat
-    dist.all_reduce = wrap("all_reduce", lambda a: a[0], 2)
-    return originals
-
-
 def _body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
-        sent_per_step, local = [], []
-        for s in range(STEPS):
-            sent: dict = {}
-            originals = _recording(sent)
-            try:
-                local.append(trainer.step(s).loss)
-            finally:
-                for fn_name, fn in originals.items():
-                    setattr(dist, fn_name, fn)
-            sent_per_step.append(sent)
+        local, sent_per_step = steps_recorded(trainer, STEPS, by_group=True)
         out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
                      "sent": sent_per_step, "memory": held_state(trainer),
                      "backward_numel": trainer.zero.backward_gathered_numel()}
