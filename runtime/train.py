@@ -29,7 +29,7 @@ from parc.runtime.context import ParallelContext
 from parc.runtime.parallel import pipeline
 from parc.runtime.parallel.data_parallel import GradBuckets
 from parc.runtime.memory import ActivationProbe
-from parc.runtime.parallel.zero import ZeroOptimizer
+from parc.runtime.parallel.zero import ZeroOptimizer, shard_ranks
 from parc.runtime.checkpoint.state import load_state, unshard
 from parc.runtime.checkpoint.init_shards import own_init
 from parc.runtime import compiled, dropout, precision
@@ -100,8 +100,7 @@ def zero_groups(table: dict, ctx: ParallelContext) -> tuple[object, int, int, tu
     """(group, size, this rank's index in it) ZeRO's ranges are cut over, and (replicate group, index in it):
     all of dp and (None, 0), or under HSDP (`zero shard=K`) the shard and replicate groups (parc/mesh.py
     `zero_groups`: consecutive dp coordinates shard, every K-th replicates)."""
-    dp, i = ctx.degree["dp"], ctx.coord["dp"]
-    k = table.get("shard_size", dp)
+    dp, i, k = ctx.degree["dp"], ctx.coord["dp"], shard_ranks(table)
     if k == dp:
         return ctx.groups["dp"], dp, i, (None, 0)
     return ctx.groups.get("zero_shard"), k, i % k, (ctx.groups.get("zero_replicate"), i // k)
