@@ -43,7 +43,9 @@ State and where its values come from at run time (`state_values`):
 While export runs, parc/trace_guards.py refuses what would change the backward
 behind the graph's back: custom autograd.Functions, backward hooks, gradients taken in forward,
 reentrant checkpointing, custom ops without autograd. What no rule names, parc/grad_probe.py
-catches after the trace (compile and check run it).
+catches after the trace (compile and check run it). parc/trace_host_random.py refuses a number
+drawn from a host generator (`random`, `numpy.random`) in forward, which the graph would keep as
+a constant.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from parc.errors import Span, TraceError
 from parc.pretrained import pretrained_as_config
 from parc.trace_constants import MAX_CARRIED_ELEMENTS, constant_source, keep_data_constants
 from parc.trace_guards import guarded
+from parc.trace_host_random import locate_draw, watched
 from parc.trace_regions import inline_regions
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
@@ -176,9 +179,17 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
             max_carried: int = MAX_CARRIED_ELEMENTS) -> Traced:
     """The whole model through torch.export (what `trace` does when replication does not apply)."""
     wrapper = _LossWrapper(model, user.loss_fn)
-    with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants(), \
-            _quiet_unless_failed_in_debug(debug):
-        ep = torch.export.export(wrapper, batch, strict=False)
+
+    def export():
+        with _user_errors(user.path, "tracing the loss", model), guarded(model, user.path), keep_data_constants(), \
+                _quiet_unless_failed_in_debug(debug):
+            return torch.export.export(wrapper, batch, strict=False)
+
+    with watched(model, user.module) as drew:
+        ep = export()
+    if drew():  # a host generator changed state: find the draw, and refuse it if the model's code made it
+        with locate_draw(model, user.module):
+            export()
     gm = ep.graph_module
     _check_scalar_loss(user, gm)
     inline_regions(gm, user.path)  # `with torch.no_grad():` blocks in forward: flat aten code, detached

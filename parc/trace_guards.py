@@ -73,13 +73,13 @@ def guarded(model: torch.nn.Module, user_path: Path):
 
     def guarded_apply(cls, *args, **kwargs):
         if torch.is_grad_enabled() and cls.__name__ == "CheckpointFunction" and _needs_grad(args, kwargs):
-            raise TraceError(f"`torch.utils.checkpoint(..., use_reentrant=True)`{_running_module(names)}: torch.export "
+            raise TraceError(f"`torch.utils.checkpoint(..., use_reentrant=True)`{running_module(names)}: torch.export "
                              f"traces the region's forward under no_grad, so no gradient would flow through it",
                              _caller_span(), hint="pass use_reentrant=False (export keeps it exactly), or drop the "
                                                   "checkpoint and write `recompute` in the plan")
         if torch.is_grad_enabled() and not _torch_own(cls) and _needs_grad(args, kwargs):
             span = _caller_span()
-            where = _running_module(names)
+            where = running_module(names)
             raise TraceError(f"custom autograd.Function `{cls.__qualname__}` applied{where}: torch.export inlines its "
                              f"forward, so its backward would not run; parc refuses rather than train autograd of "
                              f"the forward instead", span, hint=_CUSTOM_OP_HINT)
@@ -87,7 +87,7 @@ def guarded(model: torch.nn.Module, user_path: Path):
 
     def guarded_register_hook(self, hook):
         if torch.is_grad_enabled() and self.requires_grad:
-            raise TraceError(f"`Tensor.register_hook` in forward{_running_module(names)}: torch.export drops the "
+            raise TraceError(f"`Tensor.register_hook` in forward{running_module(names)}: torch.export drops the "
                              f"hook, so the gradient would flow without it", _caller_span(), hint=_CUSTOM_OP_HINT)
         return register_hook(self, hook)
 
@@ -118,7 +118,7 @@ class _BackwardGuard(TorchFunctionMode):
             why = self._why(func, args, kwargs)
             if why is not None:
                 message, hint = why
-                raise TraceError(message + _running_module(self.names), _caller_span(), hint=hint)
+                raise TraceError(message + running_module(self.names), _caller_span(), hint=hint)
         return func(*args, **kwargs)
 
     @staticmethod
@@ -184,26 +184,32 @@ def _needs_grad(args, kwargs) -> bool:
 
 
 def _caller_span() -> Span | None:
-    """The innermost frame outside torch and parc: the line that called `.apply` / `register_hook`,
-    with the call's columns (the instruction's source position)."""
+    """The innermost frame outside torch and parc: the line that called `.apply` / `register_hook`."""
     frame = sys._getframe(1)
     while frame is not None:
         path = Path(frame.f_code.co_filename).resolve()
         if not (path.is_relative_to(_TORCH) or any(path.is_relative_to(p) for p in _PARC)) and path.is_file():
-            positions = list(getattr(frame.f_code, "co_positions", lambda: [])())  # Python ≥ 3.11
-            at = frame.f_lasti // 2
-            line, end_line, col, end_col = positions[at] if 0 <= at < len(positions) else (None,) * 4
-            if line is None or col is None:
-                return Span(str(path), frame.f_lineno, 1)
-            one_line = end_line == line and end_col is not None
-            return Span(str(path), line, col + 1, line if one_line else None, end_col + 1 if one_line else None)
+            return frame_span(frame)
         frame = frame.f_back
     return None
 
 
-def _running_module(names: dict[int, str]) -> str:
-    """` in module `blocks.0.act`` for the innermost module of the model whose forward is on the stack."""
-    frame = sys._getframe(1)
+def frame_span(frame) -> Span:
+    """Where `frame` is now: its line, with the running call's columns (the instruction's source position)."""
+    path = Path(frame.f_code.co_filename).resolve()
+    positions = list(getattr(frame.f_code, "co_positions", lambda: [])())  # Python ≥ 3.11
+    at = frame.f_lasti // 2
+    line, end_line, col, end_col = positions[at] if 0 <= at < len(positions) else (None,) * 4
+    if line is None or col is None:
+        return Span(str(path), frame.f_lineno, 1)
+    one_line = end_line == line and end_col is not None
+    return Span(str(path), line, col + 1, line if one_line else None, end_col + 1 if one_line else None)
+
+
+def running_module(names: dict[int, str], frame=None) -> str:
+    """` in module `blocks.0.act`` for the innermost module of the model whose forward is on the stack
+    (from `frame` out, else from the caller's frame)."""
+    frame = frame or sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if id(owner) in names and names[id(owner)]:
