@@ -25,6 +25,10 @@ Nor does it keep these, which `_BackwardGuard` refuses at the call:
 - `torch.utils.checkpoint(..., use_reentrant=True)`: export traces its Function's forward
   under no_grad, so no gradient would flow through the region.
 
+`x.data` of a tensor that requires grad, used as a value, makes export fail later with no
+location ("a fake tensor in the exported program constant's list"): that failure is refused at
+the first `.data` the model read (its shape alone traces, and is let through).
+
 Each is refused with a TraceError: `.apply` and `register_hook` at the call (the
 frame that made it, file:line:col), a registered hook at the hook function's `def`.
 What export keeps as eager runs it is let through: non-reentrant checkpointing, `no_grad` /
@@ -93,9 +97,17 @@ def guarded(model: torch.nn.Module, user_path: Path):
 
     Function.apply = classmethod(guarded_apply)
     torch.Tensor.register_hook = guarded_register_hook
+    guard = _BackwardGuard(names)
     try:
-        with _BackwardGuard(names):
+        with guard:
             yield
+    except RuntimeError as e:
+        if guard.data_reads and "fake tensor in the exported program constant" in str(e):
+            span, where = guard.data_reads[0]
+            raise TraceError(f"`.data` of a tensor that requires grad, read in forward{where}: it takes the value "
+                             f"behind autograd's back, which torch.export cannot trace", span,
+                             hint="use `.detach()`: the same values, and traced") from e
+        raise
     finally:
         Function.apply = apply
         torch.Tensor.register_hook = register_hook
@@ -103,6 +115,9 @@ def guarded(model: torch.nn.Module, user_path: Path):
 
 
 _OWN_NAMESPACES = ("aten", "prims", "parc")
+_DATA = torch._C.TensorBase.__dict__["data"]  # the `.data` descriptor: its `__get__` reaches __torch_function__
+# `.data` used only for its shape traces; used as a value, export fails later, unlocated: that failure is
+# located at the first read
 
 
 class _BackwardGuard(TorchFunctionMode):
@@ -111,9 +126,13 @@ class _BackwardGuard(TorchFunctionMode):
     def __init__(self, names: dict[int, str]):
         super().__init__()
         self.names = names
+        self.data_reads: list[tuple[Span | None, str]] = []  # `.data` read by the model: (where, in which module)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DATA and _needs_grad(args[:1], {}) \
+                and _is_user_frame(_past_modes(sys._getframe(1))):
+            self.data_reads.append((_caller_span(), running_module(self.names)))
         if torch.is_grad_enabled():
             why = self._why(func, args, kwargs)
             if why is not None:
@@ -187,11 +206,27 @@ def _caller_span() -> Span | None:
     """The innermost frame outside torch and parc: the line that called `.apply` / `register_hook`."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = Path(frame.f_code.co_filename).resolve()
-        if not (path.is_relative_to(_TORCH) or any(path.is_relative_to(p) for p in _PARC)) and path.is_file():
+        if _is_user_frame(frame):
             return frame_span(frame)
         frame = frame.f_back
     return None
+
+
+def _past_modes(frame):
+    """The frame that made the call a stack of TorchFunctionModes is handling (parc's modes and torch's dispatch
+    in between skipped): who read `.data`, say."""
+    while frame is not None and (frame.f_code.co_name == "__torch_function__"
+                                 or Path(frame.f_code.co_filename).name == "overrides.py"):
+        frame = frame.f_back
+    return frame
+
+
+def _is_user_frame(frame) -> bool:
+    """The frame runs the user's code (a real file outside torch and parc), not torch's own."""
+    if frame is None:
+        return False
+    path = Path(frame.f_code.co_filename).resolve()
+    return path.is_file() and not (path.is_relative_to(_TORCH) or any(path.is_relative_to(p) for p in _PARC))
 
 
 def frame_span(frame) -> Span:

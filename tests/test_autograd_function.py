@@ -265,6 +265,7 @@ FORWARD_BACKWARD = HOOKS.replace("{build}", "pass")
     (FORWARD_BACKWARD.replace("{forward}", "h.sum().backward(retain_graph=True)"), (12, 9), "`backward()` in forward"),
     (FORWARD_BACKWARD.replace("{forward}", "h = torch.utils.checkpoint.checkpoint(torch.tanh, h, use_reentrant=True)"),
      (12, 13), "use_reentrant=True"),
+    (FORWARD_BACKWARD.replace("{forward}", "h = h * h.data.abs().mean()"), (12, 17), "`.data` of a tensor that"),
 ])
 def test_traced_backward_that_differs_is_refused_at_the_call(tmp_path, source, where, words):
     """Each of these traces, but its program would train differently from eager (or fail at the first
@@ -285,6 +286,7 @@ def test_traced_backward_that_differs_is_refused_at_the_call(tmp_path, source, w
     "with torch.no_grad():\n            with torch.enable_grad():\n                s = torch.tanh(h)\n        h = h + s",
     "s = torch.tanh(x); s.requires_grad_(True); h = h * s",
     "s = h * 2; s.detach_(); h = h + s",
+    "h = h.reshape(h.data.shape[0], -1)",  # `.data` for its shape only traces
 ])
 def test_what_export_keeps_traces_and_matches_eager(tmp_path, forward):
     """What export traces with eager's backward is let through; the gradient probe confirms each."""
