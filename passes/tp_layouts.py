@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_rows
+from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_pointwise, tp_rows
 from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, is_param, shape, slice_bounds  # noqa: F401 (re-exported)
 from parc.passes.tp_shard import dim_groups as _groups
 from parc.runtime.checkpoint.state import block_sizes
@@ -161,6 +161,12 @@ class Layouts:
                 continue
             self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a tensor sharded on dim {s.dim} in "
                       f"{s.blocks} blocks", s)
+        if tp_pointwise.needs_check(node):  # a user's op: its tag is checked on this very cut
+            why = tp_pointwise.check(node, s, self.tp, {a for a in node.all_input_nodes if self.get(a) is not None})
+            if why is not None:
+                self.fail(node, f"it is tagged `torch.Tag.pointwise`, but {why}", s,
+                          hint="drop the tag if the op is not elementwise (forward and backward), and mark the "
+                               "producing layer `replicate`")
         return s
 
     def localize(self, node: fx.Node, a: fx.Node, d: int, s: Shard) -> None:

@@ -219,6 +219,26 @@ def test_custom_op_without_a_sharding_rule_is_refused_located(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("body, backward, words", [
+    ("torch.softmax(x, dim=-1)", "lambda ctx, grad: grad", "its forward on chunk 0 of 2"),  # over the sharded dim
+    ("torch.round(x * 4) / 4", "lambda ctx, grad: grad.flip(-1)", "its backward on chunk 0 of 2"),  # mixes elements
+])
+def test_a_wrong_pointwise_tag_is_refused_at_the_rule(tmp_path, body, backward, words):
+    """The tag is the author's word; parc checks it on the cut it makes, forward and backward, where the op has
+    a CPU kernel: an op that is not elementwise along the sharded dim would train silently wrong under tp."""
+    source = CUSTOM_OP_TP.format(tag="wrong", tags="(torch.Tag.pointwise,)")
+    source = source.replace("return torch.round(x * 4) / 4", f"return {body}")
+    source = source.replace("round_ste.register_autograd(lambda ctx, grad: grad)",
+                            f"round_ste.register_autograd({backward})")
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    with pytest.raises(ParcError) as err:
+        compile_text(TP_PLAN, tmp_path / "c", model=path)
+    message = str(err.value)
+    assert "tagged `torch.Tag.pointwise`, but " + words in message, message
+    assert err.value.diagnostics[0].span.line == 5  # "fc" : column, the rule that shards its input
+
+
 NO_AUTOGRAD = """\
 import torch
 import torch.nn as nn
