@@ -12,6 +12,19 @@ machine, each rank posing to NCCL as a host of its own.
 `start_env[r]` is set in the environment rank r's interpreter starts with: what
 Python reads only at start-up, such as PYTHONHASHSEED (`env` is applied later,
 inside the rank, for all ranks alike).
+
+Ranks start from a fork server that has imported torch once (multiprocessing's
+"forkserver", torch and torch.distributed preloaded): a fresh interpreter importing
+torch costs seconds per rank, which on a small machine was most of a distributed
+test's time (4 ranks: 7–16 s to start with "spawn", under 1 s forked). A forked rank
+sees what a spawned one would: the caller's environment as of the call (applied
+first thing in the rank, since the server's is older), the caller's sys.path and
+main module, and modules imported fresh (only torch comes from the server; parc is
+imported in the rank, so a module reading the environment at import reads the
+caller's). Its stdout and stderr are the server's (the caller's at the first
+spawn); a failing rank's traceback comes back through the result queue as before.
+`start_env` needs a fresh interpreter, so it, and `PARC_START_METHOD=spawn`, use
+"spawn".
 """
 
 from __future__ import annotations
@@ -61,7 +74,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: dict, results) -> None:
+def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: dict, results,
+           caller_env: dict[str, str]) -> None:
+    if os.environ != caller_env:  # forked from the server: its environment is from when it started
+        os.environ.clear()
+        os.environ.update(caller_env)
     import torch
     import torch.distributed as dist
 
@@ -87,18 +104,33 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
         os._exit(0)
 
 
+_PRELOAD = ["torch", "torch.distributed"]  # what the fork server imports once (module docstring)
+
+
+def _context(fresh_interpreter: bool):
+    """multiprocessing's "forkserver" with torch preloaded, or "spawn" where a rank needs a fresh interpreter."""
+    method = os.environ.get("PARC_START_METHOD", "forkserver")
+    if fresh_interpreter or method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def spawn(world_size: int, body: Callable, *args: Any, timeout: float = 300.0,
           env: dict[str, str] | None = None, start_env: list[dict[str, str]] | None = None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh_interpreter=bool(start_env))
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, body, args, env or {}, results), daemon=True)
-             for r in range(world_size)]
-    for r, p in enumerate(procs):
+    procs = []
+    for r in range(world_size):
         extra = start_env[r] if start_env else {}
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)  # a spawned interpreter inherits the parent's environment at start
         try:
+            p = ctx.Process(target=_entry, args=(r, world_size, port, body, args, env or {}, results,
+                                                  dict(os.environ)), daemon=True)
+            procs.append(p)
             p.start()
         finally:
             for k, v in saved.items():
