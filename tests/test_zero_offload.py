@@ -104,6 +104,15 @@ def test_offload_changes_no_bit_and_moves_the_state_to_the_host(trained, name):
         assert got["memory"] == device, (rank, got["memory"], device)
         assert want["memory"]["optimizer"] > 0 and got["memory"]["params"] == want["memory"]["params"]
         assert got["host"] == analytic_host_bytes(table), (rank, got["host"])
+    # `parc report` on the artifact: the device rows are what the rank held, the host row what it kept there
+    from parc.analysis import report
+
+    row = report.build(arts[name].root)["memory"]["per_pp_rank"][0]
+    assert {k: row[f"{k}_bytes"] for k in device} == device, (row, device)
+    assert row["host_bytes"] == sum(analytic_host_bytes(table).values())
+    plain_row = report.build(arts[plain].root)["memory"]["per_pp_rank"][0]
+    assert row["offload_frees_bytes"] == plain_row["optimizer_bytes"] > 0
+    assert row["total_bytes"] == plain_row["total_bytes"] - plain_row["optimizer_bytes"]
 
 
 def test_offload_key_is_located_round_trips_and_refuses_what_is_unproven():
@@ -125,6 +134,45 @@ def test_offload_key_is_located_round_trips_and_refuses_what_is_unproven():
             support.check(parse(text, file="x.par"))
         (d,) = err.value.diagnostics
         assert f"zero offload=cpu with {what} is not supported" in d.message and d.span.line == 2, d.message
+
+
+def test_report_prices_the_copies_and_the_host_step():
+    """The PCIe rows carry 4 bytes a parameter of this rank's range each way, priced at the preset's PCIe figure;
+    the step gains the copies and the host update less the device update (parc/analysis/offload_cost.py)."""
+    from parc.analysis import cost, offload_cost
+
+    hw = cost.hardware("h100")
+    rows = [{"pp_rank": 0, "params_count": 8e9, "params": 1.0, "grads": 1.0, "optimizer": 8e9 * 8 / 8, "total": 9e9}]
+    out, added, copies, note = offload_cost.apply(rows, 8e9, 8, "adamw", 4, 8, hw)
+    assert out[0]["optimizer"] == 0 and out[0]["offload_frees"] == 8e9 and out[0]["total"] == 1e9
+    assert out[0]["host"] == 8e9 / 8 * 16  # fp32 master 4 + gradient buffer 4 + Adam's moments 8
+    each = 4 * 8e9 / 8
+    assert [size for _, size, _ in copies] == [each, each]
+    assert sum(seconds for _, _, seconds in copies) == pytest.approx(2 * each / hw.pcie_bw)
+    assert added == pytest.approx(2 * each / hw.pcie_bw + 28 * 1e9 / hw.host_mem_bw - 28 * 1e9 / hw.mem_bw)
+    assert "GB/s" in note
+
+
+def test_plan_considers_offload_only_when_nothing_else_fits(monkeypatch):
+    """On one GPU every plan is estimated in full: with the memory of the leanest plan ample, no offload plan is
+    ranked; with a memory between the leanest plan's peak and that peak less its optimizer state, only offload
+    plans fit, and the search says it considered them."""
+    from dataclasses import replace
+
+    from helpers import GPT
+    from parc.analysis import cost, planner
+
+    free = planner.search(GPT, gpus=1, preset="h100", global_batch=8, precision="fp32")
+    assert free.ranked and not any(c.plan.zero.offload for c in free.ranked)
+    leanest = min(c.peak for c in free.ranked)
+    with_offload = min(max(r["total"] - r["optimizer"] for r in c.est.memory) for c in free.ranked
+                       if c.plan.zero.stage >= 1)
+    assert with_offload < leanest
+    monkeypatch.setitem(cost.PRESETS, "h100", replace(cost.PRESETS["h100"], memory=(leanest + with_offload) / 2))
+    tight = planner.search(GPT, gpus=1, preset="h100", global_batch=8, precision="fp32")
+    assert tight.ranked and all(c.plan.zero.offload == "cpu" for c in tight.ranked)
+    assert any("ZeRO-Offload variants" in n for n in tight.notes)
+    assert "offload cpu" in tight.ranked[0].describe()
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
