@@ -115,6 +115,29 @@ def test_offload_changes_no_bit_and_moves_the_state_to_the_host(trained, name):
     assert row["total_bytes"] == plain_row["total_bytes"] - plain_row["optimizer_bytes"]
 
 
+def test_host_step_skips_where_found_and_copies_between_separate_buffers():
+    """`--on-nonfinite skip` under offload: the device flag reaches the host step, which then leaves the host
+    masters, Adam's state and the device ranges as they were; an ordinary step equals torch's AdamW on the range."""
+    from parc.runtime.parallel.offload import HostOptimizer
+
+    bucket = {"shard": 8, "params": [{"name": "w", "offset": 0, "numel": 8}]}
+    device = [torch.arange(8, dtype=torch.float32)]
+    host = HostOptimizer(device, [bucket], 0, {}, lambda groups: torch.optim.AdamW(groups, lr=0.1))
+    assert host.master[0].data_ptr() != device[0].data_ptr() and torch.equal(host.master[0], device[0])
+    ref = device[0].clone().requires_grad_()
+    ref_opt = torch.optim.AdamW([ref], lr=0.1)
+    device[0].grad = ref.grad = torch.linspace(-1, 1, 8)
+    host.step(torch.zeros(()))
+    ref_opt.step()
+    assert torch.equal(device[0], ref.detach()) and torch.equal(host.master[0], ref.detach())
+    before = (device[0].clone(), {k: v.clone() for k, v in host.pieces.state(host.optimizer, 0).items()})
+    device[0].grad = torch.full((8,), float("nan"))
+    host.step(torch.ones(()))  # a rank saw a nan: skip
+    assert torch.equal(device[0], before[0]) and torch.equal(host.master[0], before[0])
+    after = host.pieces.state(host.optimizer, 0)
+    assert all(torch.equal(after[k], v) for k, v in before[1].items())
+
+
 def test_offload_key_is_located_round_trips_and_refuses_what_is_unproven():
     plan = parse("mesh dp=2\nzero stage=2 offload=cpu\n")
     assert plan.zero.offload == "cpu" and "zero stage=2 offload=cpu" in format_plan(plan)

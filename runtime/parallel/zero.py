@@ -71,6 +71,11 @@ same, parc/analysis/cost.py `zero_exposed`):
                   backward needs. At most two gathered layers are alive at once in either pass (the
                   one computing and the one arriving): the report's ZeRO-3 working set.
 
+ZeRO-Offload (`zero stage=N offload=cpu`, table["offload"]): `HostOptimizer` (runtime/parallel/offload.py)
+keeps a host copy of each master range, the optimizer state and the step on the host; `master` stays
+on the device as the gradient holder and what the all-gather sends, refreshed from the host after
+each step. `optimizer`/`pieces` are then the host ones, so checkpoints and the lr schedule see them.
+
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
 accumulators stay fp32, and only the rank's range of the masters exists, as in
 DeepSpeed and Megatron's distributed optimizer. Stages 1–2: the whole flat
