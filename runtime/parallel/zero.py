@@ -72,9 +72,10 @@ same, parc/analysis/cost.py `zero_exposed`):
                   one computing and the one arriving): the report's ZeRO-3 working set.
 
 ZeRO-Offload (`zero stage=N offload=cpu`, table["offload"]): `HostOptimizer` (runtime/parallel/offload.py)
-keeps a host copy of each master range, the optimizer state and the step on the host; `master` stays
-on the device as the gradient holder and what the all-gather sends, refreshed from the host after
-each step. `optimizer`/`pieces` are then the host ones, so checkpoints and the lr schedule see them.
+keeps each master range, the optimizer state and the step on the host; `master` stays on the device as
+the gradient holder (fp32: also the weights the all-gather sends, refreshed after each step; bf16: a
+stand-in, and `_range_in` fetches what a gather sends from the host). `optimizer`/`pieces` are then the
+host ones, so checkpoints and the lr schedule see them.
 
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
 accumulators stay fp32, and only the rank's range of the masters exists, as in
@@ -212,7 +213,8 @@ class ZeroOptimizer:
         # the optimizer sees runs of each range split by weight decay (runtime/param_groups.py): torch groups
         self.offload = None
         if table.get("offload"):  # ZeRO-Offload: the ranges' masters, state and step on the host (offload.py)
-            self.offload = HostOptimizer(self.master, self.buckets, self.rank, decay_of or {}, make_opt)
+            self.offload = HostOptimizer(self.master, self.buckets, self.rank, decay_of or {}, make_opt,
+                                         compute_dtype, keep=self.stage == 3)
             self.pieces, self.optimizer = self.offload.pieces, self.offload.optimizer
         else:
             self.pieces = RangeGroups(self.master, self.buckets, self.rank, decay_of or {})
@@ -408,7 +410,7 @@ class ZeroOptimizer:
         # in forward order (buckets are in backward order): the first layer's weights arrive first
         for b in reversed(range(len(self.full))):
             full = self.full[b]
-            mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
+            mine = self._range_in(b, full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
                 self._gathers[b] = (dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True), mine)
             elif self._low:
@@ -448,7 +450,7 @@ class ZeroOptimizer:
         """Gather bucket b's ranges in `dtype` (default: the compute dtype; the fp32 masters for state)."""
         bucket = self.buckets[b]
         dtype = dtype or self.compute_dtype or self.master[b].dtype
-        mine = self.master[b].detach().to(dtype)
+        mine = self._range_in(b, dtype)
         full = torch.empty(bucket["padded"], dtype=dtype, device=mine.device)
         if self.dp > 1:
             work = dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True)
@@ -456,6 +458,13 @@ class ZeroOptimizer:
             full.copy_(mine)
             work = None
         return work, full
+
+    def _range_in(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's range of bucket b on the device in `dtype`, as a gather sends it; under offload with a
+        compute dtype the device holds no fp32 range: the host's (runtime/parallel/offload.py)."""
+        if self.offload is not None and self.offload.stands_in:
+            return self.offload.range_in(b, dtype)
+        return self.master[b].detach().to(dtype)
 
     def _gathered(self, b: int) -> torch.Tensor:
         if b in self._prefetch:
@@ -609,8 +618,10 @@ class ZeroOptimizer:
             with torch.no_grad():
                 if self.stage < 3:
                     self.full[b].copy_(whole)  # fp32: the master is a range of it; bf16: the compute weights
-                if self.stage == 3 or self._low:
+                if (self.stage == 3 or self._low) and not (self.offload and self.offload.stands_in):
                     self.master[b].copy_(whole[lo:lo + n])
+                if self.offload:
+                    self.offload.load(b, whole[lo:lo + n])  # the host master (and what the device keeps of it)
             # sorted, never a set: the state's order is the order `full_optimizer_state` gathers in
             keys = sorted({k for sp in bucket["params"] for k in optim.get(sp["name"], {})})
             none = torch.zeros(())  # a parameter that never had a gradient has no state yet: Adam starts at 0
@@ -620,8 +631,6 @@ class ZeroOptimizer:
             if state:
                 host = self.pieces.master[b].device  # the optimizer's own tensors: on the host under offload
                 self.pieces.set_state(self.optimizer, b, {k: v.to(host) if v.dim() else v for k, v in state.items()})
-        if self.offload:
-            self.offload.pull()  # the host masters take what was loaded into the device ranges
 
     def backward_gathered_numel(self) -> int:
         """Padded numel of the buckets ZeRO-3 re-gathers in each backward."""
@@ -633,6 +642,8 @@ class ZeroOptimizer:
         program = [p.detach() for p in self.params.values()]
         # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
         params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
+        if self.offload is not None and self.offload.stands_in:  # the masters are stand-ins, not weights
+            params = self.offload.device_tensors() + (program if self.stage < 3 else [])
         grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + self.grad_acc
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         opt = [] if self.offload else opt  # offload: in host memory (`HostOptimizer.host_bytes`), none on the device
@@ -653,11 +664,14 @@ def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_ele
 
     `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
     fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table).
-    Under offload (`table["offload"]`) the optimizer state is in host memory (`analytic_host_bytes`): 0 here."""
+    Under offload (`table["offload"]`) the optimizer state is in host memory (`analytic_host_bytes`): 0 here;
+    with a compute dtype so are the fp32 masters (stage 3 keeps its range in the compute dtype)."""
     psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
     params = psi * elem // (n if s >= 3 else 1)
     if compute_elem is not None and s < 3:
         params = psi * compute_elem + psi * elem // n
+    if compute_elem is not None and table.get("offload"):  # the fp32 ranges live on the host; stage 3 keeps bf16
+        params = psi * compute_elem // (n if s >= 3 else 1)
     return {"params": params, "grads": psi * elem // (n if s >= 2 else 1),
             "optimizer": 0 if table.get("offload") else adam_states * psi * elem // n}
 
