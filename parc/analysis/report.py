@@ -259,8 +259,9 @@ def render(rep: dict, console=None) -> None:
     console.print(t)
     for r in mem["per_pp_rank"]:  # ZeRO-Offload (parc/analysis/offload_cost.py): the host's side of the table
         if "host_bytes" in r:
+            moved = "the optimizer state" + (", the fp32 masters" if p["precision"] != "fp32" else "")
             console.print(f"pp rank {r['pp_rank']}: offload frees {_in(r['offload_frees_bytes'], scale)} {unit} of "
-                          f"device memory (the optimizer state) and holds {_in(r['host_bytes'], scale)} {unit} in "
+                          f"device memory ({moved}) and holds {_in(r['host_bytes'], scale)} {unit} in "
                           "host memory (fp32 masters, gradient buffer, optimizer state)")
     console.print(("[green]" if mem["fits"] else "[red]") + mem["verdict"] + "[/]")
 
