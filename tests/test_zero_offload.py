@@ -120,6 +120,45 @@ def test_offload_changes_no_bit_and_moves_the_state_to_the_host(trained, name):
     assert row["total_bytes"] == plain_row["total_bytes"] - row["offload_frees_bytes"]
 
 
+# --- with tp and pp: 4 ranks. tests/test_zero_combos.py proves these plans (without offload) against the serial
+# model; here each runs with and without offload and must agree bit for bit: the tp-partial and tied-weight sums
+# and the global norm over dp × tp × pp write the device's gradient ranges before the download, as without offload.
+from test_zero_combos import TP_RULES  # noqa: E402
+
+COMBOS = {
+    "zero3_tp2": f"mesh dp=2 tp=2\nbatch global=8 micro=2\nzero stage=3\n{TP_RULES}\n" + FP32,
+    "zero2_tp2_bf16": f"mesh dp=2 tp=2\nbatch global=8 micro=2\nzero stage=2\n{TP_RULES}\n" + BF16,
+    "zero2_pp2_gpipe": "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=2\npipeline schedule=gpipe\n" + FP32,
+    "zero1_pp2_1f1b_bf16": "mesh dp=2 pp=2\nbatch global=8 micro=2\nzero stage=1\npipeline schedule=1f1b\n" + BF16,
+}
+
+
+def _combo_body(ctx, roots: dict[str, str]):
+    out = {}
+    for name, root in roots.items():
+        trainer = Trainer.load(root, 0)
+        out[name] = {"losses": trainer.global_losses([trainer.step(s).loss for s in range(STEPS)]),
+                     "state": trainer.gathered_state(), "offloaded": trainer.zero.offload is not None}
+    return out
+
+
+def test_offload_with_tp_and_pp_changes_no_bit(tmp_path):
+    roots = {}
+    for name, text in COMBOS.items():
+        for suffix, offload in (("", ""), ("_offload", " offload=cpu")):
+            plan = text.replace("zero stage=1", f"zero stage=1{offload}").replace("zero stage=2", f"zero stage=2{offload}") \
+                .replace("zero stage=3", f"zero stage=3{offload}")
+            roots[name + suffix] = str(compile_text(plan, tmp_path / (name + suffix)).root)
+    res = spawn(4, _combo_body, roots)
+    for rank, r in enumerate(res):
+        for name in COMBOS:
+            got, want = r[name + "_offload"], r[name]
+            assert got["offloaded"] and not want["offloaded"]
+            assert got["losses"] == want["losses"], (rank, name, got["losses"], want["losses"])
+            bad = [k for k in want["state"] if not torch.equal(got["state"][k], want["state"][k])]
+            assert not bad, (rank, name, bad)
+
+
 def test_host_step_skips_where_found_and_copies_between_separate_buffers():
     """`--on-nonfinite skip` under offload: the device flag reaches the host step, which then leaves the host
     masters, Adam's state and the device ranges as they were; an ordinary step equals torch's AdamW on the range."""
@@ -155,13 +194,15 @@ def test_offload_key_is_located_round_trips_and_refuses_what_is_unproven():
         assert message in d.message and (d.span.line, d.span.col) == (2, col), (d.message, d.span)
     from parc.analysis import support
 
-    for text, what in [("mesh dp=2 tp=2\nzero stage=2 offload=cpu\n", "mesh tp 2"),
+    for text, what in [("mesh dp=2 ep=2\nexpert_parallel {\n\"blocks.*.experts\"\n}\nzero stage=2 offload=cpu\n",
+                        "mesh ep 2"),
                        ("mesh dp=4\nzero stage=2 shard=2 offload=cpu\n", "zero shard=2 (HSDP)"),
                        ("mesh dp=2\nzero stage=2 offload=cpu\ncompile inductor\n", "compile inductor")]:
         with pytest.raises(PlanError) as err:
             support.check(parse(text, file="x.par"))
-        (d,) = err.value.diagnostics
-        assert f"zero offload=cpu with {what} is not supported" in d.message and d.span.line == 2, d.message
+        found = [d for d in err.value.diagnostics if f"zero offload=cpu with {what} is not supported" in d.message]
+        assert len(found) == 1 and found[0].span.line == text.count("\n", 0, text.index("offload")) + 1, \
+            [d.message for d in err.value.diagnostics]
 
 
 def test_report_prices_the_copies_and_the_host_step():

@@ -412,11 +412,11 @@ def _zero_choices(mesh: Mesh, topo: Topology) -> list[tuple[int, int | None]]:
 
 
 def offload_variants(plans: list[Plan]) -> list[Plan]:
-    """`zero … offload=cpu` for each ZeRO plan offload is proven with (parc/analysis/support.py `_offload`: over dp
-    alone); the search tries them only when no plan fits without, as DeepSpeed's users reach for ZeRO-Offload:
-    it frees the optimizer state's device memory at the price of two PCIe copies and a host step a step."""
-    return [replace(p, zero=replace(p.zero, offload="cpu")) for p in plans
-            if p.zero.stage >= 1 and p.zero.shard is None and p.mesh.tp == p.mesh.pp == p.mesh.ep == 1]
+    """`zero … offload=cpu` for each ZeRO plan (those offload is not proven with, parc/analysis/support.py
+    `_offload`, are refused with the reason); the search tries them only when no plan fits without, as
+    DeepSpeed's users reach for ZeRO-Offload: it frees the optimizer state's device memory (and under bf16
+    the fp32 masters') at the price of two PCIe copies and a host step a step."""
+    return [replace(p, zero=replace(p.zero, offload="cpu")) for p in plans if p.zero.stage >= 1]
 
 
 def _too_long(plan: Plan) -> str | None:
