@@ -13,6 +13,11 @@ copy of runtime/parallel/offload.py. Checked:
 - device memory: `held_state` equals `analytic_bytes` with the optimizer state gone, and the host holds
   exactly `analytic_host_bytes` (masters, gradient buffers, Adam's moments), in tensors of their own.
 
+With tp and pp (4 ranks: ZeRO-3 and ZeRO-2 bf16 with tp 2, ZeRO-2 GPipe and ZeRO-1 1F1B bf16 with pp 2) offload
+must again change no bit against the same plan without it (tests/test_zero_combos.py proves those against serial).
+The host step's skip on a nonfinite flag, the plan language's errors and refusals, the report's pricing and
+`parc plan`'s last resort are checked in one process.
+
 Checkpoints (whole tensors, runtime/checkpoint/sharded.py) stay plan-independent: one saved with offload
 resumes without it and back, bitwise; kill-and-resume under offload is bitwise (tests/test_resume_exact.py's
 method).
