@@ -412,7 +412,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "batch": {"global": _POSITIVE, "micro": _POSITIVE, "accumulation": _POSITIVE},
     "tensor_parallel": {},
     "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},
-    "zero": {"stage": _int("an integer 0..3"), "shard": _POSITIVE},
+    "zero": {"stage": _int("an integer 0..3"), "shard": _POSITIVE, "offload": _name},
     "recompute": {},
     "precision": {"reduce": _name},
     "compile": {},
@@ -537,7 +537,7 @@ class _Builder:
                         virtual=kw.get("virtual", 1), cuts=cuts, span=stmt.span)
 
     def _zero(self, stmt: _Stmt, kw: dict) -> Zero:
-        return Zero(kw.get("stage", 0), kw.get("shard"), span=stmt.span)
+        return Zero(kw.get("stage", 0), kw.get("shard"), kw.get("offload"), span=stmt.span)
 
     def _recompute(self, stmt: _Stmt, kw: dict) -> Recompute:
         for i, (_, span) in enumerate(stmt.strings):

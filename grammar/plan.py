@@ -114,6 +114,7 @@ class Pipeline:
 class Zero:
     stage: int = 0
     shard: int | None = None  # HSDP: shard the state over groups of this many dp ranks; None = all of dp
+    offload: str | None = None  # ZeRO-Offload: "cpu" keeps the fp32 masters and optimizer state in host memory
     span: Span | None = field(default=None, compare=False)
 
 

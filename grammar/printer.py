@@ -43,7 +43,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(_pipeline(plan.pipeline))
     if plan.zero.stage != 0:
         shard = f" shard={plan.zero.shard}" if plan.zero.shard is not None else ""
-        lines.append(f"zero stage={plan.zero.stage}{shard}")
+        offload = f" offload={plan.zero.offload}" if plan.zero.offload is not None else ""
+        lines.append(f"zero stage={plan.zero.stage}{shard}{offload}")
     if plan.recompute.patterns:
         rc = plan.recompute
         lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))

@@ -321,11 +321,31 @@ def _check_zero_shard(plan: Plan, out: _Report) -> None:
                  "so dp is inner")
 
 
+OFFLOAD_DEVICES = ("cpu",)
+
+
+def _check_zero_offload(plan: Plan, out: _Report) -> None:
+    """`zero offload=cpu` (ZeRO-Offload): the optimizer's state and step move to host memory, so there must be a
+    sharded optimizer (stage ≥ 1) to move; `cpu` is the one place it can go (DeepSpeed's `nvme` is not done)."""
+    z = plan.zero
+    if z.offload is None:
+        return
+    span = out.at("zero.offload", z)
+    if z.offload not in OFFLOAD_DEVICES:
+        out.error(f"zero offload must be cpu, got {z.offload}", span,
+                  "offload=cpu keeps the fp32 masters and optimizer state in host memory; drop offload= to keep "
+                  "them on the device")
+    elif z.stage == 0:
+        out.error(f"zero offload={z.offload} with stage 0: there is no sharded optimizer to offload", span,
+                  "write zero stage=1, 2 or 3 with offload=, or drop offload=")
+
+
 def _check_rest(plan: Plan, out: _Report) -> None:
     if plan.zero.stage not in (0, 1, 2, 3) or isinstance(plan.zero.stage, bool):
         out.error(f"zero stage must be 0, 1, 2 or 3, got {plan.zero.stage}", out.at("zero.stage", plan.zero),
                   "1 shards optimizer state, 2 also gradients, 3 also parameters")
     _check_zero_shard(plan, out)
+    _check_zero_offload(plan, out)
     seen: dict[str, int] = {}
     for i, pattern in enumerate(plan.recompute.patterns):
         if not pattern:

@@ -16,6 +16,7 @@ What maps to what:
 | pipeline_parallel.pp_size, pipeline.stages (an integer), pipeline_model_parallel_size | mesh pp= |
 | zero_optimization.stage | zero stage= |
 | zero_optimization.mics_shard_size (MiCS) | zero … shard= (HSDP) |
+| zero_optimization.offload_optimizer.device cpu (ZeRO-Offload) | zero … offload=cpu |
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
@@ -64,7 +65,12 @@ WHY = {
 }
 # more precise reasons for some sub-keys (the longest matching prefix wins over WHY's top-level ones)
 WHY_PREFIX = {
-    "zero_optimization.offload_optimizer": "parc has no optimizer offload yet: optimizer state stays on the device",
+    "zero_optimization.offload_optimizer": "a tuning knob of DeepSpeed's offload engine; parc's `zero offload=cpu` "
+                                           "has no such setting",
+    "zero_optimization.offload_optimizer.device": "parc offloads the optimizer to host memory only "
+                                                  "(`offload=cpu`), and only with zero stage 1–3",
+    "zero_optimization.offload_optimizer.pin_memory": "parc pins its host buffers whenever CUDA is present "
+                                                      "(runtime/parallel/offload.py); no setting",
     "zero_optimization.offload_param": "parc has no parameter offload: parameters stay on the device",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ keeps a per-node copy of the weights for the gathers; "
                                                  "parc has no such copy (its HSDP, `zero shard=`, is MiCS's "
@@ -248,10 +254,12 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
         if stage not in (1, 2, 3):
             raise ParcError(f"DeepSpeed zero_optimization.stage must be 0..3, got {stage!r}")
         mkey, mics = r.take("zero_optimization.mics_shard_size")
+        offload = _offload(r)
         if mkey and mics not in (None, -1):  # MiCS: the state sharded in groups of K, replicated across them
-            lines.append(f"zero stage={stage} shard={_int(mkey, mics)}   # MiCS mics_shard_size: HSDP")
+            lines.append(f"zero stage={stage} shard={_int(mkey, mics)}{offload}   # MiCS mics_shard_size: HSDP")
         else:
-            lines.append(f"zero stage={stage}")
+            lines.append(f"zero stage={stage}{offload}" + ("   # ZeRO-Offload: offload_optimizer.device cpu"
+                                                          if offload else ""))
     lines += _precision(r, autos)
     lines += _optimizer(r, notes, autos)
 
@@ -264,6 +272,15 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
         head.append("# not translated:")
         head += [f"#   {k}: {why}" for k, why in untranslated]
     return Import("\n".join(head + lines) + "\n", r.used, untranslated, notes, {"dp": dp, "pp": pp, "tp": tp})
+
+
+def _offload(r: _Reader) -> str:
+    """`offload_optimizer.device` cpu → ` offload=cpu` (ZeRO-Offload: runtime/parallel/offload.py); "none" is
+    parc's default and is taken as translated; nvme is left untranslated (WHY_PREFIX says why)."""
+    device = r.flat.get("zero_optimization.offload_optimizer.device")
+    if device in ("cpu", "none", None):
+        r.take("zero_optimization.offload_optimizer.device")
+    return " offload=cpu" if device == "cpu" else ""
 
 
 def _batch(global_size, micro, acc, dp) -> list[str]:

@@ -111,6 +111,8 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/parallel/expert_parallel.py)
     dense = [s for s in ctx.traced.state if s.name not in experts]
     ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp, shard=shard_size(plan))
+    if plan.zero.offload:  # ZeRO-Offload: the runtime keeps masters and optimizer state on the host
+        ctx.notes["zero"]["offload"] = plan.zero.offload
     if experts:
         ctx.notes["zero_experts"] = partition(gm, [s for s in ctx.traced.state if s.name in experts], ctx.shards,
                                               plan.zero.stage, plan.mesh.dp // plan.mesh.ep)

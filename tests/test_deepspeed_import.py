@@ -12,6 +12,7 @@ from parc.cli import main
 from parc.deepspeed import Overrides, translate, write_plan
 from parc.errors import ParcError
 from parc.grammar.parser import load_plan
+from parc.grammar.plan import Zero
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,8 +64,7 @@ def test_unknown_fields_listed(tmp_path):
               "scheduler": {"type": "OneCycle"}}
     imp = translate(config)
     keys = [k for k, _ in imp.untranslated]
-    assert keys == ["zero_optimization.overlap_comm", "zero_optimization.offload_optimizer.device",
-                    "optimizer.type", "optimizer.params.lr", "steps_per_print", "scheduler.type"]
+    assert keys == ["zero_optimization.overlap_comm", "optimizer.type", "optimizer.params.lr", "steps_per_print", "scheduler.type"]
     text = imp.text
     assert "#   zero_optimization.overlap_comm:" in text and "#   steps_per_print:" in text
     write_plan(imp, tmp_path / "p.par")  # still a valid plan
@@ -234,6 +234,21 @@ def test_corpus_imports_checks_and_compiles(tmp_path, capsys, name):
         return
     assert rc == 0, captured.err
     assert main(["compile", str(ROOT / "examples" / "gpt.py"), "--plan", str(out), "-o", str(tmp_path / "c")]) == 0
+
+
+def test_offload_optimizer_cpu_is_zero_offload(tmp_path):
+    """`offload_optimizer: {device: cpu}` is `zero … offload=cpu`; "none" is parc's default (translated, nothing
+    written); nvme, and pin_memory (parc pins whenever CUDA is present), are listed with their reasons."""
+    base = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    for device, want in (("cpu", "cpu"), ("none", None), ("nvme", None)):
+        config = dict(base, zero_optimization={"stage": 2, "offload_optimizer": {"device": device, "pin_memory": True}})
+        imp = translate(config, world_size=8)
+        assert write_plan(imp, tmp_path / f"{device}.par").zero == Zero(2, None, want)
+        why = dict(imp.untranslated)
+        assert "pins its host buffers" in why["zero_optimization.offload_optimizer.pin_memory"]
+        assert ("zero_optimization.offload_optimizer.device" in why) == (device == "nvme")
+    stage0 = translate(dict(base, zero_optimization={"offload_optimizer": {"device": "cpu"}}), world_size=8)
+    assert "only with zero stage 1–3" in dict(stage0.untranslated)["zero_optimization.offload_optimizer.device"]
 
 
 def test_mics_shard_size_is_hsdp(tmp_path):

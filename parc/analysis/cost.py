@@ -43,6 +43,7 @@ import operator
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
+from parc.analysis import offload_cost
 from parc.errors import ParcError
 
 GiB = 1024 ** 3
@@ -73,6 +74,9 @@ class Hardware:
     contention: float = 1.0        # compute's slowdown beyond ranks / cores when more ranks than cores compute
     collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured
     optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of the optimizer step beyond its bytes
+    # ZeRO-Offload (parc/analysis/offload_cost.py): 0 = unpriced
+    pcie_bw: float = 0.0           # bytes/s per GPU, one direction, between host and device memory
+    host_mem_bw: float = 0.0       # bytes/s one rank's optimizer step reaches in host memory (its share of DRAM)
     op_overheads: tuple = ()       # (kind: mm/attn/mem/view, forward s, backward s) per op at no work (compute.py)
     mem_times: tuple = ()          # (kind, bytes, forward s, backward s) of one memory-bound op, measured (compute.py)
     p2p_post: float = 0.0          # seconds a pipeline rank spends posting a send/receive, on its own timeline
@@ -614,6 +618,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
     step = makespan + dp_exposed + optimizer_s
+    if z >= 1 and getattr(plan.zero, "offload", None):  # ZeRO-Offload (parc/analysis/offload_cost.py)
+        memory, added, copies, note = offload_cost.apply(memory, big, k, z, plan.optimizer.name, pb, cb, ob, hw)
+        comms += [Comm("host", name, 1, size, 0.0, 0.0, seconds) for name, size, seconds in copies]
+        step += added
+        notes.append(note)
     fwd = sum(d["flops_sharded"] + d["flops_replicated"] for d in stages)
     model_flops = 3 * fwd * acc * dp
     hw_flops = model_flops + sum(d["flops_recomputed"] for d in stages) * acc * dp

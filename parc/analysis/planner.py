@@ -306,7 +306,8 @@ class Candidate:
             v = p.pipeline.virtual
             parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
         parts.append(f"micro {p.micro_batch} × acc {p.accumulation}")
-        parts.append(f"ZeRO {p.zero.stage}" + (f" shard {p.zero.shard}" if p.zero.shard else ""))
+        parts.append(f"ZeRO {p.zero.stage}" + (f" shard {p.zero.shard}" if p.zero.shard else "")
+                     + (f" offload {p.zero.offload}" if p.zero.offload else ""))
         if p.recompute.patterns:
             parts.append("recompute")
         if p.tensor_parallel.sequence_parallel:
@@ -408,6 +409,14 @@ def _zero_choices(mesh: Mesh, topo: Topology) -> list[tuple[int, int | None]]:
     if inside and mesh.dp not in meshlib.shard_sizes_in_node(mesh, topo.gpus_per_node):
         out += [(z, inside[-1]) for z in (1, 2, 3)]
     return out
+
+
+def offload_variants(plans: list[Plan]) -> list[Plan]:
+    """`zero … offload=cpu` for each ZeRO plan (those offload is not proven with, parc/analysis/support.py
+    `_offload`, are refused with the reason); the search tries them only when no plan fits without, as
+    DeepSpeed's users reach for ZeRO-Offload: it frees the optimizer state's device memory (and under bf16
+    the fp32 masters') at the price of two PCIe copies and a host step a step."""
+    return [replace(p, zero=replace(p.zero, offload="cpu")) for p in plans if p.zero.stage >= 1]
 
 
 def _too_long(plan: Plan) -> str | None:
@@ -583,6 +592,13 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
     dropped += [c for c in cands if c.reason]
     notes = []
+    if not ranked:  # nothing fits on the device: ZeRO-Offload trades PCIe copies and a host step for its memory
+        offloaded = [Candidate(p, _refusal(p, traced)) for p in offload_variants(plans)]
+        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(
+            [c for c in offloaded if not c.reason])
+        dropped += [c for c in offloaded if c.reason]
+        notes.append(f"no plan fits on the device: {len(offloaded)} ZeRO-Offload variants (zero … offload=cpu) "
+                     f"considered, {len(ranked)} fit")
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
         reason = _pass_refusal(traced, ranked[0].plan)
         if reason is None:

@@ -65,11 +65,21 @@ def _attention(rows, peak: float) -> tuple:
     return tuple(("bf16", t, hs, f * 1e12 / peak, f * 1e12 / peak) for t, hs, f in rows)
 
 
+# ZeRO-Offload (parc/analysis/offload_cost.py). PCIe x16, one direction: Gen4 (A100) 32 GB/s, Gen5 (H100/H200
+# SXM hosts) 64 GB/s, spec figures; a pinned copy is taken at 80% of them, as `mem_bw` is of HBM. Host DRAM: a
+# two-socket host of 8 channels of DDR5-4800 a socket, 2 × 8 × 38.4 = 614 GB/s spec, shared by the node's 8
+# ranks and taken at half (a CPU Adam's streams are not the STREAM benchmark's): 38 GB/s a rank. These are
+# spec-sheet assumptions, not measurements; a preset file (`parc calibrate`) may state its own.
+_PCIE4, _PCIE5 = 32e9, 64e9
+_HOST_DRAM = 0.5 * 2 * 8 * 38.4e9 / 8
+
 TABLES = {
     "a100": {"matmul": _matmul(312e12, _A100_MAX), "attention": _attention(_FA2_A100, 312e12),
-             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6},
+             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED},
+             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+             "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED},
+             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+             "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
 }

@@ -157,7 +157,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     for r, row in enumerate(est.memory):
         d = {f"{k}_bytes": round(v) for k, v in row.items()
              if k in ("params", "grads", "optimizer", "activations", "activations_kept", "recompute_peak", "total",
-                      "transient", "zero_working")}
+                      "transient", "zero_working", "host", "offload_frees")}
         d.update(pp_rank=r, params_count=int(row["params_count"]), inflight=row["inflight"])
         rows.append(d)
     worst = max(est.memory, key=lambda row: row["total"])
@@ -184,7 +184,8 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
-                 "zero": plan_obj.zero.stage, "zero_shard": plan_obj.zero.shard or m.dp, "recompute": list(plan_obj.recompute.patterns),
+                 "zero": plan_obj.zero.stage, "zero_shard": plan_obj.zero.shard or m.dp,
+                 "zero_offload": plan_obj.zero.offload, "recompute": list(plan_obj.recompute.patterns),
                  "schedule": (plan_obj.pipeline.schedule if plan_obj.pipeline else "1f1b") if m.pp > 1 else None},
         "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
                    "over_bytes": max(round(over), 0), "verdict": verdict},
@@ -233,6 +234,7 @@ def render(rep: dict, console=None) -> None:
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "
                   f"dp {p['dp']}, {p['precision']}, ZeRO {p['zero']}"
                   + (f" shard {p['zero_shard']} (HSDP)" if p.get("zero_shard", p["dp"]) < p["dp"] and p["zero"] else "")
+                  + (f" offload {p['zero_offload']}" if p.get("zero_offload") and p["zero"] else "")
                   + f", schedule {p['schedule'] or '-'}, "
                   f"recompute {', '.join(p['recompute']) or 'none'}")
     device, per_node = _rank_words(hw)
@@ -255,6 +257,12 @@ def render(rep: dict, console=None) -> None:
                   str(r["inflight"]), *([_in(r.get("zero_working_bytes", 0), scale)] if working else []),
                   _in(r["total_bytes"], scale))
     console.print(t)
+    for r in mem["per_pp_rank"]:  # ZeRO-Offload (parc/analysis/offload_cost.py): the host's side of the table
+        if "host_bytes" in r:
+            moved = "the optimizer state" + (", the fp32 masters" if p["precision"] != "fp32" else "")
+            console.print(f"pp rank {r['pp_rank']}: offload frees {_in(r['offload_frees_bytes'], scale)} {unit} of "
+                          f"device memory ({moved}) and holds {_in(r['host_bytes'], scale)} {unit} in "
+                          "host memory (fp32 masters, gradient buffer, optimizer state)")
     console.print(("[green]" if mem["fits"] else "[red]") + mem["verdict"] + "[/]")
 
     comm = rep["communication"]

@@ -15,6 +15,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
   ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
+  ZeRO-Offload (zero offload=cpu), stages 1–3, fp32/bf16, with tp and pp (as ZeRO is) test_zero_offload
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -60,9 +61,27 @@ def check(plan: Plan) -> None:
         refuse(f"zero shard={plan.zero.shard} with expert parallelism (mesh ep {m.ep}) is not supported: the experts' "
                "state is cut over the expert-data-parallel group, and no test proves a shard group inside it",
                "zero.shard", plan.zero, "drop shard= with ep (plain ZeRO-1/2 is proven with ep)")
+    _offload(plan, refuse)
     _expert_parallel(plan, refuse)
     if out:
         raise PlanError(diagnostics=out)
+
+
+def _offload(plan: Plan, refuse) -> None:
+    """`zero offload=cpu` is proven with ZeRO-1/2/3 over dp, fp32 and bf16, with clip= and kill-and-resume, and
+    with tp and pp wherever ZeRO itself is (tests/test_zero_offload.py: bitwise against the same plan without
+    offload); with expert parallelism, HSDP and compiled programs no test proves the host step: refused."""
+    if plan.zero.offload is None or plan.zero.stage == 0:
+        return
+    m = plan.mesh
+    others = [(f"mesh ep {m.ep}", m.ep > 1),
+              (f"zero shard={plan.zero.shard} (HSDP)", plan.zero.shard is not None and plan.zero.shard < m.dp),
+              (f"compile {plan.compile}", plan.compile != "none")]
+    for what, present in others:
+        if present:
+            refuse(f"zero offload={plan.zero.offload} with {what} is not supported: the host optimizer step is "
+                   "proven with ZeRO-1/2/3 over dp, tp and pp (tests/test_zero_offload.py), not with this",
+                   "zero.offload", plan.zero, f"drop offload=, or drop {what}")
 
 
 def _expert_parallel(plan: Plan, refuse) -> None:

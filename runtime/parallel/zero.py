@@ -71,6 +71,12 @@ same, parc/analysis/cost.py `zero_exposed`):
                   backward needs. At most two gathered layers are alive at once in either pass (the
                   one computing and the one arriving): the report's ZeRO-3 working set.
 
+ZeRO-Offload (`zero stage=N offload=cpu`, table["offload"]): `HostOptimizer` (runtime/parallel/offload.py)
+keeps each master range, the optimizer state and the step on the host; `master` stays on the device as
+the gradient holder (fp32: also the weights the all-gather sends, refreshed after each step; bf16: a
+stand-in, and `_range_in` fetches what a gather sends from the host). `optimizer`/`pieces` are then the
+host ones, so checkpoints and the lr schedule see them.
+
 Under `precision bf16` (runtime/precision.py) the masters and the gradient
 accumulators stay fp32, and only the rank's range of the masters exists, as in
 DeepSpeed and Megatron's distributed optimizer. Stages 1–2: the whole flat
@@ -98,6 +104,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from parc.runtime.parallel.offload import HostOptimizer
 from parc.runtime.parallel.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
 from parc.runtime.optim_step import step_unless
@@ -204,8 +211,14 @@ class ZeroOptimizer:
                     p.register_post_accumulate_grad_hook(self._on_grad)
             del full
         # the optimizer sees runs of each range split by weight decay (runtime/param_groups.py): torch groups
-        self.pieces = RangeGroups(self.master, self.buckets, self.rank, decay_of or {})
-        self.optimizer = make_opt(self.pieces.groups())
+        self.offload = None
+        if table.get("offload"):  # ZeRO-Offload: the ranges' masters, state and step on the host (offload.py)
+            self.offload = HostOptimizer(self.master, self.buckets, self.rank, decay_of or {}, make_opt,
+                                         compute_dtype, keep=self.stage == 3)
+            self.pieces, self.optimizer = self.offload.pieces, self.offload.optimizer
+        else:
+            self.pieces = RangeGroups(self.master, self.buckets, self.rank, decay_of or {})
+            self.optimizer = make_opt(self.pieces.groups())
         self._pending: list[int] = []
         self._works: list = []
         self._launched = 0                              # reduce-scatters launched: their order, for the bound
@@ -387,14 +400,17 @@ class ZeroOptimizer:
         """The update of this rank's ranges (skipped where `found` > 0: runtime/optim_step.py), then stages
         1–2 all-gather the updated parameters."""
         self.settle()
-        self.pieces.bind_grads()
-        step_unless(self.optimizer, found)
+        if self.offload:
+            self.offload.step(found)  # gradients down, the host step, the updated ranges back into `master`
+        else:
+            self.pieces.bind_grads()
+            step_unless(self.optimizer, found)
         if self.stage == 3:
             return  # parameters stay sharded; the next forward gathers them
         # in forward order (buckets are in backward order): the first layer's weights arrive first
         for b in reversed(range(len(self.full))):
             full = self.full[b]
-            mine = self.master[b].detach().to(full.dtype).clone()  # input must not alias the output buffer
+            mine = self._range_in(b, full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
                 self._gathers[b] = (dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True), mine)
             elif self._low:
@@ -426,7 +442,7 @@ class ZeroOptimizer:
             g.zero_()
         for m in self.master:
             m.grad = None  # stage 1's reduced range is a temporary; 2–3 keep `grad_acc`
-        self.pieces.clear_grads()
+        (self.offload or self.pieces).clear_grads()
 
     # --- stage 3: gather on demand -------------------------------------------------------
 
@@ -434,7 +450,7 @@ class ZeroOptimizer:
         """Gather bucket b's ranges in `dtype` (default: the compute dtype; the fp32 masters for state)."""
         bucket = self.buckets[b]
         dtype = dtype or self.compute_dtype or self.master[b].dtype
-        mine = self.master[b].detach().to(dtype)
+        mine = self._range_in(b, dtype)
         full = torch.empty(bucket["padded"], dtype=dtype, device=mine.device)
         if self.dp > 1:
             work = dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True)
@@ -442,6 +458,13 @@ class ZeroOptimizer:
             full.copy_(mine)
             work = None
         return work, full
+
+    def _range_in(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's range of bucket b on the device in `dtype`, as a gather sends it; under offload with a
+        compute dtype the device holds no fp32 range: the host's (runtime/parallel/offload.py)."""
+        if self.offload is not None and self.offload.stands_in:
+            return self.offload.range_in(b, dtype)
+        return self.master[b].detach().to(dtype)
 
     def _gathered(self, b: int) -> torch.Tensor:
         if b in self._prefetch:
@@ -568,6 +591,7 @@ class ZeroOptimizer:
                 if v.dim() == 0:
                     scalars[key] = v.detach().clone()
                     continue
+                v = v.to(self.master[b].device)  # offload: the host state, gathered where the group's collectives run
                 full = torch.empty(bucket["padded"], dtype=v.dtype, device=v.device)
                 if self.dp > 1:
                     dist.all_gather_into_tensor(full, v.detach().contiguous(), group=self.group)
@@ -594,8 +618,10 @@ class ZeroOptimizer:
             with torch.no_grad():
                 if self.stage < 3:
                     self.full[b].copy_(whole)  # fp32: the master is a range of it; bf16: the compute weights
-                if self.stage == 3 or self._low:
+                if (self.stage == 3 or self._low) and not (self.offload and self.offload.stands_in):
                     self.master[b].copy_(whole[lo:lo + n])
+                if self.offload:
+                    self.offload.load(b, whole[lo:lo + n])  # the host master (and what the device keeps of it)
             # sorted, never a set: the state's order is the order `full_optimizer_state` gathers in
             keys = sorted({k for sp in bucket["params"] for k in optim.get(sp["name"], {})})
             none = torch.zeros(())  # a parameter that never had a gradient has no state yet: Adam starts at 0
@@ -603,7 +629,8 @@ class ZeroOptimizer:
                              self.master[b])[lo:lo + n].clone() for k in keys}
             state.update({k: v.clone() for k, v in sorted(scalars.items())})
             if state:
-                self.pieces.set_state(self.optimizer, b, state)
+                host = self.pieces.master[b].device  # the optimizer's own tensors: on the host under offload
+                self.pieces.set_state(self.optimizer, b, {k: v.to(host) if v.dim() else v for k, v in state.items()})
 
     def backward_gathered_numel(self) -> int:
         """Padded numel of the buckets ZeRO-3 re-gathers in each backward."""
@@ -615,8 +642,11 @@ class ZeroOptimizer:
         program = [p.detach() for p in self.params.values()]
         # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
         params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
+        if self.offload is not None and self.offload.stands_in:  # the masters are stand-ins, not weights
+            params = self.offload.device_tensors() + (program if self.stage < 3 else [])
         grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + self.grad_acc
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        opt = [] if self.offload else opt  # offload: in host memory (`HostOptimizer.host_bytes`), none on the device
         return {"params": params, "grads": grads, "optimizer": opt, "stand_ins": program if self.stage == 3 else []}
 
 
@@ -633,13 +663,27 @@ def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_ele
     """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state.
 
     `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
-    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table)."""
+    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table).
+    Under offload (`table["offload"]`) the optimizer state is in host memory (`analytic_host_bytes`): 0 here;
+    with a compute dtype so are the fp32 masters (stage 3 keeps its range in the compute dtype)."""
     psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
     params = psi * elem // (n if s >= 3 else 1)
     if compute_elem is not None and s < 3:
         params = psi * compute_elem + psi * elem // n
+    if compute_elem is not None and table.get("offload"):  # the fp32 ranges live on the host; stage 3 keeps bf16
+        params = psi * compute_elem // (n if s >= 3 else 1)
     return {"params": params, "grads": psi * elem // (n if s >= 2 else 1),
-            "optimizer": adam_states * psi * elem // n}
+            "optimizer": 0 if table.get("offload") else adam_states * psi * elem // n}
+
+
+def analytic_host_bytes(table: dict, elem: int = 4, adam_states: int = 2) -> dict[str, int]:
+    """What ZeRO-Offload keeps in host memory per rank (runtime/parallel/offload.py): the fp32 master range,
+    the buffer its reduced gradient is copied into, and the optimizer state, Ψ'/N elements each; none without
+    offload."""
+    if not table.get("offload"):
+        return {"params": 0, "grads": 0, "optimizer": 0}
+    mine = _bucket_numel(table) * elem // shard_ranks(table)
+    return {"params": mine, "grads": mine, "optimizer": adam_states * mine}
 
 
 def analytic_comm_bytes(table: dict, accumulation: int = 1, elem: int = 4, backward_numel: int | None = None,
