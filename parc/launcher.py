@@ -63,6 +63,15 @@ def _plan_ranks(compiled: Path) -> tuple[int, bool]:
     return world, gpn is not None and world > gpn
 
 
+def _first_failure(failures: dict) -> tuple[int, object]:
+    """The rank whose failure stopped the job: one that exited by itself (code > 0) before any torchrun killed.
+    torchrun SIGTERMs the other ranks once one exits, and on a busy machine the killed ranks' failures can be
+    stamped earlier than the one that exited with the error; a signal is the first failure only when no rank
+    exited by itself (a rank killed from outside: the OOM killer, say)."""
+    own = {r: f for r, f in failures.items() if f.exitcode > 0}
+    return min((own or failures).items(), key=lambda kv: kv[1].timestamp)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(argv)
     world, over = _plan_ranks(args.compiled)
@@ -88,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(torchrun.parse_args(targv))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items(), key=lambda kv: kv[1].timestamp)  # the first to fail
+        rank, failure = _first_failure(e.failures)
         code = failure.exitcode
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         print(f"parc run: the job failed: rank {rank} stopped first ({why}); its error is printed above",

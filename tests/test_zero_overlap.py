@@ -17,6 +17,7 @@ are also held to the serial model at test_zero.py's tolerance.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -81,8 +82,17 @@ def _instrument(zero, events: list) -> None:
         events.append(("rs", b, sum(isinstance(w, tuple) for w in zero._works)))
 
     def logged_start(b, dtype=None):
-        # gathered buffers alive (weakly tracked), prefetches in flight, and the one starting now
-        alive = sum(not ref.expired() for ref in zero._live.values()) + len(zero._prefetch) + 1
+        # gathered buffers alive (weakly tracked), prefetches in flight, and the one starting now. gloo's worker
+        # thread lets go of a finished collective's buffers a moment after `wait()` (on a busy machine, long
+        # enough to count one more): the runtime is stopped in this hook, so only that thread can change the
+        # count while we wait for it to settle; a buffer the runtime holds stays counted.
+        def count():
+            return sum(not ref.expired() for ref in zero._live.values()) + len(zero._prefetch) + 1
+
+        alive, deadline = count(), time.monotonic() + 10
+        while alive > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            alive = count()
         events.append(("start_gather", b, alive))
         return launch_gather(b, dtype)
 
