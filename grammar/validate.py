@@ -336,6 +336,10 @@ def _check_loss_scaling(plan: Plan, out: _Report) -> None:
         out.error(f"precision initial_scale_power must be an integer 0..64, got {ls.initial_scale_power}",
                   out.at("precision.initial_scale_power"),
                   "the first scale is 2**initial_scale_power; DeepSpeed's default is 16 (65536)")
+    for key in ("loss_scale_window", "hysteresis"):
+        if getattr(ls, key) < 1:
+            out.error(f"precision {key} must be a positive integer, got {getattr(ls, key)}", out.at(f"precision.{key}"),
+                      f"DeepSpeed's default is {getattr(LossScaling(), key)}")
     if not ls.min_loss_scale > 0:
         out.error(f"precision min_loss_scale must be > 0, got {ls.min_loss_scale:g}", out.at("precision.min_loss_scale"),
                   "the scale is halved on overflow but never below it; DeepSpeed's default is 1")
