@@ -109,3 +109,22 @@ def test_a_static_scale_never_moves_and_unscaling_is_exact():
     scaled = g * scaler.loss_factor(1)
     scaler.unscale_([scaled])
     assert torch.equal(scaled, g)  # a power of two: no rounding either way
+
+
+@pytest.mark.parametrize("plan", ["mesh dp=2\nbatch global=8 micro=2\nzero stage=1\n",
+                                  "mesh dp=2\nbatch global=8 micro=2\nzero stage=3\n", "mesh pp=2\nbatch global=8 micro=2\n"])
+def test_report_prices_fp16_as_bf16(tmp_path, plan):
+    """fp16 is bf16's layout in another 16-bit dtype (same bytes, same tensor-core rate on the presets): `parc
+    report` gives the same memory, traffic and step time; its layout note names fp16 and the loss scaling."""
+    from parc.analysis import report
+
+    reps = {}
+    for p in ("bf16", "fp16"):
+        path = tmp_path / f"{p}.par"
+        path.write_text(plan + f"precision {p}\n")
+        reps[p] = report.build(model=GPT, plan=path)
+    bf16, fp16 = reps["bf16"], reps["fp16"]
+    assert fp16["memory"] == bf16["memory"] and fp16["communication"] == bf16["communication"]
+    assert fp16["utilization"] == bf16["utilization"]
+    note = next(n for n in fp16["notes"] if n.startswith("precision layout"))
+    assert "fp16 compute" in note and "dynamic loss scaling" in note
