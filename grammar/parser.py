@@ -41,8 +41,8 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span, source_lines
 from parc.grammar.plan import (
-    DEFAULT_ORDER, Batch, Cut, ExpertParallel, Mesh, Optimizer, Pipeline, Plan, Recompute, TensorParallel,
-    Topology, TPRule, Zero,
+    DEFAULT_ORDER, LOSS_SCALING_KEYS, Batch, Cut, ExpertParallel, LossScaling, Mesh, Optimizer, Pipeline, Plan,
+    Recompute, TensorParallel, Topology, TPRule, Zero,
 )
 from parc.grammar.validate import validate
 
@@ -414,7 +414,9 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},
     "zero": {"stage": _int("an integer 0..3"), "shard": _POSITIVE, "offload": _name},
     "recompute": {},
-    "precision": {"reduce": _name},
+    "precision": {"reduce": _name, "initial_scale_power": _int("an integer 0..64"),
+                  "loss_scale_window": _POSITIVE, "hysteresis": _POSITIVE, "min_loss_scale": _float,
+                  "loss_scale": _float},
     "compile": {},
     "optimizer": {"lr": _float, "betas": _betas, "eps": _float, "weight_decay": _float,
                   "clip": _float,
@@ -462,7 +464,8 @@ class _Builder:
                        "every plan states its mesh, e.g. `mesh dp=2`")
         plan = Plan(**{k: v for k, v in parts.items() if v is not None and k != "batch"},
                     batch=parts.get("batch"), file=self.file, source=self.text, spans=self.spans,
-                    grad_reduce=getattr(self, "grad_reduce", "fp32"))
+                    grad_reduce=getattr(self, "grad_reduce", "fp32"),
+                    loss_scaling=getattr(self, "loss_scaling", LossScaling()))
         return plan
 
     def _kwargs(self, stmt: _Stmt) -> dict[str, object]:
@@ -554,6 +557,8 @@ class _Builder:
         name, span = stmt.words[0]
         self.spans["precision"] = span
         self.grad_reduce = kw.get("reduce", "fp32")  # a Plan field of its own: `precision` stays a name
+        # fp16's scaler keys (validate refuses them under another precision, at the key)
+        self.loss_scaling = LossScaling(**{k: kw[k] for k in LOSS_SCALING_KEYS if k in kw})
         return name
 
     def _compile(self, stmt: _Stmt, kw: dict) -> str:

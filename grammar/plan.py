@@ -155,6 +155,22 @@ class Optimizer:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """`precision fp16`'s dynamic loss scaler (runtime/loss_scale.py), keys and defaults DeepSpeed's `fp16`
+    section's: the scale starts at 2**initial_scale_power, doubles after loss_scale_window steps without an
+    overflow, and halves (never below min_loss_scale) at the hysteresis-th overflow since the last change.
+    loss_scale > 0 fixes the scale (DeepSpeed's static scaling); overflowed steps are skipped either way."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    loss_scale: float = 0.0  # 0: dynamic
+
+
+LOSS_SCALING_KEYS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale")
+
+
+@dataclass(frozen=True)
 class Plan:
     mesh: Mesh = Mesh()
     batch: Batch | None = None
@@ -168,6 +184,7 @@ class Plan:
     expert_parallel: ExpertParallel = ExpertParallel()
     compile: str = "none"
     grad_reduce: str = "fp32"  # `precision bf16 reduce=…`: dtype of the dp gradient reduction (docs/precision.md)
+    loss_scaling: LossScaling = LossScaling()  # `precision fp16 initial_scale_power=… …` (docs/precision.md)
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)
     # Where each stated value came from, keyed "statement.key" ("mesh.tp", "batch.global",

@@ -18,7 +18,7 @@ an equal `Plan`, and equal plans print byte-identically (compiled/ hashes it).
 
 from __future__ import annotations
 
-from parc.grammar.plan import AXES, DEFAULT_ORDER, Optimizer, Plan, Topology
+from parc.grammar.plan import AXES, DEFAULT_ORDER, LOSS_SCALING_KEYS, LossScaling, Optimizer, Plan, Topology
 
 _UNITS = (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3))
 
@@ -50,12 +50,19 @@ def format_plan(plan: Plan) -> str:
         lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))
     if plan.precision != "fp32" or plan.grad_reduce != "fp32":
         reduce = f" reduce={plan.grad_reduce}" if plan.grad_reduce != "fp32" else ""
-        lines.append(f"precision {plan.precision}{reduce}")
+        lines.append(f"precision {plan.precision}{reduce}{_loss_scaling(plan.loss_scaling)}")
     if plan.optimizer != Optimizer():
         lines.append(_optimizer(plan.optimizer))
     if plan.compile != "none":
         lines.append(f"compile {plan.compile}")
     return "\n".join(lines) + "\n"
+
+
+def _loss_scaling(ls: LossScaling) -> str:
+    """fp16's scaler keys that differ from DeepSpeed's defaults."""
+    base = LossScaling()
+    return "".join(f" {k}={getattr(ls, k):g}" if isinstance(getattr(ls, k), float) else f" {k}={getattr(ls, k)}"
+                   for k in LOSS_SCALING_KEYS if getattr(ls, k) != getattr(base, k))
 
 
 def _quote(pattern: str) -> str:

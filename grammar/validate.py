@@ -26,7 +26,8 @@ import difflib
 from fnmatch import fnmatchcase
 
 from parc.errors import Diagnostic, PlanError, Span
-from parc.grammar.plan import AXES, COMPILE_MODES, PRECISIONS, REDUCE_DTYPES, SCHEDULES, Plan, TPRule
+from parc.grammar.plan import (AXES, COMPILE_MODES, LOSS_SCALING_KEYS, PRECISIONS, REDUCE_DTYPES, SCHEDULES, LossScaling,
+                               Plan, TPRule)
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAYS = ("constant", "linear", "cosine")  # the lr after warmup (runtime/schedule_lr.py)
@@ -340,6 +341,36 @@ def _check_zero_offload(plan: Plan, out: _Report) -> None:
                   "write zero stage=1, 2 or 3 with offload=, or drop offload=")
 
 
+def _check_loss_scaling(plan: Plan, out: _Report) -> None:
+    """fp16's scaler keys (runtime/loss_scale.py): only under fp16, each in its range, at its token."""
+    ls, base = plan.loss_scaling, LossScaling()
+    if plan.precision != "fp16":
+        for key in LOSS_SCALING_KEYS:
+            if getattr(ls, key) != getattr(base, key) or f"precision.{key}" in plan.spans:
+                out.error(f"precision {plan.precision} {key}=: loss scaling is fp16's (fp32 and bf16 have fp32's "
+                          f"exponent range and scale nothing)", out.at(f"precision.{key}"),
+                          "write `precision fp16`, or drop the key")
+        return
+    if not 0 <= ls.initial_scale_power <= 64:
+        out.error(f"precision initial_scale_power must be an integer 0..64, got {ls.initial_scale_power}",
+                  out.at("precision.initial_scale_power"),
+                  "the first scale is 2**initial_scale_power; DeepSpeed's default is 16 (65536)")
+    for key in ("loss_scale_window", "hysteresis"):
+        if getattr(ls, key) < 1:
+            out.error(f"precision {key} must be a positive integer, got {getattr(ls, key)}", out.at(f"precision.{key}"),
+                      f"DeepSpeed's default is {getattr(LossScaling(), key)}")
+    if not ls.min_loss_scale > 0:
+        out.error(f"precision min_loss_scale must be > 0, got {ls.min_loss_scale:g}", out.at("precision.min_loss_scale"),
+                  "the scale is halved on overflow but never below it; DeepSpeed's default is 1")
+    elif ls.loss_scale == 0 and ls.min_loss_scale > 2.0 ** ls.initial_scale_power:
+        out.error(f"precision min_loss_scale {ls.min_loss_scale:g} is above the first scale "
+                  f"2**{ls.initial_scale_power}", out.at("precision.min_loss_scale"),
+                  "lower min_loss_scale or raise initial_scale_power")
+    if ls.loss_scale < 0 or ls.loss_scale > 2.0 ** 64:
+        out.error(f"precision loss_scale must be 0 (dynamic) or a static scale in (0, 2**64], got {ls.loss_scale:g}",
+                  out.at("precision.loss_scale"), "0 lets the scale move (DeepSpeed's default)")
+
+
 def _check_rest(plan: Plan, out: _Report) -> None:
     if plan.zero.stage not in (0, 1, 2, 3) or isinstance(plan.zero.stage, bool):
         out.error(f"zero stage must be 0, 1, 2 or 3, got {plan.zero.stage}", out.at("zero.stage", plan.zero),
@@ -364,6 +395,7 @@ def _check_rest(plan: Plan, out: _Report) -> None:
     elif plan.grad_reduce == "bf16" and plan.precision != "bf16":
         out.error(f"precision {plan.precision} reduce=bf16: a bf16 gradient reduction needs bf16 compute",
                   out.at("precision.reduce"), "write `precision bf16 reduce=bf16`, or drop reduce=")
+    _check_loss_scaling(plan, out)
     opt = plan.optimizer
     if opt.name not in OPTIMIZERS:
         out.error(f"unknown optimizer `{opt.name}`", out.at("optimizer.name", opt), _one_of(opt.name, OPTIMIZERS))

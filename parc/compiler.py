@@ -10,6 +10,7 @@ the passes once per program — one program per distinct (pipeline stage, tp ran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import time
@@ -57,6 +58,8 @@ def _plan_summary(plan: Plan) -> dict:
         "precision": plan.precision,
         "compile": plan.compile,
         "grad_reduce": plan.grad_reduce,  # `precision bf16 reduce=…` (runtime/precision.py reduce_dtype)
+        # `precision fp16`'s scaler keys (runtime/loss_scale.py); absent under fp32 and bf16
+        **({"loss_scaling": dataclasses.asdict(plan.loss_scaling)} if plan.precision == "fp16" else {}),
         "optimizer": {"name": opt.name, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
                       "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip,
                       "warmup": opt.warmup, "decay": opt.decay, "decay_steps": opt.decay_steps,
@@ -155,7 +158,7 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     model_file = Path(model_file)
     artifact.check_output(Path(out_dir), force)
     validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
-    precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
+    precision.check_supported(plan)  # refused before the trace: fp16 with expert parallelism
     support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
     if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
         raise PlanError(diagnostics=[unknown])

@@ -20,6 +20,7 @@ What maps to what:
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
+| fp16.loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale | precision fp16 with the same keys (`_loss_scaling`) |
 | scheduler WarmupLR / WarmupDecayLR / WarmupCosineLR | optimizer warmup= decay= decay_steps= min_lr= (`_scheduler`) |
 
 dp is derived: world / (tp × pp) when the world size is known, else
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parc.errors import ParcError, PlanError
+from parc.grammar.plan import LOSS_SCALING_KEYS, LossScaling
 from parc.grammar.plan import Optimizer as OptimizerDefaults
 
 # (dotted DeepSpeed key, ...) → our meaning. Several spellings exist in the wild.
@@ -56,7 +58,8 @@ OPT_PARAMS = ("lr", "betas", "eps", "weight_decay")
 # sub-keys whose only effect is speed or memory placement in DeepSpeed's own engine
 WHY = {
     "zero_optimization": "a DeepSpeed engine tuning knob; parc's ZeRO has no such setting",
-    "fp16": "parc does not implement fp16 loss scaling yet (`precision fp16` is refused by parc check)",
+    "fp16": "parc's fp16 loss scaler takes loss_scale, initial_scale_power, loss_scale_window, hysteresis and "
+            "min_loss_scale only (docs/precision.md)",
     "optimizer": "parc's optimizers take lr, betas, eps, weight_decay only",
     "pipeline": "DeepSpeed pipeline-engine setting; parc places cuts itself (pipeline stages=auto)",
     "tensor_parallel": "DeepSpeed AutoTP setting",
@@ -71,6 +74,8 @@ WHY_PREFIX = {
                                                   "(`offload=cpu`), and only with zero stage 1–3",
     "zero_optimization.offload_optimizer.pin_memory": "parc pins its host buffers whenever CUDA is present "
                                                       "(runtime/parallel/offload.py); no setting",
+    "fp16.consecutive_hysteresis": "parc's hysteresis is refilled only when the scale grows (DeepSpeed's default, "
+                                   "consecutive_hysteresis false), not after every clean step",
     "zero_optimization.offload_param": "parc has no parameter offload: parameters stay on the device",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ keeps a per-node copy of the weights for the gathers; "
                                                  "parc has no such copy (its HSDP, `zero shard=`, is MiCS's "
@@ -325,7 +330,27 @@ def _precision(r: _Reader, autos: list[str]) -> list[str]:
         return [_auto_comment(auto[0]), f"precision {AUTO}"]
     if bf16 and fp16:
         raise ParcError("DeepSpeed config enables both bf16 and fp16", hint="enable one of them")
-    return ["precision bf16"] if bf16 else ["precision fp16"] if fp16 else []
+    return ["precision bf16"] if bf16 else [f"precision fp16{_loss_scaling(r)}"] if fp16 else []
+
+
+def _loss_scaling(r: _Reader) -> str:
+    """fp16's scaler keys, which parc names as DeepSpeed does (runtime/loss_scale.py), where they differ from the
+    defaults (DeepSpeed's too). A value that is not a number ("auto") is left untranslated; one out of range is
+    written as it is, and the plan's own check points at it."""
+    out, base = [], LossScaling()
+    key, consecutive = r.take("fp16.consecutive_hysteresis")
+    if consecutive is not False and key is not None:  # false (the default) is parc's rule; true is not
+        r.used.remove(key)
+    for k in LOSS_SCALING_KEYS:
+        key, v = r.take(f"fp16.{k}")
+        if key is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            r.used.remove(key)
+            continue
+        if v != getattr(base, k):
+            out.append(f" {k}={v}" if isinstance(v, int) else f" {k}={v:g}")
+    return "".join(out)
 
 
 def _optimizer(r: _Reader, notes: list[str], autos: list[str]) -> list[str]:

@@ -10,6 +10,8 @@ stop (default): no host sync is added per step. Each step's loss and gradient no
   point. Detection therefore lags by up to --log-every steps of wasted compute, never by a checkpoint:
   `checkpoint.save` also refuses any non-finite parameter or optimizer value, which catches a gradient
   gone non-finite under a finite loss when the plan has no `clip=` (then no norm is computed).
+fp16 (runtime/loss_scale.py) skips every overflowed step in either mode, as DeepSpeed does: its flag is the
+  one below, and `check` counts and announces those steps as skipped, not diverged.
 skip: `Trainer.step` decides on the device, from one scalar all-reduce per mesh axis
   (`grad_norm.nonfinite`): if any rank's loss or any gradient element is nan/inf, the optimizer step
   leaves the parameters and optimizer state (Adam's moments and step count) as they were, as large runs
@@ -67,8 +69,11 @@ class Guard:
             if skip:
                 self.skipped += 1
                 if self.lead:
-                    print(f"parc.run: step {step} skipped: its loss or a gradient is nan/inf (--on-nonfinite skip); "
-                          f"parameters and optimizer state unchanged", file=sys.stderr, flush=True)
+                    why = ("a gradient overflowed fp16 under the loss scale, which is lowered (runtime/loss_scale.py)"
+                           if getattr(self.trainer, "scaler", None) else
+                           "its loss or a gradient is nan/inf (--on-nonfinite skip)")
+                    print(f"parc.run: step {step} skipped: {why}; parameters and optimizer state unchanged",
+                          file=sys.stderr, flush=True)
             if skip or (math.isfinite(loss) and (value is None or math.isfinite(value))):
                 continue
             what = f"loss {loss}" + (f", gradient norm {value}" if value is not None else "")

@@ -32,8 +32,13 @@
     bf16-cast master ranges after each update; their bf16 gradients are summed
     into fp32 accumulators. Stage 3's gather casts the rank's fp32 range to bf16
     and gathers bf16.
-- fp16: refused at compile time (`check_supported`): fp16 needs dynamic loss
-  scaling, which parc does not implement; silently training in fp32 would lie.
+- fp16: bf16's layout with float16 in place of bfloat16 everywhere above (compute
+  copies, ZeRO's flat buffers and gathers, pipeline boundaries, autocast), plus
+  DeepSpeed's dynamic loss scaler (runtime/loss_scale.py): the loss is scaled
+  before backward, the fp32 master gradients unscaled before clipping, and a step
+  whose gradients overflowed is skipped, decided on the device. `reduce=` stays
+  fp32 (validate refuses reduce=bf16 under fp16). `check_supported` refuses fp16
+  with expert parallelism, which no test holds to the serial run yet.
 
 The serial reference (runtime/serial_reference.py) applies the same layout, so --verify
 compares bf16 with bf16.
@@ -48,17 +53,17 @@ import torch
 
 from parc.errors import ParcError
 
-# Only these run; fp16 is parsed (the language names it) but refused below.
-SUPPORTED = ("fp32", "bf16")
-_DTYPES = {"bf16": torch.bfloat16}
+SUPPORTED = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_supported(plan) -> None:
-    """Compile-time refusal of a precision the runtime cannot honour (`plan` is a parc.grammar.plan.Plan)."""
-    if plan.precision == "fp16":
-        raise ParcError("precision fp16 needs dynamic loss scaling (fp16's 5 exponent bits underflow small "
-                        "gradients), which parc does not implement", plan.spans.get("precision"),
-                        hint="use `precision bf16`: same 16-bit compute, fp32's exponent range, no loss scaling")
+    """Compile-time refusal of a precision the runtime cannot honour (`plan` is a parc.grammar.plan.Plan):
+    fp16 under expert parallelism, whose loss-scaled expert gradients no test holds to the serial run."""
+    if plan.precision == "fp16" and plan.expert_parallel.patterns:
+        raise ParcError("precision fp16 with expert_parallel is not implemented: no test holds its loss-scaled "
+                        "expert gradients to the serial run", plan.spans.get("precision"),
+                        hint="use `precision bf16` with expert_parallel")
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -81,7 +86,7 @@ def autocast(precision: str, device) -> contextlib.AbstractContextManager:
 class StepCasts:
     """The bf16 compute copy of each fp32 master (see the module docstring); empty under fp32."""
 
-    def __init__(self, tensors, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, tensors, dtype: torch.dtype):
         self._masters = list(tensors)
         self._ids = {id(t) for t in self._masters}
         self._dtype = dtype

@@ -32,7 +32,7 @@ from parc.runtime.memory import ActivationProbe
 from parc.runtime.parallel.zero import ZeroOptimizer, shard_ranks
 from parc.runtime.checkpoint.state import load_state, unshard
 from parc.runtime.checkpoint.init_shards import own_init
-from parc.runtime import compiled, dropout, precision
+from parc.runtime import compiled, dropout, loss_scale, precision
 from parc.runtime.parallel import grad_norm, ops, tensor_parallel
 from parc.runtime import data, param_groups, schedule_lr
 from parc.runtime.parallel import expert_parallel
@@ -133,8 +133,10 @@ class Trainer:
         # flat buffer beside their fp32 master ranges; no whole fp32 weight is left to copy
         zeroed = bool(self.entry.get("zero"))
         self.casts = precision.StepCasts(  # bf16: each fp32 master's compute copy, made once per step
-            [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zeroed else [])
+            [t for t in self.state if t.requires_grad and t.is_floating_point()] if low and not zeroed else [],
+            low or torch.bfloat16)
         self.forward = precision.wrap(self.forward, plan["plan"]["precision"], ctx.device, self.casts)
+        self.scaler = loss_scale.for_plan(plan["plan"], ctx.device)  # fp16's loss scale (runtime/loss_scale.py)
         self.params = {e["name"]: t for e, t in zip(self.entry["state"], self.state) if t.requires_grad}
         ops.bind_groups(ctx)  # programs name mesh axes ("tp"); runtime/parallel/ops.py resolves them to groups
         self.tp_partial = [self.params[n] for n in self.entry.get("tp_partial_grads", []) if n in self.params]
@@ -259,6 +261,8 @@ class Trainer:
             self.probe.ignore([*(t for mb in micro_batches for t in mb), *self.casts.copies()])
         with self.zero.active() if self.zero else contextlib.nullcontext():
             if self.pipeline is not None:
+                if self.scaler:  # fp16: the last stage's backward starts from loss · S / accumulation
+                    self.pipeline.scale = self.scaler.loss_factor(self.accumulation)
                 total = self.pipeline.run(micro_batches, self)
             else:
                 # the sum of the micro-batch losses; with one micro-batch its loss itself, and no division
@@ -271,17 +275,20 @@ class Trainer:
                             (loss,) = self.forward(*self.state, *mb)
                         if self.probe:
                             self.probe.sample([loss])
-                        (loss / self.accumulation if self.accumulation > 1 else loss).backward()
+                        self._backward(loss)
                     total = loss.detach() if total is None else total + loss.detach()
             self.buckets.finish()
         self._complete_grads()
+        updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
+        updated = [g for g in updated if g is not None]  # what the optimizer reads: the fp32 master gradients
+        if self.scaler:  # fp16: unscaled before anything reads them (--verify's observer, the norm, the step)
+            self.scaler.unscale_(updated)
         if self.grad_observer is not None:
             observe, self.grad_observer = self.grad_observer, None
             observe(self)
         found = None
-        if skip_nonfinite:  # a device flag: the optimizer leaves params and state unchanged where it is set
-            updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
-            found = grad_norm.nonfinite(total, [g for g in updated if g is not None], self.ctx)
+        if skip_nonfinite or self.scaler:  # a device flag: the optimizer leaves params and state as they were
+            found = grad_norm.nonfinite(total, updated, self.ctx)  # where it is set (fp16: an overflow)
         norm = None
         if self.opt_cfg["grad_clip"] is not None:
             norm = self.clip(self.opt_cfg["grad_clip"])  # a tensor: reading it would sync the device
@@ -293,10 +300,20 @@ class Trainer:
             self.zero.step(found)
         else:
             step_unless(self.optimizer, found)
+        if self.scaler:
+            self.scaler.update(found)  # on the device: every rank holds the same flag, so the same scale
         self.buckets.zero()
         mean = total / self.accumulation if self.accumulation > 1 else total
         return StepResult(mean, time.perf_counter() - t0, norm,
                           skipped=found if found is not None else False, lr=lr)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled by 1/accumulation (not divided by 1: the same bits, two ops
+        fewer), and under fp16 by the loss scale as well (runtime/loss_scale.py)."""
+        if self.scaler:
+            (loss * self.scaler.loss_factor(self.accumulation)).backward()
+        else:
+            (loss / self.accumulation if self.accumulation > 1 else loss).backward()
 
     def _complete_grads(self) -> None:
         """The sums a gradient still lacks after the dp sync: sequence-parallel partials over tp, tied

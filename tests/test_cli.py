@@ -82,9 +82,11 @@ def test_plan_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_check_reports_what_compile_would_refuse(tmp_path):
-    """`parc check` lists the runtime's refusals (parc/analysis/support.py, fp16) with the plan's other errors."""
+    """`parc check` lists the runtime's refusals (parc/analysis/support.py, fp16 under expert parallelism) with the
+    plan's other errors."""
     plan = tmp_path / "refused.par"
-    plan.write_text('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n')
+    plan.write_text('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n'
+                    'expert_parallel {\n    "blocks.*.moe.experts"\n}\n')
     r = _run([sys.executable, "-m", "parc.cli", "check", str(plan)], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "refused.par:4:11: error: recompute with zero stage=3" in r.stderr

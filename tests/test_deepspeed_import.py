@@ -221,17 +221,12 @@ CORPUS_FLAGS = {  # the numbers an HF Trainer launch would have filled in for th
 def test_corpus_imports_checks_and_compiles(tmp_path, capsys, name):
     """Configs in the shapes found in public repositories (HF Trainer ZeRO-2/3 with "auto", ZeRO-Offload,
     Megatron-DeepSpeed fp16, ZeRO++), written for this test: each is imported at --world-size 8 and compiled
-    on examples/gpt.py, or refused at a located line for what parc lacks (fp16 loss scaling)."""
+    on examples/gpt.py (fp16 with its loss-scaling keys: runtime/loss_scale.py)."""
     out = tmp_path / "p.par"
     rc = main(["import-deepspeed", str(CORPUS / name), "--world-size", "8", "-o", str(out),
                *CORPUS_FLAGS.get(name, [])])
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
-    if json.loads((CORPUS / name).read_text()).get("fp16", {}).get("enabled") is True:
-        assert rc == 0  # imported; parc check then refuses fp16 at its line
-        assert main(["check", str(out)]) != 0
-        assert "loss scaling" in capsys.readouterr().err
-        return
     assert rc == 0, captured.err
     assert main(["compile", str(ROOT / "examples" / "gpt.py"), "--plan", str(out), "-o", str(tmp_path / "c")]) == 0
 
@@ -256,3 +251,21 @@ def test_mics_shard_size_is_hsdp(tmp_path):
               "zero_optimization": {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": False}}
     plan = write_plan(translate(config, world_size=8), tmp_path / "p.par")
     assert (plan.zero.stage, plan.zero.shard) == (3, 4)
+
+
+def test_fp16_loss_scaling_keys_map_onto_the_plan(tmp_path):
+    """DeepSpeed's fp16 scaler keys are parc's (runtime/loss_scale.py): the Megatron-DeepSpeed config's become
+    the plan's; a value that is not a number, and consecutive_hysteresis true (not parc's rule), stay
+    untranslated with a reason."""
+    config = json.loads((CORPUS / "megatron_deepspeed_fp16.json").read_text())
+    imp = translate(config, world_size=8)
+    ls = write_plan(imp, tmp_path / "p.par").loss_scaling
+    assert (ls.initial_scale_power, ls.loss_scale_window, ls.hysteresis, ls.min_loss_scale, ls.loss_scale) == \
+        (12, 500, 2, 1.0, 0.0)
+    assert not [k for k, _ in imp.untranslated if k.startswith("fp16")]
+    config["fp16"].update(hysteresis="auto", consecutive_hysteresis=True)
+    imp = translate(config, world_size=8)
+    why = dict(imp.untranslated)
+    assert set(k for k in why if k.startswith("fp16")) == {"fp16.hysteresis", "fp16.consecutive_hysteresis"}
+    assert "refilled only when the scale grows" in why["fp16.consecutive_hysteresis"]
+    assert write_plan(imp, tmp_path / "q.par").loss_scaling.hysteresis == 2  # DeepSpeed's default, and parc's

@@ -15,7 +15,7 @@ uninterrupted run saves after steps 2, 4 and 6; the interrupted one takes its st
 comparison is of every tensor the checkpoints hold (parameters, optimizer state, step, each rank's RNG)
 with `torch.equal`, and of their parc.json.
 
-All seven plans run in each world one after another (every plan has 2 ranks), so the test starts three
+All eight plans run in each world one after another (every plan has 2 ranks), so the test starts three
 worlds, not one per plan and leg: process start-up is most of the time on a small box.
 """
 
@@ -43,6 +43,9 @@ PLANS = {
     # gathers the fp32 ranges, and a resume refreshes the bf16 buffer from the loaded masters
     "zero1_bf16": "mesh dp=2\nzero stage=1\nprecision bf16\n",
     "zero2_bf16": "mesh dp=2\nzero stage=2\nprecision bf16 reduce=bf16\n",
+    # fp16 (runtime/loss_scale.py): the checkpoint holds the loss scaler too; from 2**20 this model overflows
+    # at steps 0-1 and the scale has moved by each save, so a resume that restarted the scaler would differ
+    "zero2_fp16": "mesh dp=2\nzero stage=2\nprecision fp16 initial_scale_power=20 loss_scale_window=2\n",
 }
 # micro=1: two micro-batches per step on dp=2 (ZeRO-2/3 reduce in each), four on pp=2
 COMMON = "batch global=4 micro=1\noptimizer adamw lr=1e-2 clip=1.0\n"
@@ -92,5 +95,7 @@ def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, se
         held = checkpoint.read(whole / name / "step_2")
         assert {v.dtype for k, v in held.items() if k.startswith(("model.", "optim."))} >= {torch.float32}
         assert torch.bfloat16 not in {v.dtype for v in held.values()}, name  # the masters, not the bf16 copies
+    for s in (2, 4):  # the scaler is saved, and had moved: a resume that lost it would differ
+        assert checkpoint.read(whole / "zero2_fp16" / f"step_{s}")["scaler.scale"].item() < 2.0 ** 20
     for name in PLANS:
         assert checkpoint.resolve(cut / name).name == f"step_{STEPS}"

@@ -322,11 +322,12 @@ def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int, int
     """(fp32 masters, compute copy, grads, optimizer state) bytes per parameter, as parc's runtime holds them.
 
     bf16 (runtime/precision.py): fp32 masters (4) and a bf16 compute copy (2) made
-    each step; gradients accumulate in fp32 (4); Adam's moments are fp32 (8). fp32:
-    the parameters are their own compute copy. docs/design.md has the table.
+    each step; gradients accumulate in fp32 (4); Adam's moments are fp32 (8). fp16 is
+    the same layout with fp16 copies (its loss scale is three scalars). fp32: the
+    parameters are their own compute copy. docs/design.md has the table.
     """
     moments = {"adamw": 8, "adam": 8, "sgd": 0}.get(optimizer, 8)
-    return 4, 2 if precision == "bf16" else 0, 4, moments
+    return 4, 2 if precision in ("bf16", "fp16") else 0, 4, moments
 
 
 def _ring_fraction(ranks: list[int], per_node: int) -> float:
@@ -638,8 +639,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                      + (" and 2 gathered layers (the one computing, the one prefetched)" if z == 3 else "")
                      + ", each bucket at the largest layer's size")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
-    if cb and 1 <= z <= 2:  # the whole bf16 copy is ZeRO's flat buffer; the fp32 masters are sharded
-        layout += f"; ZeRO-{z} keeps the whole bf16 copy and 1/{k} of the fp32 masters, gathering bf16"
+    if plan.precision == "fp16":
+        layout += ", dynamic loss scaling (runtime/loss_scale.py)"
+    if cb and 1 <= z <= 2:  # the whole 16-bit copy is ZeRO's flat buffer; the fp32 masters are sharded
+        layout += f"; ZeRO-{z} keeps the whole {plan.precision} copy and 1/{k} of the fp32 masters, gathering {plan.precision}"
     if k < dp:
         notes.append(f"HSDP: ZeRO-{z}'s state is cut over shard groups of {k} dp ranks and replicated over "
                      f"{dp // k}; reduce-scatters and all-gathers stay in the shard group, and one all-reduce a step "

@@ -21,7 +21,8 @@ holders have the key), Shard(0) over the edp·tp ranks holding it, after gatheri
 ranges over edp; so an ep checkpoint is read by any plan, ep or not (tests/test_moe_checkpoint.py).
 Scalars (`optim.step`, the data
 position `meta.step`) are replicated; each rank's CPU RNG state is
-`rng.rank<r>`, restored only when the world size is unchanged. Every
+`rng.rank<r>`, restored only when the world size is unchanged; fp16's loss scaler is
+`scaler.<key>` (runtime/loss_scale.py), replicated. Every
 collective walks names and optimizer keys in plan or sorted order, never a
 set's: a set of strings iterates in an order PYTHONHASHSEED picks per process
 (tests/test_resume_exact.py).
@@ -205,6 +206,8 @@ def _state_dict(trainer, step: int, final: Path) -> tuple[dict, dict]:
     sd.update({f"optim.{k}": v for k, v in scalars.items()})
     sd["meta.step"] = torch.tensor(step, dtype=torch.int64)
     sd[f"rng.rank{ctx.rank}"] = torch.get_rng_state()
+    if trainer.scaler:  # fp16's loss scale, hysteresis and clean-step count: equal on every rank (runtime/loss_scale.py)
+        sd.update({f"scaler.{k}": v for k, v in trainer.scaler.state_dict().items()})
     info = None
     if ctx.rank == 0:
         state_keys = sorted({k for per in optim.values() for k in per})
@@ -517,6 +520,8 @@ def resume(trainer, path: str | Path, what: str = "--resume", sums: bool = True)
                                                   **{k: v.clone() for k, v in sorted(optim[n].items())}}
     if f"rng.rank{ctx.rank}" in sd:
         torch.set_rng_state(sd[f"rng.rank{ctx.rank}"])
+    if trainer.scaler and "scaler.scale" in sd:  # fp16: the scale goes on as the saved run's (else it starts anew)
+        trainer.scaler.load_state_dict({k.removeprefix("scaler."): v for k, v in sd.items() if k.startswith("scaler.")})
     trainer.resumed_step = int(sd["meta.step"])
     data = info.get("data", {})  # the sample stream continues where the checkpoint's run stopped (runtime/data.py)
     trainer.data.seek(trainer.resumed_step,
