@@ -29,6 +29,7 @@ PLANS = {
     "zero1": ("mesh dp=2\n", "zero stage=1\n"),   # fp32 master ranges beside an fp16 flat buffer
     "zero2": ("mesh dp=2\n", "zero stage=2\n"),
     "zero3": ("mesh dp=2\n", "zero stage=3\n"),   # fp16 gathers of fp32 ranges
+    "zero2_offload": ("mesh dp=2\n", "zero stage=2 offload=cpu\n"),  # unscaled grads down, skipped on the host
     "pp_1f1b": ("mesh pp=2\n", "pipeline schedule=1f1b\n"),  # the scale reaches the last stage's backward
     "tp_sp": ("mesh tp=2\n", gpt_tp_rules(sequence_parallel=True)),
 }
