@@ -237,7 +237,9 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         "costs": {"param_count": traced.param_count,
                   "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),
                   # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/analysis/cost.py)
-                  "graph": cost.graph_stats(traced, plan)},
+                  "graph": cost.graph_stats(traced, plan),
+                  # a plan naming a preset file: its figures travel with the artifact (`parc report compiled/`)
+                  **_preset_file(plan)},
     }
     if m.ep > 1:  # expert parallelism: ep and edp groups, each rank's ep coordinate
         ep_groups = meshlib.expert_groups(m)
@@ -295,6 +297,19 @@ def _input_entry(i, bounds: dict) -> dict:
     if i.name in bounds:
         entry.update(below=bounds[i.name][0], below_what=bounds[i.name][1])
     return entry
+
+
+def _preset_file(plan) -> dict:
+    """{"preset_file": the preset file's fields} when the plan's topology names a `parc calibrate` file (read
+    relative to the plan's directory), so that the compiled/ directory is priced alike wherever it moves."""
+    from dataclasses import fields
+
+    from parc.analysis.preset_file import is_file, read_preset, resolve
+
+    name = resolve(plan.topology.preset, plan.file)
+    if name is None or not is_file(name):
+        return {}
+    return {"preset_file": read_preset(name, {f.name for f in fields(cost.Hardware)})}
 
 
 def _tokens_per_sample(traced: Traced) -> int:

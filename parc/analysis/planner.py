@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parc.analysis import compute, cost, plan_experts
+from parc.analysis.preset_file import is_file
 from parc.analysis.schedules import Schedules
 from parc.analysis.report import _size
 from parc.errors import ParcError
@@ -324,6 +326,7 @@ class Result:
     hw: cost.Hardware
     layout: TPLayout
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # said first: what makes every figure doubtful
 
     @property
     def winner(self) -> Candidate:
@@ -544,9 +547,13 @@ class _Search:
         return done
 
 
-def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h100", global_batch: int,
+def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | None = "h100", global_batch: int,
            top: int = 5, precision: str = "bf16") -> Result:
-    """Every candidate plan for `model` on `gpus`, ranked by the cost model's step time."""
+    """Every candidate plan for `model` on `gpus`, ranked by the cost model's step time. `preset` None: an
+    H100, said loudly in the result's warnings (`parc plan` without --preset)."""
+    from parc.analysis.preset_file import implausible
+    from parc.analysis.report import assumed_hardware
+
     from parc.passes.pipeline_split import _layer_prefix
     from parc.trace import load_user_module, trace
 
@@ -554,6 +561,9 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     if top < 1:
         raise ParcError(f"--top {top}: need at least 1 plan to print")
     hw = cost.hardware(preset)
+    warnings = assumed_hardware(preset, hw) + implausible(hw)
+    if preset is None and warnings:
+        warnings[0] += f"; the plans are {precision} (--precision)"
     nodes = _check_inputs(gpus, nodes, global_batch, hw)
     topo = Topology(nodes=nodes, gpus_per_node=gpus // nodes, preset=preset)
     hw = cost.hardware(preset, topo)
@@ -591,8 +601,11 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
         dropped.append(ranked.pop(0))
     if layout.why_not:
         notes.append(f"no tensor parallelism: {layout.why_not}")
+    if ranked and ranked[0].est.mfu > 1:
+        from parc.analysis.report import mfu_warning
+        warnings.append(mfu_warning(ranked[0].est))
     return Result(ranked, dropped, len(plans) + early, time.perf_counter() - t0, time.process_time() - c0, hw,
-                  layout, notes)
+                  layout, notes, warnings)
 
 
 def _pass_refusal(traced, plan: Plan) -> str | None:
@@ -624,27 +637,40 @@ def why_loses(c: Candidate, w: Candidate) -> str:
     return "; ".join(out)
 
 
-def plan_text(result: Result, command: str) -> str:
+def plan_text(result: Result, command: str, out: Path | None = None) -> str:
+    """The winner as a .par, headed by how it was found and what it is predicted to do. A preset file is
+    named relative to `out`'s directory, where the written plan reads it from (preset_file.resolve)."""
     from parc.grammar.printer import format_plan
 
     w = result.winner
     e = w.est
+    plan = w.plan
+    if out is not None and plan.topology.preset is not None and is_file(plan.topology.preset):
+        rel = os.path.relpath(Path(plan.topology.preset).resolve(), Path(out).resolve().parent)
+        plan = replace(plan, topology=replace(plan.topology, preset=Path(rel).as_posix()))
     head = (f"# written by: {command}\n"
             f"# predicted on {result.hw.name}: {e.step_seconds:.4g} s per step, MFU {e.mfu:.1%}, "
             f"bubble {e.bubble:.1%}, {_size(w.peak)} on the fullest rank\n")
-    return head + format_plan(w.plan)
+    return head + format_plan(plan)
 
 
 def write(result: Result, out: Path, command: str, force: bool = False) -> None:
-    """Write the winner to `out`; refuse to replace an existing file unless `force`."""
-    from parc.grammar.parser import load_plan
+    """Write the winner to `out`; refuse to replace an existing file unless `force`. The text is parsed as
+    `out` before it is written (a preset file found from there), so a plan that would not read back is
+    refused, located, without leaving a file."""
+    from parc.analysis.review import preset_error
+    from parc.errors import PlanError
+    from parc.grammar.parser import parse
 
     out = Path(out)
     if out.exists() and not force:
         raise ParcError(f"{out} exists: parc plan does not overwrite a file unless told to",
                         hint=f"pass --force to replace it, or choose another -o than {out}")
-    out.write_text(plan_text(result, command), encoding="utf-8")
-    load_plan(out)  # the written file parses back (a located error if it did not)
+    text = plan_text(result, command, out)
+    plan = parse(text, file=str(out))
+    if (bad := preset_error(plan)) is not None:
+        raise PlanError(diagnostics=[bad])
+    out.write_text(text, encoding="utf-8")
 
 
 def _kinds(dropped: list[Candidate]) -> list[tuple[str, int, Candidate]]:
@@ -667,7 +693,8 @@ def _row(i: int, c: Candidate, w: Candidate) -> dict:
 def summary(result: Result, top: int) -> list[str]:
     hw, w = result.hw, result.ranked[0] if result.ranked else None
     n_drop = len(result.dropped)
-    lines = [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
+    lines = [f"warning: {w}" for w in result.warnings]
+    lines += [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
              f"CPU, tracing included) for {hw.name} × "
              f"{hw.gpus_per_node} per node: {len(result.ranked)} fit and were ranked, {n_drop} dropped"]
     kinds = _kinds(result.dropped)
@@ -706,6 +733,7 @@ def to_json(result: Result, top: int) -> str:
         "hardware": result.hw.name,
         "tp_rules": [{"pattern": r.pattern, "style": r.style} for r in result.layout.rules],
         "notes": result.notes,
+        "warnings": result.warnings,
         "ranked": [_row(i, c, w) for i, c in enumerate(result.ranked[:top], 1)],
         "winner_plan": plan_text(result, "parc plan").split("\n", 2)[2] if w else None,
         "dropped": [{"plan": c.describe() if c.plan.batch else _mesh(c), "reason": c.reason}
