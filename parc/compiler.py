@@ -144,6 +144,31 @@ def _tied(programs: dict, pp: int) -> list[dict]:
     return tied
 
 
+def plan_checks(plan: Plan, num_layers: int | None = None) -> list:
+    """The checks `parc compile` runs on the plan alone, before tracing, in its order; each raises a ParcError
+    with its diagnostics. `plan_refusals` (parc report, parc plan) runs the same ones, so what they call
+    refused is what compile refuses."""
+    def preset() -> None:  # parc report would fail on it later, unlocated
+        if (unknown := review.preset_error(plan)) is not None:
+            raise PlanError(diagnostics=[unknown])
+
+    return [lambda: validate(plan, num_layers=num_layers),  # sizes past parc's limits, before work scales
+            lambda: precision.check_supported(plan),  # fp16: no loss scaling in the runtime
+            lambda: support.check(plan),  # what the runtime does not implement (the plan alone says)
+            preset]
+
+
+def plan_refusals(plan: Plan, num_layers: int | None = None) -> list[Diagnostic]:
+    """Every error of `plan_checks`, collected rather than raised: [] when compile would go on to trace."""
+    out: list[Diagnostic] = []
+    for check in plan_checks(plan, num_layers):
+        try:
+            check()
+        except ParcError as e:
+            out += [d for d in e.diagnostics if d.severity == "error"]
+    return out
+
+
 def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
                   exact_trace: bool = False, force: bool = False, grad_probe: bool = False,
                   max_carried_constant: int = MAX_CARRIED_ELEMENTS) -> CompileResult:
@@ -154,11 +179,8 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     t0 = time.perf_counter()
     model_file = Path(model_file)
     artifact.check_output(Path(out_dir), force)
-    validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
-    precision.check_supported(plan)  # fp16 is refused before the trace: no loss scaling in the runtime
-    support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
-    if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
-        raise PlanError(diagnostics=[unknown])
+    for check in plan_checks(plan):  # the plan alone, before any work scales with it
+        check()
     user = load_user_module(model_file)
     traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug, max_carried=max_carried_constant)
     if grad_probe:

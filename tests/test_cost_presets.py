@@ -78,3 +78,45 @@ def test_implausible_calibration_and_mfu_above_100_are_flagged(tmp_path):
     assert rep["utilization"]["mfu"] > 1 and any(x.startswith("MFU ") and "> 100%" in x for x in w)
     quiet = report.build(model=GPT, plan=GPT.parent / "dp.par", preset=_preset(tmp_path / "quiet.json"))
     assert quiet["warnings"] == []
+
+
+@pytest.mark.parametrize("plan_text, said", [
+    ("mesh dp=2 pp=2\nbatch global=8 micro=1\npipeline schedule=interleaved_1f1b virtual=2\nzero stage=1\n",
+     "zero stage=1 with virtual stages (2 per pp rank) is not supported"),
+    ('mesh dp=2\nbatch global=4 micro=1\nzero stage=3\nrecompute "blocks.*"\n',
+     "recompute with zero stage=3 is not supported"),
+])
+def test_report_says_compile_refuses_first(tmp_path, plan_text, said, monkeypatch):
+    """Item 5: a plan `parc compile` refuses is still priced (what it would cost), but the report says first
+    that compile refuses it, with compile's own message (compiler.plan_checks: one list of checks for both)."""
+    from rich.console import Console
+
+    from parc.compiler import compile_model
+    from parc.errors import ParcError
+    from parc.grammar.parser import load_plan
+
+    path = tmp_path / "p.par"
+    path.write_text("topology preset=h100 gpus_per_node=4\n" + plan_text)
+    rep = report.build(model=GPT, plan=path)
+    assert rep["refusals"] and rep["refusals"][0].startswith(said)
+    console = Console(width=200, record=True)
+    report.render(rep, console)
+    assert console.export_text().startswith(f"compile refuses this: {said}")
+    with pytest.raises(ParcError) as e:
+        compile_model(GPT, load_plan(path), tmp_path / "out")
+    assert e.value.diagnostics[0].message == rep["refusals"][0]
+    ok = tmp_path / "ok.par"
+    ok.write_text("topology preset=h100 gpus_per_node=4\nmesh dp=2\nbatch global=4 micro=1\n")
+    assert report.build(model=GPT, plan=ok)["refusals"] == []
+
+
+def test_the_planner_never_proposes_a_refused_plan(tiny_search):
+    from parc.compiler import plan_refusals
+
+    assert tiny_search.ranked and all(plan_refusals(c.plan) == [] for c in tiny_search.ranked)
+    assert any("with virtual stages" in c.reason for c in tiny_search.dropped)
+
+
+@pytest.fixture(scope="module")
+def tiny_search():
+    return planner.search(GPT, gpus=4, preset="h100", global_batch=8, precision="fp32", top=400)

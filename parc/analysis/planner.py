@@ -426,19 +426,14 @@ def _too_long(plan: Plan) -> str | None:
 
 def _refusal(plan: Plan, traced) -> str | None:
     """What parc check / compile would refuse in `plan`, as one line; None if nothing."""
-    from parc.analysis import support
     from parc.analysis.review import review
-    from parc.errors import PlanError
-    from parc.grammar.validate import validate
-    from parc.runtime import precision
+    from parc.compiler import plan_refusals
 
+    refused = plan_refusals(plan, traced.num_layers)   # compile's own checks on the plan alone
+    if refused:
+        return refused[0].message
     try:
-        validate(plan, world_size=plan.mesh.world_size, num_layers=traced.num_layers)
-        support.check(plan)
-        precision.check_supported(plan)
         errors = [d for d in review(plan, world_size=plan.mesh.world_size) if d.severity == "error"]
-    except PlanError as e:
-        return next(d.message for d in e.diagnostics if d.severity == "error")
     except ParcError as e:
         return e.diagnostics[0].message
     return errors[0].message if errors else None

@@ -128,6 +128,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     name = preset or resolve(topo.preset, plan_obj.file if pj is None else None)
     hw = cost.hardware(name, topo, embedded=embedded)
     warnings = assumed_hardware(name, hw) + implausible(hw)
+    from parc.compiler import plan_refusals
+    # what compile refuses is priced (the figures of a plan parc will not run), but said before anything else
+    refusals = [d.message for d in plan_refusals(plan_obj)]
     if topo.span is None:  # no `topology` line: the Topology defaults stand in for the nodes
         notes.append(f"no topology in the plan: {topo.gpus_per_node} ranks per node assumed (rank r on node "
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
@@ -181,6 +184,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         warnings.append(mfu_warning(est))
     rep = {
         "source": "compiled" if compiled is not None else "analytic",
+        "refusals": refusals,
         "warnings": warnings,
         "notes": notes,
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
@@ -253,7 +257,9 @@ def render(rep: dict, console=None) -> None:
     # there, lines are never wrapped and tables get the width their contents need.
     console = console or (Console() if sys.stdout.isatty() else Console(width=240, soft_wrap=True))
     p, hw = rep["plan"], rep["hardware"]
-    for w in rep.get("warnings", []):   # said first: what makes every figure below doubtful
+    for r in rep.get("refusals", []):   # said first: parc would not run this plan at all
+        console.print(f"[bold red]compile refuses this[/]: {r}")
+    for w in rep.get("warnings", []):   # then what makes every figure below doubtful
         console.print(f"[bold yellow]warning[/]: {w}")
     console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks"
                   + (f" (ep {p['ep']} inside dp)" if p.get("ep", 1) > 1 else "") + ", "
