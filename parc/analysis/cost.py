@@ -303,6 +303,7 @@ class Estimate:
     p2p_exposed_seconds: float = 0.0    # what P2P time adds to the pipeline over free communication
     tp_seconds: float = 0.0             # tp collectives on the busiest rank's critical path
     ep_seconds: float = 0.0             # the experts' all-to-alls (parc/analysis/experts.py), never overlapped
+    stage_seconds: list = field(default_factory=list)  # per stage: (F, B) of one micro-batch, tp on the path
 
     @property
     def comm_seconds(self) -> float:
@@ -665,6 +666,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s
     est.p2p_exposed_seconds = max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0
     est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
+    est.stage_seconds = times
     return est
 
 

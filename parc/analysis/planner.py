@@ -53,7 +53,6 @@ MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing globa
 VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interleaved 1F1B
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
-FULL_ESTIMATES = 40              # pipelined plans estimated in full (each simulates its whole schedule)
 SEARCH_SLOTS = 4096              # the largest schedule (pp × virtual × micro-batches) a candidate may have:
                                  # each slot costs ~0.1 ms to simulate, per candidate (compile takes 16× more)
 
@@ -442,8 +441,8 @@ def _refusal(plan: Plan, traced) -> str | None:
 # ---------------------------------------------------------------- the search
 
 class _Search:
-    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int, moe: dict | None = None):
-        self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
+    def __init__(self, traced, stats: _Stats, hw, top: int, moe: dict | None = None):
+        self.traced, self.stats, self.hw, self.top = traced, stats, hw, top
         self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
         self.schedules = Schedules()  # each schedule built once, simulated once per set of costs
@@ -495,10 +494,13 @@ class _Search:
                         mesh=replace(p.mesh, pp=p.mesh.pp * v))
         return self.estimate(probe)
 
-    def run(self, cands: list[Candidate]) -> list[Candidate]:
+    def run(self, cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
         """Estimate pp = 1 candidates outright. Probe each pipeline shape once; estimate pipelined candidates
-        in the order of the probe's extrapolated step, skipping those whose lower bound already loses to the
-        `top`-th best step found, and at most `budget` of them in full."""
+        in the order of the probe's extrapolated step, skipping those whose lower bound (`pipeline_bound`,
+        admissible: never above the full estimate) already reaches the `top`-th best step found. Every
+        candidate that could rank among the `top` best is estimated in full, so the best does not depend on
+        `top`: it only decides how many plans the bound must beat. (ranked, pruned): `resume` takes the
+        pruned back should the ranked lose their winner."""
         done, pending, probes = [], [], {}
         for c in cands:
             p = c.plan
@@ -512,34 +514,55 @@ class _Search:
             if key not in probes:
                 probes[key] = self._probe(c)
             probe = probes[key]
-            # step ≥ the bottleneck rank's compute, accumulation × one micro-batch's (a true lower bound);
+            c.bound = pipeline_bound(probe, p)
             # 1F1B's step is the probe's (fill, drain, dp) plus a compute per further micro-batch (a ranking)
-            c.bound = probe.compute_seconds * p.accumulation
             c.guess = probe.step_seconds + probe.compute_seconds * (p.accumulation - 1)
             pending.append(c)
         done.sort(key=lambda c: c.step)
         log.info("%d pp=1 estimated, %d pipeline shapes probed, %.1f s CPU", len(cands) - len(pending), len(probes),
                  time.process_time())
-        full = 0
-        for c in sorted(pending, key=lambda c: c.guess):
+        return done, self.resume(done, sorted(pending, key=lambda c: c.guess))
+
+    def resume(self, done: list[Candidate], pending: list[Candidate]) -> list[Candidate]:
+        """Estimate each of `pending` (ordered) whose bound is below the `top`-th best step of `done`, adding
+        those that fit to `done`; return those bounded out (each with its reason)."""
+        pruned = []
+        for c in pending:
+            c.reason = None
             kth = done[self.top - 1].step if len(done) >= self.top else math.inf
             if c.bound >= kth:
-                c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute alone) ≥ the "
+                c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute, fill and drain) ≥ the "
                             f"{self.top}th best, {kth:.3g} s")
-                continue
-            if full >= self.budget and kth < math.inf:
-                c.reason = (f"not estimated in full: extrapolated from its probe to {c.guess:.3g} s, behind the "
-                            f"{self.budget} pipelined plans estimated (the {self.top}th best is {kth:.3g} s)")
+                pruned.append(c)
                 continue
             if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
                 continue
             c.est = self.estimate(c.plan)
-            full += 1
             log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
             if self._fits(c, c.est):
                 done.append(c)
                 done.sort(key=lambda c: c.step)
-        return done
+        return pruned
+
+
+def pipeline_bound(probe, plan: Plan) -> float:
+    """A lower bound on `plan`'s step from its probe (one micro-batch, the same stages): the simulated
+    makespan is at least, for any pp rank r, the forwards of the stages before r (its first micro-batch
+    arrives through them), then all of r's own work (acc × (F + B), one action at a time), then under
+    1F1B and GPipe the backwards of the stages before r (the last micro-batch's gradient leaves r last and
+    crosses them; ZB-H1 may run weight gradients after it: not counted). The optimizer step follows it
+    (the probe's, at one micro-batch: no more than at acc). Communication and the dp tail only add. An
+    interleaved plan's ranks hold several stages: compute alone there (the busiest rank's)."""
+    acc, pp = plan.accumulation, plan.mesh.pp
+    fb = probe.stage_seconds
+    if plan.pipeline.virtual > 1 or len(fb) != pp:
+        return probe.compute_seconds * acc + probe.optimizer_seconds
+    drain = plan.pipeline.schedule in ("1f1b", "gpipe")
+    best, before_f, before_b = 0.0, 0.0, 0.0
+    for f, b in fb:
+        best = max(best, before_f + acc * (f + b) + (before_b if drain else 0.0))
+        before_f, before_b = before_f + f, before_b + b
+    return best + probe.optimizer_seconds
 
 
 def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | None = "h100", global_batch: int,
@@ -585,15 +608,18 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | No
                         hint="a global batch that is a multiple of the GPUs always has a data-parallel plan")
     log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
     stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
-    ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
-    dropped += [c for c in cands if c.reason]
-    notes = []
+    finder = _Search(traced, stats, hw, top, moe=moe)
+    ranked, pruned = finder.run(cands)
+    refused = []
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
         reason = _pass_refusal(traced, ranked[0].plan)
         if reason is None:
             break
         ranked[0].reason = f"compile's passes refuse it: {reason}"
-        dropped.append(ranked.pop(0))
+        refused.append(ranked.pop(0))
+        pruned = finder.resume(ranked, pruned)   # the bound beat the refused plan: it may not beat the next
+    dropped += [c for c in cands if c.reason and c not in refused] + refused
+    notes = []
     if layout.why_not:
         notes.append(f"no tensor parallelism: {layout.why_not}")
     if ranked and ranked[0].est.mfu > 1:
