@@ -18,10 +18,11 @@ on meta), then:
 4. asks `cost.estimate` — the same function `parc report` uses, so what the cost model learns, the
    ranking learns — for memory and step time, drops what does not fit, and ranks by step time.
    Deep pipelines are the expensive part (the estimate simulates every slot of the schedule), so
-   pipelined candidates are first bounded below by a probe at one micro-batch per step (compute
-   is linear in micro-batches and the bottleneck rank computes every one of them, so step ≥
-   accumulation × the probe's compute), and fully estimated in the order of that bound, stopping
-   once the bound passes the `top`-th best step found (branch and bound; `_Search.run`);
+   pipelined candidates are first bounded below by a probe at one micro-batch per step
+   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, admissible),
+   and fully estimated in the order of the probe's extrapolated step, skipping those whose bound
+   reaches the `top`-th best step found (branch and bound; `_Search.run`): the winner does not
+   depend on `top`;
 5. runs compile's passes on the winner (`compiler.pass_errors`, as `parc check --model` does) and
    moves on to the next if they refuse it.
 
