@@ -382,6 +382,18 @@ def _name(arg: _Arg) -> str:
     return text
 
 
+_PRESET_FILE = re.compile(r"[A-Za-z0-9_./~+-]+\.json")
+
+
+def _preset(arg: _Arg) -> str:
+    """A preset name (h100) or a `parc calibrate` file's path ending in .json, relative to the plan's own
+    directory (parc.analysis.preset_file.resolve): what `parc plan --preset FILE -o OUT` writes."""
+    text = _one(arg, "a preset name or a .json file")
+    if not (_WORD.fullmatch(text) or _PRESET_FILE.fullmatch(text)):
+        raise _Bad(f"must be a preset name (h100) or a preset file's path ending in .json, got {_clip(text)}")
+    return text
+
+
 def _names(arg: _Arg) -> tuple[str, ...]:
     bad = [v for v in arg.values if not _WORD.fullmatch(v)]
     if bad:
@@ -408,7 +420,7 @@ _POSITIVE = _int("a positive integer")
 KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names, "ep": _POSITIVE},
     "topology": {"nodes": _POSITIVE, "gpus_per_node": _POSITIVE, "intra": _bandwidth,
-                 "inter": _bandwidth, "preset": _name},
+                 "inter": _bandwidth, "preset": _preset},
     "batch": {"global": _POSITIVE, "micro": _POSITIVE, "accumulation": _POSITIVE},
     "tensor_parallel": {},
     "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},

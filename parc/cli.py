@@ -228,13 +228,12 @@ def cmd_plan(args) -> int:
                         hint=f"pass --force to replace it, or choose another -o than {args.output}")
     result = planner.search(_existing(args.model, "model"), gpus=args.gpus, nodes=args.nodes, preset=args.preset,
                             global_batch=args.global_batch, top=args.top, precision=args.precision)
-    if args.output is not None and result.ranked:
-        planner.write(result, args.output, "parc " + " ".join(sys.argv[1:]), force=args.force)
-    if args.json:
+    if args.json:  # the ranking first: a refused write (below) loses no search
         print(planner.to_json(result, args.top))
     else:
         print("\n".join(planner.summary(result, args.top)))
     if args.output is not None and result.ranked:
+        planner.write(result, args.output, "parc " + " ".join(sys.argv[1:]), force=args.force)
         print(f"wrote {args.output}: check it with `parc check {args.output} --model {args.model}`",
               file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -407,7 +406,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("model", type=Path, help="model file defining build_model(), get_batch(), loss_fn()")
     q.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
     q.add_argument("--nodes", type=int, help="nodes (default: GPUs / the preset's GPUs per node)")
-    q.add_argument("--preset", default="h100", help="hardware: a100, h100, h200 (default h100)")
+    q.add_argument("--preset", help="hardware: a100, h100, h200 or a `parc calibrate` file (default: h100, "
+                                    "with a warning)")
     q.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="compute precision (default bf16)")
     q.add_argument("--top", type=int, default=5, help="plans to print (default 5)")

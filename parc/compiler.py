@@ -147,6 +147,31 @@ def _tied(programs: dict, pp: int) -> list[dict]:
     return tied
 
 
+def plan_checks(plan: Plan, num_layers: int | None = None) -> list:
+    """The checks `parc compile` runs on the plan alone, before tracing, in its order; each raises a ParcError
+    with its diagnostics. `plan_refusals` (parc report, parc plan) runs the same ones, so what they call
+    refused is what compile refuses."""
+    def preset() -> None:  # parc report would fail on it later, unlocated
+        if (unknown := review.preset_error(plan)) is not None:
+            raise PlanError(diagnostics=[unknown])
+
+    return [lambda: validate(plan, num_layers=num_layers),  # sizes past parc's limits, before work scales
+            lambda: precision.check_supported(plan),  # fp16 with expert parallelism
+            lambda: support.check(plan),  # what the runtime does not implement (the plan alone says)
+            preset]
+
+
+def plan_refusals(plan: Plan, num_layers: int | None = None) -> list[Diagnostic]:
+    """Every error of `plan_checks`, collected rather than raised: [] when compile would go on to trace."""
+    out: list[Diagnostic] = []
+    for check in plan_checks(plan, num_layers):
+        try:
+            check()
+        except ParcError as e:
+            out += [d for d in e.diagnostics if d.severity == "error"]
+    return out
+
+
 def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, debug: bool = False,
                   exact_trace: bool = False, force: bool = False, grad_probe: bool = False,
                   max_carried_constant: int = MAX_CARRIED_ELEMENTS) -> CompileResult:
@@ -157,11 +182,8 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
     t0 = time.perf_counter()
     model_file = Path(model_file)
     artifact.check_output(Path(out_dir), force)
-    validate(plan)  # the plan alone first: sizes past parc's limits are refused before any work scales with them
-    precision.check_supported(plan)  # refused before the trace: fp16 with expert parallelism
-    support.check(plan)  # refuse what the runtime does not implement (before tracing: it needs the plan only)
-    if (unknown := review.preset_error(plan)) is not None:  # parc report would fail on it later, unlocated
-        raise PlanError(diagnostics=[unknown])
+    for check in plan_checks(plan):  # the plan alone, before any work scales with it
+        check()
     user = load_user_module(model_file)
     traced = trace(user, plan.micro_batch, fast=not exact_trace, debug=debug, max_carried=max_carried_constant)
     if grad_probe:
@@ -240,7 +262,9 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         "costs": {"param_count": traced.param_count,
                   "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),
                   # per-stage FLOPs/params/activations of one micro-batch, for `parc report` (parc/analysis/cost.py)
-                  "graph": cost.graph_stats(traced, plan)},
+                  "graph": cost.graph_stats(traced, plan),
+                  # a plan naming a preset file: its figures travel with the artifact (`parc report compiled/`)
+                  **_preset_file(plan)},
     }
     if m.ep > 1:  # expert parallelism: ep and edp groups, each rank's ep coordinate
         ep_groups = meshlib.expert_groups(m)
@@ -298,6 +322,19 @@ def _input_entry(i, bounds: dict) -> dict:
     if i.name in bounds:
         entry.update(below=bounds[i.name][0], below_what=bounds[i.name][1])
     return entry
+
+
+def _preset_file(plan) -> dict:
+    """{"preset_file": the preset file's fields} when the plan's topology names a `parc calibrate` file (read
+    relative to the plan's directory), so that the compiled/ directory is priced alike wherever it moves."""
+    from dataclasses import fields
+
+    from parc.analysis.preset_file import is_file, read_preset, resolve
+
+    name = resolve(plan.topology.preset, plan.file)
+    if name is None or not is_file(name):
+        return {}
+    return {"preset_file": read_preset(name, {f.name for f in fields(cost.Hardware)})}
 
 
 def _tokens_per_sample(traced: Traced) -> int:

@@ -102,15 +102,18 @@ PRESETS = {
 ALIASES = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
 
 
-def hardware(name: str | None, topology=None) -> Hardware:
+def hardware(name: str | None, topology=None, *, embedded: dict | None = None) -> Hardware:
     """The preset `name` (default h100) or a preset file (`parc calibrate -o FILE`), with the plan
-    topology's bandwidths when stated."""
+    topology's bandwidths when stated. `embedded`: the file's fields as a compiled/ directory's plan.json
+    carries them (`costs.preset_file`), read instead of the file."""
+    from parc.analysis.preset_file import as_fields, is_file, read_preset
+
     key = ALIASES.get((name or "h100").lower(), (name or "h100").lower())
-    if key not in PRESETS and name and (name.endswith(".json") or "/" in name):
+    if key not in PRESETS and name and is_file(name):
         from dataclasses import fields
 
-        from parc.analysis.preset_file import read_preset
-        hw = Hardware(**read_preset(name, {f.name for f in fields(Hardware)}))
+        hw = Hardware(**(as_fields(dict(embedded)) if embedded is not None else
+                         read_preset(name, {f.name for f in fields(Hardware)})))
     elif key not in PRESETS:
         raise ParcError(f"unknown hardware preset `{name}`",
                         hint="valid: " + ", ".join(PRESETS))
@@ -304,6 +307,7 @@ class Estimate:
     p2p_exposed_seconds: float = 0.0    # what P2P time adds to the pipeline over free communication
     tp_seconds: float = 0.0             # tp collectives on the busiest rank's critical path
     ep_seconds: float = 0.0             # the experts' all-to-alls (parc/analysis/experts.py), never overlapped
+    stage_seconds: list = field(default_factory=list)  # per stage: (F, B) of one micro-batch, tp on the path
 
     @property
     def comm_seconds(self) -> float:
@@ -674,6 +678,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s
     est.p2p_exposed_seconds = max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0
     est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
+    est.stage_seconds = times
     return est
 
 

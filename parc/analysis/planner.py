@@ -18,10 +18,11 @@ on meta), then:
 4. asks `cost.estimate` — the same function `parc report` uses, so what the cost model learns, the
    ranking learns — for memory and step time, drops what does not fit, and ranks by step time.
    Deep pipelines are the expensive part (the estimate simulates every slot of the schedule), so
-   pipelined candidates are first bounded below by a probe at one micro-batch per step (compute
-   is linear in micro-batches and the bottleneck rank computes every one of them, so step ≥
-   accumulation × the probe's compute), and fully estimated in the order of that bound, stopping
-   once the bound passes the `top`-th best step found (branch and bound; `_Search.run`);
+   pipelined candidates are first bounded below by a probe at one micro-batch per step
+   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, admissible),
+   and fully estimated in the order of the probe's extrapolated step, skipping those whose bound
+   reaches the `top`-th best step found (branch and bound; `_Search.run`): the winner does not
+   depend on `top`;
 5. runs compile's passes on the winner (`compiler.pass_errors`, as `parc check --model` does) and
    moves on to the next if they refuse it.
 
@@ -35,11 +36,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parc.analysis import compute, cost, plan_experts
+from parc.analysis.preset_file import is_file
 from parc.analysis.schedules import Schedules
 from parc.analysis.report import _size
 from parc.errors import ParcError
@@ -51,7 +54,6 @@ MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing globa
 VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interleaved 1F1B
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
-FULL_ESTIMATES = 40              # pipelined plans estimated in full (each simulates its whole schedule)
 SEARCH_SLOTS = 4096              # the largest schedule (pp × virtual × micro-batches) a candidate may have:
                                  # each slot costs ~0.1 ms to simulate, per candidate (compile takes 16× more)
 
@@ -325,6 +327,7 @@ class Result:
     hw: cost.Hardware
     layout: TPLayout
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # said first: what makes every figure doubtful
 
     @property
     def winner(self) -> Candidate:
@@ -432,19 +435,14 @@ def _too_long(plan: Plan) -> str | None:
 
 def _refusal(plan: Plan, traced) -> str | None:
     """What parc check / compile would refuse in `plan`, as one line; None if nothing."""
-    from parc.analysis import support
     from parc.analysis.review import review
-    from parc.errors import PlanError
-    from parc.grammar.validate import validate
-    from parc.runtime import precision
+    from parc.compiler import plan_refusals
 
+    refused = plan_refusals(plan, traced.num_layers)   # compile's own checks on the plan alone
+    if refused:
+        return refused[0].message
     try:
-        validate(plan, world_size=plan.mesh.world_size, num_layers=traced.num_layers)
-        support.check(plan)
-        precision.check_supported(plan)
         errors = [d for d in review(plan, world_size=plan.mesh.world_size) if d.severity == "error"]
-    except PlanError as e:
-        return next(d.message for d in e.diagnostics if d.severity == "error")
     except ParcError as e:
         return e.diagnostics[0].message
     return errors[0].message if errors else None
@@ -453,8 +451,8 @@ def _refusal(plan: Plan, traced) -> str | None:
 # ---------------------------------------------------------------- the search
 
 class _Search:
-    def __init__(self, traced, stats: _Stats, hw, top: int, budget: int, moe: dict | None = None):
-        self.traced, self.stats, self.hw, self.top, self.budget = traced, stats, hw, top, budget
+    def __init__(self, traced, stats: _Stats, hw, top: int, moe: dict | None = None):
+        self.traced, self.stats, self.hw, self.top = traced, stats, hw, top
         self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
         self.schedules = Schedules()  # each schedule built once, simulated once per set of costs
@@ -506,10 +504,13 @@ class _Search:
                         mesh=replace(p.mesh, pp=p.mesh.pp * v))
         return self.estimate(probe)
 
-    def run(self, cands: list[Candidate]) -> list[Candidate]:
+    def run(self, cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
         """Estimate pp = 1 candidates outright. Probe each pipeline shape once; estimate pipelined candidates
-        in the order of the probe's extrapolated step, skipping those whose lower bound already loses to the
-        `top`-th best step found, and at most `budget` of them in full."""
+        in the order of the probe's extrapolated step, skipping those whose lower bound (`pipeline_bound`,
+        admissible: never above the full estimate) already reaches the `top`-th best step found. Every
+        candidate that could rank among the `top` best is estimated in full, so the best does not depend on
+        `top`: it only decides how many plans the bound must beat. (ranked, pruned): `resume` takes the
+        pruned back should the ranked lose their winner."""
         done, pending, probes = [], [], {}
         for c in cands:
             p = c.plan
@@ -523,39 +524,64 @@ class _Search:
             if key not in probes:
                 probes[key] = self._probe(c)
             probe = probes[key]
-            # step ≥ the bottleneck rank's compute, accumulation × one micro-batch's (a true lower bound);
+            c.bound = pipeline_bound(probe, p)
             # 1F1B's step is the probe's (fill, drain, dp) plus a compute per further micro-batch (a ranking)
-            c.bound = probe.compute_seconds * p.accumulation
             c.guess = probe.step_seconds + probe.compute_seconds * (p.accumulation - 1)
             pending.append(c)
         done.sort(key=lambda c: c.step)
         log.info("%d pp=1 estimated, %d pipeline shapes probed, %.1f s CPU", len(cands) - len(pending), len(probes),
                  time.process_time())
-        full = 0
-        for c in sorted(pending, key=lambda c: c.guess):
+        return done, self.resume(done, sorted(pending, key=lambda c: c.guess))
+
+    def resume(self, done: list[Candidate], pending: list[Candidate]) -> list[Candidate]:
+        """Estimate each of `pending` (ordered) whose bound is below the `top`-th best step of `done`, adding
+        those that fit to `done`; return those bounded out (each with its reason)."""
+        pruned = []
+        for c in pending:
+            c.reason = None
             kth = done[self.top - 1].step if len(done) >= self.top else math.inf
             if c.bound >= kth:
-                c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute alone) ≥ the "
+                c.reason = (f"bounded out: its step is at least {c.bound:.3g} s (compute, fill and drain) ≥ the "
                             f"{self.top}th best, {kth:.3g} s")
-                continue
-            if full >= self.budget and kth < math.inf:
-                c.reason = (f"not estimated in full: extrapolated from its probe to {c.guess:.3g} s, behind the "
-                            f"{self.budget} pipelined plans estimated (the {self.top}th best is {kth:.3g} s)")
+                pruned.append(c)
                 continue
             if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
                 continue
             c.est = self.estimate(c.plan)
-            full += 1
             log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
             if self._fits(c, c.est):
                 done.append(c)
                 done.sort(key=lambda c: c.step)
-        return done
+        return pruned
 
 
-def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h100", global_batch: int,
+def pipeline_bound(probe, plan: Plan) -> float:
+    """A lower bound on `plan`'s step from its probe (one micro-batch, the same stages): the simulated
+    makespan is at least, for any pp rank r, the forwards of the stages before r (its first micro-batch
+    arrives through them), then all of r's own work (acc × (F + B), one action at a time), then under
+    1F1B and GPipe the backwards of the stages before r (the last micro-batch's gradient leaves r last and
+    crosses them; ZB-H1 may run weight gradients after it: not counted). The optimizer step follows it
+    (the probe's, at one micro-batch: no more than at acc). Communication and the dp tail only add. An
+    interleaved plan's ranks hold several stages: compute alone there (the busiest rank's)."""
+    acc, pp = plan.accumulation, plan.mesh.pp
+    fb = probe.stage_seconds
+    if plan.pipeline.virtual > 1 or len(fb) != pp:
+        return probe.compute_seconds * acc + probe.optimizer_seconds
+    drain = plan.pipeline.schedule in ("1f1b", "gpipe")
+    best, before_f, before_b = 0.0, 0.0, 0.0
+    for f, b in fb:
+        best = max(best, before_f + acc * (f + b) + (before_b if drain else 0.0))
+        before_f, before_b = before_f + f, before_b + b
+    return best + probe.optimizer_seconds
+
+
+def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | None = "h100", global_batch: int,
            top: int = 5, precision: str = "bf16") -> Result:
-    """Every candidate plan for `model` on `gpus`, ranked by the cost model's step time."""
+    """Every candidate plan for `model` on `gpus`, ranked by the cost model's step time. `preset` None: an
+    H100, said loudly in the result's warnings (`parc plan` without --preset)."""
+    from parc.analysis.preset_file import implausible
+    from parc.analysis.report import assumed_hardware
+
     from parc.passes.pipeline_split import _layer_prefix
     from parc.trace import load_user_module, trace
 
@@ -563,6 +589,9 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
     if top < 1:
         raise ParcError(f"--top {top}: need at least 1 plan to print")
     hw = cost.hardware(preset)
+    warnings = assumed_hardware(preset, hw) + implausible(hw)
+    if preset is None and warnings:
+        warnings[0] += f"; the plans are {precision} (--precision)"
     nodes = _check_inputs(gpus, nodes, global_batch, hw)
     topo = Topology(nodes=nodes, gpus_per_node=gpus // nodes, preset=preset)
     hw = cost.hardware(preset, topo)
@@ -589,14 +618,15 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
                         hint="a global batch that is a multiple of the GPUs always has a data-parallel plan")
     log.info("%d plans refused by parc's checks, %.1f s CPU", len(dropped) - early, time.process_time() - c0)
     stats = _Stats(traced, Plan(batch=Batch(1, 1), precision=precision), layout, prefix)
-    ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(cands)
-    dropped += [c for c in cands if c.reason]
-    notes = []
+    finder = _Search(traced, stats, hw, top, moe=moe)
+    ranked, pruned = finder.run(cands)
+    refused, considered, notes = [], list(cands), []
     if not ranked:  # nothing fits on the device: ZeRO-Offload trades PCIe copies and a host step for its memory
         offloaded = [Candidate(p, _refusal(p, traced)) for p in offload_variants(plans)]
-        ranked = _Search(traced, stats, hw, top, budget=max(FULL_ESTIMATES, 4 * top), moe=moe).run(
-            [c for c in offloaded if not c.reason])
-        dropped += [c for c in offloaded if c.reason]
+        dropped += [c for c in cands if c.reason] + [c for c in offloaded if c.reason]
+        considered = [c for c in offloaded if not c.reason]
+        finder = _Search(traced, stats, hw, top, moe=moe)
+        ranked, pruned = finder.run(considered)
         notes.append(f"no plan fits on the device: {len(offloaded)} ZeRO-Offload variants (zero … offload=cpu) "
                      f"considered, {len(ranked)} fit")
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
@@ -604,11 +634,16 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str = "h
         if reason is None:
             break
         ranked[0].reason = f"compile's passes refuse it: {reason}"
-        dropped.append(ranked.pop(0))
+        refused.append(ranked.pop(0))
+        pruned = finder.resume(ranked, pruned)   # the bound beat the refused plan: it may not beat the next
+    dropped += [c for c in considered if c.reason and c not in refused] + refused
     if layout.why_not:
         notes.append(f"no tensor parallelism: {layout.why_not}")
+    if ranked and ranked[0].est.mfu > 1:
+        from parc.analysis.report import mfu_warning
+        warnings.append(mfu_warning(ranked[0].est))
     return Result(ranked, dropped, len(plans) + early, time.perf_counter() - t0, time.process_time() - c0, hw,
-                  layout, notes)
+                  layout, notes, warnings)
 
 
 def _pass_refusal(traced, plan: Plan) -> str | None:
@@ -640,27 +675,40 @@ def why_loses(c: Candidate, w: Candidate) -> str:
     return "; ".join(out)
 
 
-def plan_text(result: Result, command: str) -> str:
+def plan_text(result: Result, command: str, out: Path | None = None) -> str:
+    """The winner as a .par, headed by how it was found and what it is predicted to do. A preset file is
+    named relative to `out`'s directory, where the written plan reads it from (preset_file.resolve)."""
     from parc.grammar.printer import format_plan
 
     w = result.winner
     e = w.est
+    plan = w.plan
+    if out is not None and plan.topology.preset is not None and is_file(plan.topology.preset):
+        rel = os.path.relpath(Path(plan.topology.preset).resolve(), Path(out).resolve().parent)
+        plan = replace(plan, topology=replace(plan.topology, preset=Path(rel).as_posix()))
     head = (f"# written by: {command}\n"
             f"# predicted on {result.hw.name}: {e.step_seconds:.4g} s per step, MFU {e.mfu:.1%}, "
             f"bubble {e.bubble:.1%}, {_size(w.peak)} on the fullest rank\n")
-    return head + format_plan(w.plan)
+    return head + format_plan(plan)
 
 
 def write(result: Result, out: Path, command: str, force: bool = False) -> None:
-    """Write the winner to `out`; refuse to replace an existing file unless `force`."""
-    from parc.grammar.parser import load_plan
+    """Write the winner to `out`; refuse to replace an existing file unless `force`. The text is parsed as
+    `out` before it is written (a preset file found from there), so a plan that would not read back is
+    refused, located, without leaving a file."""
+    from parc.analysis.review import preset_error
+    from parc.errors import PlanError
+    from parc.grammar.parser import parse
 
     out = Path(out)
     if out.exists() and not force:
         raise ParcError(f"{out} exists: parc plan does not overwrite a file unless told to",
                         hint=f"pass --force to replace it, or choose another -o than {out}")
-    out.write_text(plan_text(result, command), encoding="utf-8")
-    load_plan(out)  # the written file parses back (a located error if it did not)
+    text = plan_text(result, command, out)
+    plan = parse(text, file=str(out))
+    if (bad := preset_error(plan)) is not None:
+        raise PlanError(diagnostics=[bad])
+    out.write_text(text, encoding="utf-8")
 
 
 def _kinds(dropped: list[Candidate]) -> list[tuple[str, int, Candidate]]:
@@ -683,7 +731,8 @@ def _row(i: int, c: Candidate, w: Candidate) -> dict:
 def summary(result: Result, top: int) -> list[str]:
     hw, w = result.hw, result.ranked[0] if result.ranked else None
     n_drop = len(result.dropped)
-    lines = [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
+    lines = [f"warning: {w}" for w in result.warnings]
+    lines += [f"searched {result.considered} candidate plans in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
              f"CPU, tracing included) for {hw.name} × "
              f"{hw.gpus_per_node} per node: {len(result.ranked)} fit and were ranked, {n_drop} dropped"]
     kinds = _kinds(result.dropped)
@@ -722,6 +771,7 @@ def to_json(result: Result, top: int) -> str:
         "hardware": result.hw.name,
         "tp_rules": [{"pattern": r.pattern, "style": r.style} for r in result.layout.rules],
         "notes": result.notes,
+        "warnings": result.warnings,
         "ranked": [_row(i, c, w) for i, c in enumerate(result.ranked[:top], 1)],
         "winner_plan": plan_text(result, "parc plan").split("\n", 2)[2] if w else None,
         "dropped": [{"plan": c.describe() if c.plan.batch else _mesh(c), "reason": c.reason}

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from parc.analysis import cost, experts, tp_grad_sums
+from parc.analysis.preset_file import implausible, resolve
 from parc.errors import ParcError
 
 GiB = cost.GiB
@@ -76,6 +77,10 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
         raise ParcError("parc report needs a compiled/ directory, or both --model and --plan",
                         hint="parc report compiled/   or   parc report --model model.py --plan plan.par")
     plan = load_plan(plan_path)
+    from parc.analysis.review import preset_error
+    if (bad := preset_error(plan)) is not None:   # located at the plan's `preset=`, before the trace
+        from parc.errors import PlanError
+        raise PlanError(diagnostics=[bad])
     notes.append("analytic: traced the model under the plan; no compile pass ran")
     return plan, _trace_stats(model, plan), notes, None
 
@@ -119,12 +124,13 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     plan_obj, stats, notes, pj = _inputs(compiled, model, plan)
     art_params = _artifact_params(pj) if pj is not None else None
     topo = plan_obj.topology
-    name = preset or topo.preset
-    if name is None:
-        notes.append("no hardware preset in the plan's topology: every rank priced as an H100 (use --preset; "
-                     "for CPU ranks, `parc calibrate --device cpu -o cpu.json` measures this machine for "
-                     "--preset cpu.json)")
-    hw = cost.hardware(name, topo)
+    embedded = (pj or {}).get("costs", {}).get("preset_file") if preset is None else None
+    name = preset or resolve(topo.preset, plan_obj.file if pj is None else None)
+    hw = cost.hardware(name, topo, embedded=embedded)
+    warnings = assumed_hardware(name, hw) + implausible(hw)
+    from parc.compiler import plan_refusals
+    # what compile refuses is priced (the figures of a plan parc will not run), but said before anything else
+    refusals = [d.message for d in plan_refusals(plan_obj)]
     if topo.span is None:  # no `topology` line: the Topology defaults stand in for the nodes
         notes.append(f"no topology in the plan: {topo.gpus_per_node} ranks per node assumed (rank r on node "
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
@@ -174,8 +180,12 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         notes.append("ep all-to-all: its time is on the step, not overlapped (the experts wait for their tokens); "
                      "each rank's memory holds 1/ep of the experts; dp's all-reduce counts every parameter a rank "
                      "holds over dp, though experts reduce over dp / ep ranks")
+    if est.mfu > 1:
+        warnings.append(mfu_warning(est))
     rep = {
         "source": "compiled" if compiled is not None else "analytic",
+        "refusals": refusals,
+        "warnings": warnings,
         "notes": notes,
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
@@ -201,6 +211,25 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     if ep is not None:
         rep["experts"] = ep["experts"]
     return rep
+
+
+def assumed_hardware(name: str | None, hw) -> list[str]:
+    """The loud line when no preset was named: the hardware every rank was priced as, said first (a CPU job
+    priced as an H100 is off by orders of magnitude); [] when the plan or --preset names one."""
+    if name is not None:
+        return []
+    from parc.analysis.preset_file import has_gpu
+    where = "this machine has no GPU, and " if not has_gpu() else ""
+    return [f"{where}no preset was named (--preset, or `topology preset=` in the plan): every rank is priced as "
+            f"an {hw.name}; for this machine's CPU ranks run `parc calibrate --device cpu -o cpu.json` and pass "
+            "--preset cpu.json"]
+
+
+def mfu_warning(est) -> str:
+    """MFU above 100% is no plan's: the preset's peak or its tables are wrong for the device."""
+    return (f"MFU {est.mfu:.0%} > 100%: the step is priced faster than the {est.hw.name} preset's own peak "
+            f"allows ({est.model_flops:.3g} model FLOPs in {est.step_seconds:.3g} s): its figures are implausible "
+            "(a calibration on a busy machine, or a peak below the device's)")
 
 
 def _exposed_parts(est) -> dict[str, float]:
@@ -229,6 +258,10 @@ def render(rep: dict, console=None) -> None:
     # there, lines are never wrapped and tables get the width their contents need.
     console = console or (Console() if sys.stdout.isatty() else Console(width=240, soft_wrap=True))
     p, hw = rep["plan"], rep["hardware"]
+    for r in rep.get("refusals", []):   # said first: parc would not run this plan at all
+        console.print(f"[bold red]compile refuses this[/]: {r}")
+    for w in rep.get("warnings", []):   # then what makes every figure below doubtful
+        console.print(f"[bold yellow]warning[/]: {w}")
     console.print(f"[bold]plan[/]: dp {p['dp']} × pp {p['pp']} × tp {p['tp']} = {p['world_size']} ranks"
                   + (f" (ep {p['ep']} inside dp)" if p.get("ep", 1) > 1 else "") + ", "
                   f"global batch {p['global_batch']} = micro {p['micro']} × accumulation {p['accumulation']} × "

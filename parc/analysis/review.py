@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parc.analysis import cost
+from parc.analysis.preset_file import is_file, resolve
 from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
 
@@ -27,15 +28,18 @@ from parc.grammar.plan import Plan, Topology
 def preset_error(plan: Plan) -> Diagnostic | None:
     """A `topology preset=` the cost model does not know, located at the value; parc check and parc compile
     both refuse it, so a compiled plan never fails later in `parc report` without a location."""
-    name = plan.topology.preset
+    name = resolve(plan.topology.preset, plan.file)
     if name is None:
         return None
     try:
         cost.hardware(name)
     except ParcError as e:
         span = plan.spans.get("topology.preset") or (Span(plan.file, 1, 1) if plan.source else None)
-        return Diagnostic(f"topology preset `{name}` is not a known hardware preset", span,
-                          e.diagnostics[0].hint, "error", plan.source or None)
+        return Diagnostic(f"topology preset `{plan.topology.preset}` is not a known hardware preset", span,
+                          e.diagnostics[0].hint, "error", plan.source or None) if not is_file(name) else \
+            Diagnostic(f"topology preset `{plan.topology.preset}`: {e.diagnostics[0].message}", span,
+                       e.diagnostics[0].hint or "a preset file's path is read relative to the plan's directory",
+                       "error", plan.source or None)
     return None
 
 
@@ -76,7 +80,7 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
     if unknown is not None:
         return out + [unknown]
     if stats is not None:
-        name = preset or topo.preset
+        name = preset or resolve(topo.preset, plan.file)
         hw = cost.hardware(name, topo)
         est = cost.estimate(plan, stats, hw)
         worst = max(est.memory, key=lambda row: row["total"])

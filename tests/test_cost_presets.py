@@ -1,0 +1,122 @@
+"""Presets (issue 27, item 6): a preset file round-trips through `parc plan -o`, `parc check`, `parc compile` and
+`parc report`; the hardware assumed when none is named is said first; implausible calibrations and an MFU above
+100% are flagged. The search is examples/gpt.py on 4 ranks (a few seconds), the compile one tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+from helpers import GPT
+
+from parc import cli
+from parc.analysis import cost, planner, preset_file, report
+
+
+def _preset(path, **change) -> str:
+    """A preset file as `parc calibrate` writes one: the H100's fields under another name, `change` applied."""
+    fields = dict(dataclasses.asdict(cost.PRESETS["h100"]), name="my-h100", **change)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def test_plan_with_a_preset_file_parses_checks_compiles_and_reports(tmp_path, capsys, monkeypatch):
+    """The written plan names the preset file relative to itself (another directory than the cwd's), and the
+    compiled/ directory carries the file's figures, so it is priced alike after the file moves."""
+    monkeypatch.chdir(tmp_path)
+    _preset(tmp_path / "presets" / "mine.json")
+    out = tmp_path / "out" / "plan.par"
+    out.parent.mkdir()
+    argv = ["plan", str(GPT), "--gpus", "4", "--global-batch", "8", "--precision", "fp32",
+            "--preset", "presets/mine.json", "-o", "out/plan.par"]
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "the winner" in said and f"wrote out/plan.par" in said
+    text = out.read_text()
+    assert "preset=../presets/mine.json" in text and "predicted on my-h100" in text
+    assert cli.main(["check", "out/plan.par", "--model", str(GPT), "--world-size", "4"]) == 0
+    assert cli.main(["compile", str(GPT), "--plan", "out/plan.par", "-o", "compiled"]) == 0
+    os.rename("presets", "moved")
+    assert report.build(tmp_path / "compiled")["hardware"]["name"] == "my-h100"
+    capsys.readouterr()
+    assert cli.main(["report", "--model", str(GPT), "--plan", "out/plan.par"]) == 2
+    err = capsys.readouterr().err
+    assert "out/plan.par:4:17: error: topology preset `../presets/mine.json`" in err and "preset file out/../presets/mine.json" in err
+
+
+def test_a_preset_must_be_a_name_or_a_json_file():
+    from parc.errors import ParcError
+    from parc.grammar.parser import parse
+
+    assert parse("mesh dp=1\ntopology preset=a/b-1.json\n").topology.preset == "a/b-1.json"
+    with pytest.raises(ParcError, match="must be a preset name .* or a preset file's path ending in .json"):
+        parse("mesh dp=1\ntopology preset=a/b\n")
+
+
+def test_no_preset_and_no_gpu_is_said_first(monkeypatch, capsys):
+    monkeypatch.setattr(preset_file, "has_gpu", lambda: False)
+    assert cli.main(["plan", str(GPT), "--gpus", "2", "--global-batch", "4", "--top", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("warning: this machine has no GPU, and no preset was named") and "H100-80GB" in first
+    assert "the plans are bf16 (--precision)" in first
+    rep = report.build(model=GPT, plan=GPT.parent / "dp.par")
+    assert rep["warnings"][0].startswith("this machine has no GPU")
+
+
+def test_implausible_calibration_and_mfu_above_100_are_flagged(tmp_path):
+    """A calibration on a busy machine (in-step ratios 0.02) and a preset pricing beyond its own peak (no
+    tables, achievable 3): both said, and the MFU that comes out above 100% too."""
+    busy = _preset(tmp_path / "busy.json", in_step=[0.02, 0.02, 1.0], matmul=[], attention=[], mem_times=[],
+                   achievable=3.0, flops={"fp32": 1e8, "bf16": 1e8})  # a slow peak: compute is the step
+    rep = report.build(model=GPT, plan=GPT.parent / "dp.par", preset=busy)
+    w = rep["warnings"]
+    assert any("in-step ratio of the forward 0.02 is outside 0.2–5" in x for x in w)
+    assert any("achievable 3 is not a fraction of the peak" in x for x in w)
+    assert rep["utilization"]["mfu"] > 1 and any(x.startswith("MFU ") and "> 100%" in x for x in w)
+    quiet = report.build(model=GPT, plan=GPT.parent / "dp.par", preset=_preset(tmp_path / "quiet.json"))
+    assert quiet["warnings"] == []
+
+
+@pytest.mark.parametrize("plan_text, said", [
+    ("mesh dp=2 pp=2\nbatch global=8 micro=1\npipeline schedule=interleaved_1f1b virtual=2\nzero stage=1\n",
+     "zero stage=1 with virtual stages (2 per pp rank) is not supported"),
+    ('mesh dp=2\nbatch global=4 micro=1\nzero stage=3\nrecompute "blocks.*"\n',
+     "recompute with zero stage=3 is not supported"),
+])
+def test_report_says_compile_refuses_first(tmp_path, plan_text, said, monkeypatch):
+    """Item 5: a plan `parc compile` refuses is still priced (what it would cost), but the report says first
+    that compile refuses it, with compile's own message (compiler.plan_checks: one list of checks for both)."""
+    from rich.console import Console
+
+    from parc.compiler import compile_model
+    from parc.errors import ParcError
+    from parc.grammar.parser import load_plan
+
+    path = tmp_path / "p.par"
+    path.write_text("topology preset=h100 gpus_per_node=4\n" + plan_text)
+    rep = report.build(model=GPT, plan=path)
+    assert rep["refusals"] and rep["refusals"][0].startswith(said)
+    console = Console(width=200, record=True)
+    report.render(rep, console)
+    assert console.export_text().startswith(f"compile refuses this: {said}")
+    with pytest.raises(ParcError) as e:
+        compile_model(GPT, load_plan(path), tmp_path / "out")
+    assert e.value.diagnostics[0].message == rep["refusals"][0]
+    ok = tmp_path / "ok.par"
+    ok.write_text("topology preset=h100 gpus_per_node=4\nmesh dp=2\nbatch global=4 micro=1\n")
+    assert report.build(model=GPT, plan=ok)["refusals"] == []
+
+
+def test_the_planner_never_proposes_a_refused_plan(tiny_search):
+    from parc.compiler import plan_refusals
+
+    assert tiny_search.ranked and all(plan_refusals(c.plan) == [] for c in tiny_search.ranked)
+    assert any("with virtual stages" in c.reason for c in tiny_search.dropped)
+
+
+@pytest.fixture(scope="module")
+def tiny_search():
+    return planner.search(GPT, gpus=4, preset="h100", global_batch=8, precision="fp32", top=400)
