@@ -15,6 +15,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
   ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
+  context parallelism (mesh cp, ring) with dp, fp32              test_context_parallel (the rest: cp_support)
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -27,6 +28,7 @@ asks for.
 
 from __future__ import annotations
 
+from parc.analysis import cp_support
 from parc.errors import Diagnostic, PlanError
 from parc.grammar.plan import Plan
 
@@ -61,6 +63,7 @@ def check(plan: Plan) -> None:
                "state is cut over the expert-data-parallel group, and no test proves a shard group inside it",
                "zero.shard", plan.zero, "drop shard= with ep (plain ZeRO-1/2 is proven with ep)")
     _expert_parallel(plan, refuse)
+    out += cp_support.diagnostics(plan)  # mesh cp: what context parallelism composes with so far
     if out:
         raise PlanError(diagnostics=out)
 
