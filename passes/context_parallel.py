@@ -185,10 +185,9 @@ class _Walk:
                                          "context parallelism splits one sequence")
                     continue
                 lengths.add(q[-2])
-        if not lengths:
-            self.refuse_at(None, "context parallelism found no F.scaled_dot_product_attention in the model: "
-                                 "it rewrites those (an attention written out as matmul and softmax is refused)")
-            return 0
+        if not lengths:  # no fused attention: the first batch input's dim 1 (an unfused one is refused at its op)
+            lengths = {next((_shape(n)[1] for n in self.gm.graph.nodes if n.op == "placeholder" and
+                             n.name.startswith("batch_") and len(_shape(n)) > 1), 0)}
         if len(lengths) > 1:
             self.refuse_at(None, f"attentions over sequences of different lengths {sorted(lengths)}: context "
                                  "parallelism splits one sequence")
