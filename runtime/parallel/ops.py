@@ -335,4 +335,3 @@ for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather
 
 
 import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*
-import parc.runtime.parallel.ring_attention  # noqa: E402,F401 — registers torch.ops.parc.cp_* and ring_attention
