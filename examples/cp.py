@@ -1,6 +1,6 @@
 """examples/gpt.py over 256-token windows: a long-ish sequence for context parallelism on CPU ranks.
 
-examples/cp.par splits each window over cp 2 (4 load-balanced chunks of 64 tokens, two per rank);
+examples/cp.par (its plan) splits each window over cp 2 (4 load-balanced chunks of 64 tokens, two per rank);
 `GPT` is examples/gpt.py's, with learned position embeddings read through `arange` positions.
 """
 
