@@ -175,3 +175,13 @@ def test_dropout_refused(tmp_path):
     with pytest.raises(ParcError) as e:
         compile_text(_plan("cp=2"), tmp_path / "c", model=ROOT / "tests" / "models" / "gpt_dropout.py")
     assert any("dropout under context parallelism" in d.message for d in e.value.diagnostics)
+
+
+def test_report_refuses_cp_rather_than_price_it_as_dp(tmp_path):
+    from parc.analysis import report
+
+    compile_text(_plan("dp=2 cp=2"), tmp_path / "c")
+    with pytest.raises(ParcError) as e:
+        report.build(tmp_path / "c", preset="h100")
+    assert "parc report does not model context parallelism yet (mesh cp 2)" in e.value.message
+    assert e.value.span.line == 1
