@@ -10,7 +10,8 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
 - `arange(T)` (the serial model's positions) becomes `parc.cp_positions`: the global positions of this
   rank's tokens, so learned position embeddings and anything computed from positions see them;
 - each `scaled_dot_product_attention` becomes `parc.ring_attention` (K/V blocks around the cp ring,
-  exact log-sum-exp merging, causal masks from global positions);
+  exact log-sum-exp merging, causal masks from global positions), or with `context_parallel alltoall`
+  `parc.ulysses_attention` (runtime/parallel/ulysses.py: heads scattered, sequence gathered, whole SDPA);
 - view / reshape / expand sizes along the sequence become local;
 - a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum,
   summed over cp by `parc.cp_sum` (all-reduce forward, identity backward), divided by the whole
@@ -44,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import parc.runtime.parallel.ring_attention  # noqa: F401 — registers torch.ops.parc.cp_* and ring_attention
+import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
 from parc.errors import Diagnostic, ParcError, Span
 from parc.passes.tp_shared import _PARC, _TORCH
 from parc.traced import module_path
@@ -193,10 +195,9 @@ class _Walk:
                                  "parallelism splits one sequence")
             return 0
         (t,) = lengths
-        parts = 2 * self.cp if self.method == "ring" else self.cp
+        parts = 2 * self.cp  # both methods use the load-balanced layout (ring needs it; all-to-all shares it)
         if t % parts:
-            why = "2 × cp chunks (causal load balancing: rank r holds chunks r and 2·cp−1−r)" \
-                if self.method == "ring" else "cp"
+            why = "2 × cp chunks (causal load balancing: rank r holds chunks r and 2·cp−1−r)"
             self.refuse_at(None, f"sequence length {t} is not divisible by {why} = {parts}",
                            plan_key="mesh.cp", hint=f"use a sequence length that is a multiple of {parts}, "
                                                     "or another cp")
@@ -352,10 +353,17 @@ class _Walk:
             raise _Refused("grouped-query attention (enable_gqa) under context parallelism is not proven yet")
         scale = a.get("scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(_shape(q)[-1])
+        args = (q, k, v, AXIS, bool(a.get("is_causal", False)), scale, self.cp)
+        if self.method == "alltoall" and _shape(q)[-3] % self.cp:
+            heads = _shape(q)[-3]
+            raise _Refused(f"all-to-all attention scatters heads over cp: {heads} heads are not divisible by "
+                           f"cp {self.cp}")
         with self.gm.graph.inserting_before(node):
-            ring = self.gm.graph.call_function(parc_ops.ring_attention.default,
-                                               (q, k, v, AXIS, bool(a.get("is_causal", False)), scale, self.cp))
-            out = self.gm.graph.call_function(operator.getitem, (ring, 0))
+            if self.method == "alltoall":  # DeepSpeed-Ulysses: one op, one output
+                ring = out = self.gm.graph.call_function(parc_ops.ulysses_attention.default, args)
+            else:
+                ring = self.gm.graph.call_function(parc_ops.ring_attention.default, args)
+                out = self.gm.graph.call_function(operator.getitem, (ring, 0))
         ring.meta["nn_module_stack"] = out.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
         ring.meta["stack_trace"] = out.meta["stack_trace"] = node.meta.get("stack_trace")
         out.meta["val"] = node.meta["val"]  # full shapes during the walk; `_propagate` makes them local

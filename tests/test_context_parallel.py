@@ -25,12 +25,13 @@ UNFUSED = ROOT / "tests" / "models" / "cp_unfused.py"
 POSBIAS = ROOT / "tests" / "models" / "cp_posbias.py"
 
 
-def _ring_body(ctx, causal: bool, shape: tuple):
+def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring"):
     """Each rank: ring attention on its load-balanced chunks of one (q, k, v), forward and backward,
     against F.scaled_dot_product_attention on the whole sequence (computed on every rank)."""
     import torch.distributed as dist
 
     from parc.runtime.parallel import ops
+    import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
     from parc.runtime.parallel.ring_attention import local_positions
 
     ops.bind_groups(SimpleNamespace(groups={"cp": dist.group.WORLD}))
@@ -41,7 +42,10 @@ def _ring_body(ctx, causal: bool, shape: tuple):
     (ref * w).sum().backward()
     pos = local_positions(shape[-2], ctx.rank, ctx.world_size)
     local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
-    out, _ = torch.ops.parc.ring_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
+    if method == "ring":
+        out, _ = torch.ops.parc.ring_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
+    else:
+        out = torch.ops.parc.ulysses_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
     (out * w[..., pos, :]).sum().backward()
     scale = ref.abs().max().item()
     diffs = {"out": (out - ref[..., pos, :]).abs().max().item() / scale}
@@ -53,6 +57,12 @@ def _ring_body(ctx, causal: bool, shape: tuple):
 @pytest.mark.parametrize("cp,causal", [(2, True), (4, True), (2, False)])
 def test_ring_attention_equals_sdpa(cp, causal):
     for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 3, 8 * cp, 4))):
+        assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
+
+
+@pytest.mark.parametrize("cp,causal", [(2, True), (4, True)])
+def test_ulysses_attention_equals_sdpa(cp, causal):
+    for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 4, 8 * cp, 4), "alltoall")):
         assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
 
 
@@ -139,11 +149,29 @@ def test_compositions_refused_all_at_once(tmp_path):
     assert "recompute with mesh cp 2" in said[5]
 
 
-def test_alltoall_not_built_yet(tmp_path):
+def test_unknown_method(tmp_path):
     with pytest.raises(ParcError) as e:
-        compile_text("mesh cp=2\nbatch global=4 micro=2\ncontext_parallel alltoall\n", tmp_path / "c")
-    assert "context_parallel alltoall is not built yet" in e.value.message
+        compile_text("mesh cp=2\nbatch global=4 micro=2\ncontext_parallel ulysses\n", tmp_path / "c")
+    assert "unknown context_parallel method `ulysses`" in e.value.message
     assert (e.value.span.line, e.value.span.col) == (3, 18)
+
+
+def test_alltoall_heads_not_divisible_by_cp(tmp_path):
+    # examples/gpt.py's 4 heads over cp 8 (its 32 tokens make 16 chunks of 2: the layout itself is fine)
+    with pytest.raises(ParcError) as e:
+        compile_text("mesh cp=8\nbatch global=4 micro=2\ncontext_parallel alltoall\n", tmp_path / "c")
+    d = e.value.diagnostics[0]
+    assert "4 heads are not divisible by cp 8" in d.message and "blocks.0.attn" in d.message
+    assert d.span.file.endswith("gpt.py") and "scaled_dot_product_attention" in \
+        (ROOT / "examples" / "gpt.py").read_text().splitlines()[d.span.line - 1]
+
+
+def test_gpt_alltoall_matches_serial(tmp_path):
+    text = _plan("dp=2 cp=2").replace("context_parallel ring", "context_parallel alltoall")
+    art = compile_text(text, tmp_path / "c")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count("torch.ops.parc.ulysses_attention") == 4 and "torch.ops.parc.ring_attention" not in src
+    _check(parallel_vs_serial(art.root, steps=3))
 
 
 def test_context_parallel_without_cp(tmp_path):

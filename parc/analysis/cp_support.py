@@ -1,7 +1,8 @@
 """What context parallelism (mesh cp > 1) composes with so far, checked on the plan alone.
 
 Start here when `parc compile` refuses a plan with `mesh … cp=N`. The first slice of issue 28 is proven
-for cp × dp, ring attention, fp32, with plain data-parallel gradient buckets (tests/test_context_parallel.py);
+for cp × dp, ring and all-to-all attention, fp32, with plain data-parallel gradient buckets
+(tests/test_context_parallel.py);
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
 all at once, rather than run without a test proving it equals the serial model. What needs the model
 (the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
@@ -16,7 +17,7 @@ from __future__ import annotations
 from parc.errors import Diagnostic
 from parc.grammar.plan import CP_METHODS, Plan
 
-BUILT = ("ring",)  # methods the pass implements; `alltoall` (Ulysses) is parsed and refused until it is built
+BUILT = ("ring", "alltoall")  # methods the pass implements
 
 
 def diagnostics(plan: Plan) -> list[Diagnostic]:

@@ -15,7 +15,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
   ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
-  context parallelism (mesh cp, ring) with dp, fp32              test_context_parallel (the rest: cp_support)
+  context parallelism (mesh cp, ring, alltoall) with dp, fp32    test_context_parallel (the rest: cp_support)
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
