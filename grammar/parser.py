@@ -41,13 +41,14 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from parc.errors import Diagnostic, PlanError, PlanSyntaxError, Span, source_lines
 from parc.grammar.plan import (
-    DEFAULT_ORDER, LOSS_SCALING_KEYS, Batch, Cut, ExpertParallel, LossScaling, Mesh, Optimizer, Pipeline, Plan,
-    Recompute, TensorParallel, Topology, TPRule, Zero,
+    CP_DEFAULT_ORDER, DEFAULT_ORDER, LOSS_SCALING_KEYS, Batch, ContextParallel, Cut, ExpertParallel, LossScaling, Mesh,
+    Optimizer, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule, Zero,
 )
 from parc.grammar.validate import validate
 
 STATEMENTS = ("mesh", "topology", "batch", "tensor_parallel", "pipeline", "zero",
-              "recompute", "precision", "optimizer", "expert_parallel", "compile")
+              "recompute", "precision", "optimizer", "expert_parallel", "compile",
+              "context_parallel")
 TP_FLAGS = ("sequence_parallel",)
 
 
@@ -418,7 +419,8 @@ def _betas(arg: _Arg) -> tuple[float, float]:
 
 _POSITIVE = _int("a positive integer")
 KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
-    "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names, "ep": _POSITIVE},
+    "mesh": {"dp": _POSITIVE, "pp": _POSITIVE, "tp": _POSITIVE, "order": _names, "ep": _POSITIVE,
+             "cp": _POSITIVE},
     "topology": {"nodes": _POSITIVE, "gpus_per_node": _POSITIVE, "intra": _bandwidth,
                  "inter": _bandwidth, "preset": _preset},
     "batch": {"global": _POSITIVE, "micro": _POSITIVE, "accumulation": _POSITIVE},
@@ -435,6 +437,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
                   "warmup": _int("a number of steps ≥ 0"), "decay": _name, "decay_steps": _POSITIVE,
                   "min_lr": _float, "no_decay": _names},
     "expert_parallel": {},
+    "context_parallel": {},
 }
 
 
@@ -504,8 +507,10 @@ class _Builder:
         return out
 
     def _mesh(self, stmt: _Stmt, kw: dict) -> Mesh:
+        cp = kw.get("cp", 1)
         return Mesh(dp=kw.get("dp", 1), pp=kw.get("pp", 1), tp=kw.get("tp", 1),
-                    order=kw.get("order", DEFAULT_ORDER), ep=kw.get("ep", 1), span=stmt.span)
+                    order=kw.get("order", CP_DEFAULT_ORDER if cp > 1 else DEFAULT_ORDER), ep=kw.get("ep", 1),
+                    span=stmt.span, cp=cp)
 
     def _topology(self, stmt: _Stmt, kw: dict) -> Topology:
         return Topology(nodes=kw.get("nodes", 1), gpus_per_node=kw.get("gpus_per_node", 8),
@@ -572,6 +577,11 @@ class _Builder:
         # fp16's scaler keys (validate refuses them under another precision, at the key)
         self.loss_scaling = LossScaling(**{k: kw[k] for k in LOSS_SCALING_KEYS if k in kw})
         return name
+
+    def _context_parallel(self, stmt: _Stmt, kw: dict) -> ContextParallel:
+        name, span = stmt.words[0]
+        self.spans["context_parallel"] = span
+        return ContextParallel(name, span=span)
 
     def _compile(self, stmt: _Stmt, kw: dict) -> str:
         name, span = stmt.words[0]

@@ -23,6 +23,9 @@ from parc.errors import Span
 
 AXES = ("dp", "pp", "tp")
 DEFAULT_ORDER = ("tp", "pp", "dp")  # inner → outer on global ranks: tp adjacent, dp outermost
+# with mesh cp > 1 (context parallelism), cp sits between tp and pp, as in Megatron-Core (tp-cp-…-dp-pp)
+CP_DEFAULT_ORDER = ("tp", "cp", "pp", "dp")
+CP_METHODS = ("ring", "alltoall")  # `context_parallel …`: how attention runs on the sharded sequence
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -38,10 +41,11 @@ class Mesh:
     order: tuple[str, ...] = DEFAULT_ORDER  # inner → outer
     ep: int = 1  # expert-parallel degree: groups of ep consecutive dp ranks (not an axis of its own)
     span: Span | None = field(default=None, compare=False)
+    cp: int = 1  # context-parallel degree: the sequence split over cp ranks (docs/context-parallel.md)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     def degree(self, axis: str) -> int:
         return getattr(self, axis)
@@ -89,6 +93,14 @@ class ExpertParallel:
     """Globs naming ModuleLists of experts; with mesh ep > 1 each ep rank holds E/ep of each list's experts."""
 
     patterns: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """`context_parallel ring|alltoall`: how each attention runs when mesh cp > 1 (passes/context_parallel.py)."""
+
+    method: str = "ring"
     span: Span | None = field(default=None, compare=False)
 
 
@@ -183,6 +195,7 @@ class Plan:
     optimizer: Optimizer = Optimizer()
     expert_parallel: ExpertParallel = ExpertParallel()
     compile: str = "none"
+    context_parallel: ContextParallel = ContextParallel()
     grad_reduce: str = "fp32"  # `precision bf16 reduce=…`: dtype of the dp gradient reduction (docs/precision.md)
     loss_scaling: LossScaling = LossScaling()  # `precision fp16 initial_scale_power=… …` (docs/precision.md)
     file: str = field(default="<plan>", compare=False)

@@ -18,7 +18,8 @@ an equal `Plan`, and equal plans print byte-identically (compiled/ hashes it).
 
 from __future__ import annotations
 
-from parc.grammar.plan import AXES, DEFAULT_ORDER, LOSS_SCALING_KEYS, LossScaling, Optimizer, Plan, Topology
+from parc.grammar.plan import (AXES, CP_DEFAULT_ORDER, DEFAULT_ORDER, LOSS_SCALING_KEYS, ContextParallel, LossScaling,
+                               Optimizer, Plan, Topology)
 
 _UNITS = (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3))
 
@@ -55,6 +56,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(_optimizer(plan.optimizer))
     if plan.compile != "none":
         lines.append(f"compile {plan.compile}")
+    if plan.context_parallel != ContextParallel():
+        lines.append(f"context_parallel {plan.context_parallel.method}")
     return "\n".join(lines) + "\n"
 
 
@@ -74,7 +77,9 @@ def _mesh(plan: Plan) -> str:
     text = "mesh " + " ".join(f"{a}={mesh.degree(a)}" for a in AXES)
     if mesh.ep != 1:
         text += f" ep={mesh.ep}"
-    if tuple(mesh.order) != DEFAULT_ORDER:
+    if mesh.cp != 1:
+        text += f" cp={mesh.cp}"
+    if tuple(mesh.order) != (CP_DEFAULT_ORDER if mesh.cp != 1 else DEFAULT_ORDER):
         text += " order=" + ",".join(mesh.order)
     return text
 

@@ -102,19 +102,34 @@ def _check_mesh(plan: Plan, out: _Report, world_size: int | None) -> None:
         if not _positive_int(mesh.degree(axis)):
             out.error(f"mesh {axis} must be a positive integer, got {mesh.degree(axis)}",
                       out.at(f"mesh.{axis}", mesh), f"{axis}=1 means the {axis} axis is not used")
-    if sorted(mesh.order) != sorted(AXES):
-        out.error(f"mesh order must name each of {', '.join(AXES)} once, got {','.join(mesh.order)}",
-                  out.at("mesh.order", mesh), "axes inner → outer, e.g. order=tp,pp,dp (the default)")
-    degrees = [mesh.degree(a) for a in AXES]
+    if (sorted(mesh.order) != sorted(AXES) or mesh.cp != 1) and not _cp_order(mesh):
+        named = (*AXES, "cp") if mesh.cp != 1 else AXES
+        out.error(f"mesh order must name each of {', '.join(named)} once, got {','.join(mesh.order)}",
+                  out.at("mesh.order", mesh), "axes inner → outer, e.g. order=tp,pp,dp (the default)"
+                  + (", or order=tp,cp,pp,dp (the default with cp)" if mesh.cp != 1 else ""))
+    _check_cp_degree(mesh, out)
+    degrees = [mesh.degree(a) for a in AXES] + ([mesh.cp] if mesh.cp != 1 else [])
     if all(_positive_int(d) for d in degrees) and mesh.world_size > MAX_WORLD:
-        product = " × ".join(f"{a} {d}" for a, d in zip(AXES, degrees))
+        product = " × ".join(f"{a} {d}" for a, d in zip((*AXES, "cp"), degrees))
         big = max(AXES, key=mesh.degree)
         out.error(f"mesh {product} = {mesh.world_size} ranks > {MAX_WORLD}, the most parc compiles for",
                   out.at(f"mesh.{big}", mesh), "see the limits in docs/plan-language.md")
     if world_size is not None and all(_positive_int(d) for d in degrees) and mesh.world_size != world_size:
-        product = " × ".join(f"{a} {d}" for a, d in zip(AXES, degrees))
+        product = " × ".join(f"{a} {d}" for a, d in zip((*AXES, "cp"), degrees))
         out.error(f"mesh {product} = {mesh.world_size} ≠ world size {world_size}", out.at("mesh", mesh),
                   "launch as many ranks as the mesh has, or change the degrees")
+
+
+def _cp_order(mesh) -> bool:
+    """An order naming cp with dp, pp and tp: allowed (and needed) with mesh cp > 1."""
+    return sorted(mesh.order) == sorted((*AXES, "cp"))
+
+
+def _check_cp_degree(mesh, out: _Report) -> None:
+    """mesh cp is a positive integer (what cp composes with: parc/analysis/cp_support.py)."""
+    if not _positive_int(mesh.cp):
+        out.error(f"mesh cp must be a positive integer, got {mesh.cp}", out.at("mesh.cp", mesh),
+                  "cp=1 means the sequence is not split")
 
 
 def _check_topology(plan: Plan, out: _Report) -> None:

@@ -50,7 +50,8 @@ def _existing(path: Path, what: str) -> Path:
 
 def _batch_line(plan) -> str:
     m = plan.mesh
-    return (f"mesh dp {m.dp} × pp {m.pp} × tp {m.tp} = {m.world_size} ranks; global batch {plan.global_batch} = "
+    cp = f" × cp {m.cp}" if m.cp > 1 else ""
+    return (f"mesh dp {m.dp} × pp {m.pp} × tp {m.tp}{cp} = {m.world_size} ranks; global batch {plan.global_batch} = "
             f"micro {plan.micro_batch} × accumulation {plan.accumulation} × dp {m.dp}")
 
 

@@ -40,6 +40,10 @@ def program_source(gm: fx.GraphModule, *, stage: int, tp_rank: int, tp: int, mod
     python = gm.graph.python_code(root_module="self")
     body = "\n\n\n".join([*_regions(python.globals), _flat(python.src)])
     imports = "import parc.runtime.parallel.ops  # noqa: F401 — registers torch.ops.parc.*\n" if "torch.ops.parc." in body else ""
+    if "torch.ops.parc.ring_attention" in body or "torch.ops.parc.cp_" in body:
+        imports += "import parc.runtime.parallel.ring_attention  # noqa: F401 — registers the cp ops (passes/context_parallel.py)\n"
+    if "torch.ops.parc.ulysses_attention" in body:
+        imports += "import parc.runtime.parallel.ulysses  # noqa: F401 — registers the all-to-all attention\n"
     if "torch.ops.parc.alltoall_alltoall" in body:
         imports += "import parc.runtime.parallel.expert_parallel  # noqa: F401 — registers the ep all-to-all (passes/expert_parallel.py)\n"
     if "torch.utils.checkpoint." in body:

@@ -21,7 +21,7 @@ import parc
 from parc import artifact, codegen, mesh as meshlib
 from parc.analysis import cost, review, support
 from parc.errors import Diagnostic, ParcError, PlanError, TraceError
-from parc.passes import PassCtx, dropout, expert_parallel, grad_buckets, pipeline_split, portable, recompute, run_passes, tensor_parallel, zero
+from parc.passes import PassCtx, context_parallel, dropout, expert_parallel, grad_buckets, pipeline_split, portable, recompute, run_passes, tensor_parallel, zero
 from parc.passes import precision as precision_casts
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
@@ -39,6 +39,7 @@ PASSES: list = [("tensor_parallel", tensor_parallel.run), ("dropout", dropout.ru
 PASSES.insert(1, ("expert_parallel", expert_parallel.run))  # before dropout, which counts sites over the model
 PASSES.insert(0, ("portable", portable.run))  # first: tensor_parallel's shape propagation runs CPU kernels
 PASSES.insert(1, ("precision", precision_casts.run))  # bf16: no dtype guard the traced fp32 invalidates
+PASSES.insert(2, ("context_parallel", context_parallel.run))  # mesh cp: before any pass that reads local shapes
 
 
 @dataclass
@@ -275,6 +276,10 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         plan_json["expert_parallel"] = {"ep": m.ep, "layers": ctx.notes.get("expert_layers", [])}
         for entry in plan_json["ranks"]:
             entry["ep"] = meshlib.ep_rank(m, entry["rank"])
+    if m.cp > 1:  # context parallelism: the cp rings, and the dp × cp groups gradients are reduced over
+        plan_json["mesh"]["cp"] = plan_json["plan"]["mesh"]["cp"] = m.cp
+        plan_json["groups"].update(cp=meshlib.groups(m, "cp"), dp_cp=meshlib.dp_cp_groups(m))
+        plan_json["context_parallel"] = ctx.notes.get("context_parallel")
     if zero.hsdp(plan):  # `zero shard=K` < dp: the shard and replicate groups (parc/mesh.py zero_groups)
         plan_json["groups"].update(meshlib.zero_groups(m, plan.zero.shard))
         plan_json["plan"]["zero_shard"] = plan.zero.shard  # recorded only under HSDP, as mesh ep is

@@ -1,4 +1,4 @@
-"""The device mesh: global rank ↔ (dp, pp, tp) coordinates, and the groups per axis.
+"""The device mesh: global rank ↔ (dp, pp, tp[, cp]) coordinates, and the groups per axis.
 
 Pure arithmetic, no torch.distributed: the runtime turns `Mesh.groups(axis)` into
 process groups, the compiler writes them into plan.json, and tests check them in
@@ -18,9 +18,13 @@ class Coord:
     dp: int
     pp: int
     tp: int
+    cp: int | None = None  # only on a mesh whose order names cp (mesh cp > 1): other plans' records keep 3 axes
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        out = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        if self.cp is not None:
+            out["cp"] = self.cp
+        return out
 
 
 def coords(mesh: Mesh, rank: int) -> Coord:
@@ -48,13 +52,23 @@ def groups(mesh: Mesh, axis: str) -> list[list[int]]:
 
     Sorted by their first rank; every rank is in exactly one group per axis.
     """
-    if axis not in AXES:
+    if axis not in AXES and not (axis == "cp" and "cp" in mesh.order):
         raise ValueError(f"unknown mesh axis {axis!r}")
     seen: dict[tuple, list[int]] = {}
     for r in range(mesh.world_size):
         c = coords(mesh, r).as_dict()
         key = tuple(v for a, v in sorted(c.items()) if a != axis)
         seen.setdefault(key, []).append(r)
+    return sorted(seen.values(), key=lambda g: g[0])
+
+
+def dp_cp_groups(mesh: Mesh) -> list[list[int]]:
+    """Ranks that differ only in their dp and cp coordinates: they hold the same parameters (cp ranks see
+    different tokens of the same samples), so their gradients are reduced together (runtime/train.py)."""
+    seen: dict[tuple, list[int]] = {}
+    for r in range(mesh.world_size):
+        c = coords(mesh, r)
+        seen.setdefault((c.pp, c.tp), []).append(r)
     return sorted(seen.values(), key=lambda g: g[0])
 
 

@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     if lead:  # start-up takes seconds (process groups, building the model, sending shards): say so
         m = art.plan["mesh"]
-        print(f"parc.run: {art.world_size} ranks (dp {m['dp']} × pp {m['pp']} × tp {m['tp']}); starting process "
+        print(f"parc.run: {art.world_size} ranks (dp {m['dp']} × pp {m['pp']} × tp {m['tp']}{' × cp ' + str(m['cp']) if 'cp' in m else ''}); starting process "
               "groups, building the model and loading each rank's state", flush=True)
         for line in placed:
             print(f"parc.run: warning: {line}", file=sys.stderr, flush=True)

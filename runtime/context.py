@@ -40,15 +40,17 @@ class ParallelContext:
         groups, group_ranks = {}, {}
         # ep and edp (expert parallelism, runtime/parallel/expert_parallel.py) only in plans with mesh ep > 1
         # zero_shard and zero_replicate (HSDP, runtime/parallel/zero.py) only in plans with zero shard < dp
-        for axis in ("dp", "pp", "tp", *(a for a in ("ep", "edp", "zero_shard", "zero_replicate")
+        # cp and dp_cp (context parallelism, runtime/parallel/ring_attention.py) only in plans with mesh cp > 1
+        for axis in ("dp", "pp", "tp", *(a for a in ("ep", "edp", "zero_shard", "zero_replicate", "cp", "dp_cp")
                                          if a in plan_json["groups"])):
             for ranks in plan_json["groups"][axis]:
                 # every rank creates every group, in the same order: new_group is collective
                 pg = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[axis], group_ranks[axis] = pg, ranks
-        return cls(rank, world, {a: me[a] for a in ("dp", "pp", "tp")},
-                   {a: mesh[a] for a in ("dp", "pp", "tp")}, groups, group_ranks, current_device(),
+        axes = ("dp", "pp", "tp", "cp") if "cp" in mesh else ("dp", "pp", "tp")
+        return cls(rank, world, {a: me[a] for a in axes},
+                   {a: mesh[a] for a in axes}, groups, group_ranks, current_device(),
                    dist.get_backend())
 
 

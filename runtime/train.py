@@ -166,7 +166,10 @@ class Trainer:
                                                  edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
-            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp"], ctx.degree["dp"],
+            # mesh cp: the cp ranks of a sample hold parts of its gradient: summed over dp × cp, divided by dp
+            cp = ctx.degree.get("cp", 1)
+            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp_cp" if cp > 1 else "dp"],
+                                       ctx.degree["dp"] * cp, divisor=ctx.degree["dp"],
                                        reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         if self.entry.get("experts") and self.pp == 1 and not self.zero:  # expert gradients: summed over edp, averaged over dp

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from parc.analysis import cost, experts, tp_grad_sums
 from parc.analysis.preset_file import implausible, resolve
-from parc.errors import ParcError
+from parc.errors import ParcError, PlanError
 
 GiB = cost.GiB
 
@@ -122,6 +122,11 @@ def _artifact_params(pj: dict) -> list[int]:
 def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path | None = None,
           preset: str | None = None, allreduce: str | None = None) -> dict:
     plan_obj, stats, notes, pj = _inputs(compiled, model, plan)
+    if plan_obj.mesh.cp > 1:  # its volumes and activations would be priced as dp's: wrong, so not said
+        raise PlanError(f"parc report does not model context parallelism yet (mesh cp {plan_obj.mesh.cp}): its "
+                        "ring traffic, its dp × cp gradient reduction and activations ÷ cp are not priced",
+                        plan_obj.spans.get("mesh.cp") or plan_obj.mesh.span,
+                        "docs/context-parallel.md lists what cp has so far (issue 28)", source=plan_obj.source or None)
     art_params = _artifact_params(pj) if pj is not None else None
     topo = plan_obj.topology
     embedded = (pj or {}).get("costs", {}).get("preset_file") if preset is None else None

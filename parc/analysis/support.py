@@ -16,6 +16,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
   ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
   ZeRO-Offload (zero offload=cpu), stages 1–3, fp32/bf16, with tp and pp (as ZeRO is) test_zero_offload
+  context parallelism (mesh cp, ring, alltoall) with dp, fp32    test_context_parallel (the rest: cp_support)
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
@@ -28,6 +29,7 @@ asks for.
 
 from __future__ import annotations
 
+from parc.analysis import cp_support
 from parc.errors import Diagnostic, PlanError
 from parc.grammar.plan import Plan
 
@@ -63,6 +65,7 @@ def check(plan: Plan) -> None:
                "zero.shard", plan.zero, "drop shard= with ep (plain ZeRO-1/2 is proven with ep)")
     _offload(plan, refuse)
     _expert_parallel(plan, refuse)
+    out += cp_support.diagnostics(plan)  # mesh cp: what context parallelism composes with so far
     if out:
         raise PlanError(diagnostics=out)
 

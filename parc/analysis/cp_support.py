@@ -1,0 +1,66 @@
+"""What context parallelism (mesh cp > 1) composes with so far, checked on the plan alone.
+
+Start here when `parc compile` refuses a plan with `mesh … cp=N`. The first slice of issue 28 is proven
+for cp × dp, ring and all-to-all attention, fp32, with plain data-parallel gradient buckets
+(tests/test_context_parallel.py);
+every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
+all at once, rather than run without a test proving it equals the serial model. What needs the model
+(the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
+checked by passes/context_parallel.py.
+
+Assumes: the plan passed `parc.grammar.validate.validate`.
+Guarantees: `diagnostics(plan)` is empty only for plans the cp runtime implements.
+"""
+
+from __future__ import annotations
+
+from parc.errors import Diagnostic
+from parc.grammar.plan import CP_METHODS, Plan
+
+BUILT = ("ring", "alltoall")  # methods the pass implements
+
+
+def diagnostics(plan: Plan) -> list[Diagnostic]:
+    """One error per feature the plan states that cp does not compose with yet (empty without cp)."""
+    out: list[Diagnostic] = []
+    m = plan.mesh
+
+    def refuse(message: str, key: str, node, hint: str) -> None:
+        span = plan.spans.get(key) or getattr(node, "span", None)
+        out.append(Diagnostic(message, span, hint, "error", plan.source or None))
+
+    method = plan.context_parallel.method
+    if method not in CP_METHODS:
+        refuse(f"unknown context_parallel method `{method}`", "context_parallel", plan.context_parallel,
+               "valid: " + ", ".join(CP_METHODS))
+    elif method not in BUILT:
+        refuse(f"context_parallel {method} is not built yet: only ring attention is (issue 28)",
+               "context_parallel", plan.context_parallel, "write `context_parallel ring`")
+    if m.cp == 1:
+        if plan.context_parallel.span is not None:  # a stated method that would change nothing
+            refuse("context_parallel needs mesh cp > 1: with cp 1 the sequence is not split", "context_parallel",
+                   plan.context_parallel, "add cp=N to the mesh, or drop the line")
+        return out
+    later = "not yet proven with context parallelism (docs/context-parallel.md lists what is)"
+    for axis, key in (("tp", "mesh.tp"), ("pp", "mesh.pp"), ("ep", "mesh.ep")):
+        if m.degree(axis) > 1:
+            refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
+                   f"use {axis}=1 with cp, or cp=1")
+    if plan.zero.stage > 0:
+        refuse(f"zero stage={plan.zero.stage} with mesh cp {m.cp}: ZeRO would shard over dp only, not dp × cp; "
+               f"{later}", "zero.stage", plan.zero, "drop the `zero` line with cp")
+    if plan.precision != "fp32":
+        refuse(f"precision {plan.precision} with mesh cp {m.cp}: {later}", "precision", None,
+               "use precision fp32 with cp")
+    if plan.recompute.patterns:
+        refuse(f"recompute with mesh cp {m.cp}: {later}", "recompute.patterns[0]", plan.recompute,
+               "drop the `recompute` line with cp")
+    if plan.compile != "none":
+        refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
+    if plan.tensor_parallel.rules or plan.tensor_parallel.sequence_parallel:
+        refuse(f"tensor_parallel rules with mesh cp {m.cp}: {later}", "tensor_parallel", plan.tensor_parallel,
+               "drop the `tensor_parallel` block with cp")
+    if plan.expert_parallel.patterns:
+        refuse(f"expert_parallel with mesh cp {m.cp}: {later}", "expert_parallel", plan.expert_parallel,
+               "drop the `expert_parallel` block with cp")
+    return out

@@ -1,0 +1,495 @@
+"""Context parallelism (mesh cp > 1): the sequence of every sample split over the cp ranks.
+
+Start at `run`. The pass walks the traced loss graph once, in order, and gives every value a sequence
+layout: replicated (None), or `Seq(dim, merged)`: dimension `dim` holds the sequence, with `merged` outer
+elements folded into it (a `(B, T)` → `B·T` reshape gives `Seq(0, B)`), this rank's 2·c = T / cp tokens
+of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r and 2·cp−1−r). It changes:
+
+- each batch input whose dim 1 is the sequence (length T, the attentions' length) enters through
+  `parc.cp_shard`: the program takes the whole micro-batch and keeps this rank's chunks;
+- `arange(T)` (the serial model's positions) becomes `parc.cp_positions`: the global positions of this
+  rank's tokens, so learned position embeddings and anything computed from positions see them;
+- each `scaled_dot_product_attention` becomes `parc.ring_attention` (K/V blocks around the cp ring,
+  exact log-sum-exp merging, causal masks from global positions), or with `context_parallel alltoall`
+  `parc.ulysses_attention` (runtime/parallel/ulysses.py: heads scattered, sequence gathered, whole SDPA);
+- view / reshape / expand sizes along the sequence become local;
+- a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum,
+  summed over cp by `parc.cp_sum` (all-reduce forward, identity backward), divided by the whole
+  micro-batch's count: every cp rank returns the serial micro-batch's loss, exact under uneven
+  `ignore_index` masks.
+
+Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
+(pointwise, linear, layer norm, embedding lookups, views that keep the sequence a dimension, softmax
+along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
+sequence's length, slicing along the sequence, dropout — is refused at its line in the model file, the
+op and the module named, all such errors at once.
+
+Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
+shapes in `meta["val"]`; parc/analysis/cp_support.py has refused every feature cp does not compose with.
+Guarantees: the program computes, on every cp rank, the serial micro-batch's loss; its parameter
+gradients, summed over cp, are the serial micro-batch's; `meta["val"]` holds local shapes (re-propagated:
+a wrong rewrite fails at compile time); `ctx.notes["context_parallel"]` records what was rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import parc.runtime.parallel.ring_attention  # noqa: F401 — registers torch.ops.parc.cp_* and ring_attention
+import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
+from parc.errors import Diagnostic, ParcError, Span
+from parc.passes.tp_shared import _PARC, _TORCH
+from parc.traced import module_path
+
+NAME = "context_parallel"
+AXIS = "cp"
+aten = torch.ops.aten
+parc_ops = torch.ops.parc
+
+# ops whose output keeps the layout of their tensor operands, broadcast from the right
+POINTWISE = {
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
+    aten.sqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default, aten.gelu.default,
+    aten.relu.default, aten.silu.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+    aten.dropout.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+    aten._log_softmax.default,
+}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+NORMS = {aten.layer_norm.default, *((aten.rms_norm.default,) if hasattr(aten, "rms_norm") else ())}
+SDPA = aten.scaled_dot_product_attention.default
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclass(frozen=True)
+class Seq:
+    """Dimension `dim` holds the sequence, with `merged` outer elements folded in before it."""
+
+    dim: int
+    merged: int = 1
+
+
+class _Refused(Exception):
+    """One located refusal; `run` collects them and raises every one at once."""
+
+
+def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    cp = plan.mesh.cp
+    if cp == 1:
+        return gm
+    walk = _Walk(gm, plan, ctx, cp)
+    walk.run()
+    if walk.errors:
+        raise ParcError(diagnostics=walk.errors)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _propagate(gm)
+    ctx.notes[NAME] = walk.summary()
+    return gm
+
+
+class _Walk:
+    def __init__(self, gm: fx.GraphModule, plan, ctx, cp: int):
+        self.gm, self.plan, self.ctx, self.cp = gm, plan, ctx, cp
+        self.method = plan.context_parallel.method
+        self.errors: list[Diagnostic] = []
+        self.seen: set = set()
+        self.lay: dict[fx.Node, Seq | tuple | None] = {}
+        self.sharded_inputs: list[str] = []
+        self.attentions = 0
+        self.positions = 0
+        self.seq_len = self._sequence_length()
+        self.local = self.seq_len // cp if self.seq_len else 0
+
+    # --- the walk ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        if not self.seq_len:
+            return
+        for node in list(self.gm.graph.nodes):
+            try:
+                self.lay[node] = self.visit(node)
+            except _Refused as e:
+                self.refuse_at(node, str(e))
+                self.lay[node] = None
+
+    def visit(self, node: fx.Node):
+        if node.op == "placeholder":
+            return self.placeholder(node)
+        if node.op == "output":
+            (result,) = node.args
+            if any(self.lay.get(a) is not None for a in result if isinstance(a, fx.Node)):
+                raise _Refused("the loss is still split along the sequence: parc cannot tell what sums it over cp")
+            return None
+        if node.op != "call_function":
+            return None
+        if node.target is aten.arange.default or node.target is aten.arange.start:
+            return self.arange(node)
+        ins = [a for a in node.all_input_nodes if self.lay.get(a) is not None]
+        if not ins:
+            return None  # nothing split along the sequence reaches it: it runs whole on every cp rank
+        t = node.target
+        if t is operator.getitem:
+            parent = self.lay[node.args[0]]
+            return parent[node.args[1]] if isinstance(parent, tuple) else None
+        if t in POINTWISE:
+            return self.pointwise(node)
+        if t is aten.embedding.default:
+            return self.only_operand(node, 1, "the table")
+        if t is aten.linear.default:
+            return self.linear(node)
+        if t in NORMS:
+            return self.norm(node)
+        if t in VIEWS:
+            return self.view(node)
+        if t in SPLITS:
+            return self.split(node)
+        if t is aten.transpose.int:
+            return self.transpose(node)
+        if t is aten.permute.default:
+            return self.permute(node)
+        if t is aten.unsqueeze.default:
+            return self.unsqueeze(node)
+        if t is SDPA:
+            return self.attention(node)
+        if t is aten.cross_entropy_loss.default:
+            return self.cross_entropy(node)
+        if t in (aten.mean.default, aten.sum.default):
+            return self.reduce_all(node)
+        if t in (aten.matmul.default, aten.bmm.default, aten.mm.default) and \
+                all(self.lay.get(a) is not None for a in node.args[:2]):
+            raise _Refused(f"`{_op(node)}` of two values split along the sequence (an attention written out as "
+                           "q @ kᵀ, softmax, @ v?): context parallelism rewrites only "
+                           "F.scaled_dot_product_attention")
+        raise _Refused(f"context parallelism cannot prove `{_op(node)}` is local along the sequence")
+
+    # --- sources of the split --------------------------------------------------------------------
+
+    def _sequence_length(self) -> int:
+        """T: the one query and key length of every SDPA (each one refused otherwise)."""
+        lengths = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and node.target is SDPA:
+                q, k = (_shape(a) for a in node.args[:2])
+                if q[-2] != k[-2]:
+                    self.refuse_at(node, f"attention of {q[-2]} queries over {k[-2]} keys (cross attention): "
+                                         "context parallelism splits one sequence")
+                    continue
+                lengths.add(q[-2])
+        if not lengths:  # no fused attention: the first batch input's dim 1 (an unfused one is refused at its op)
+            lengths = {next((_shape(n)[1] for n in self.gm.graph.nodes if n.op == "placeholder" and
+                             n.name.startswith("batch_") and len(_shape(n)) > 1), 0)}
+        if len(lengths) > 1:
+            self.refuse_at(None, f"attentions over sequences of different lengths {sorted(lengths)}: context "
+                                 "parallelism splits one sequence")
+            return 0
+        (t,) = lengths
+        parts = 2 * self.cp  # both methods use the load-balanced layout (ring needs it; all-to-all shares it)
+        if t % parts:
+            why = "2 × cp chunks (causal load balancing: rank r holds chunks r and 2·cp−1−r)"
+            self.refuse_at(None, f"sequence length {t} is not divisible by {why} = {parts}",
+                           plan_key="mesh.cp", hint=f"use a sequence length that is a multiple of {parts}, "
+                                                    "or another cp")
+            return 0
+        return t
+
+    def placeholder(self, node: fx.Node):
+        if not node.name.startswith("batch_"):  # state: replicated on every cp rank
+            return None
+        s = _shape(node)
+        if len(s) < 2 or s[1] != self.seq_len:
+            return None  # a per-sample input: every cp rank reads it whole
+        users = list(node.users)
+        with self.gm.graph.inserting_after(node):
+            shard = self.gm.graph.call_function(parc_ops.cp_shard.default, (node, AXIS, 1, self.cp))
+        for u in users:
+            u.replace_input_with(node, shard)
+        shard.meta.update(node.meta)
+        self.lay[shard] = Seq(1)
+        self.sharded_inputs.append(node.name)
+        self.ctx.count(NAME)
+        return None
+
+    def arange(self, node: fx.Node):
+        """`arange(T)`: positions. Any other arange is replicated (it never meets the split sequence, or
+        meeting it is refused)."""
+        args = list(node.args)
+        start, end = (0, args[0]) if node.target is aten.arange.default else (args[0], args[1])
+        step = args[2] if node.target is aten.arange.start and len(args) > 2 else 1
+        if (start, end, step) != (0, self.seq_len, 1) or node.kwargs.get("dtype") not in (None, torch.int64):
+            return None
+        like = next(n for n in self.gm.graph.nodes if n.op == "placeholder")
+        with self.gm.graph.inserting_before(node):
+            pos = self.gm.graph.call_function(parc_ops.cp_positions.default, (like, self.seq_len, AXIS, self.cp))
+        pos.meta.update(node.meta)
+        node.replace_all_uses_with(pos)
+        self.gm.graph.erase_node(node)
+        self.positions += 1
+        self.ctx.count(NAME)
+        self.lay[pos] = Seq(0)
+        return Seq(0)
+
+    # --- ops local along the sequence ------------------------------------------------------------
+
+    def pointwise(self, node: fx.Node):
+        if node.target is aten.dropout.default and len(node.args) > 1 and node.args[1] > 0 and \
+                (len(node.args) < 3 or node.args[2]):
+            raise _Refused("dropout under context parallelism is not proven yet (its keyed masks would follow "
+                           "local, not global, token indices)")
+        out = _shape(node)
+        found = None
+        for a in node.args:
+            if not isinstance(a, fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            s, lay = _shape(a), self.lay.get(a)
+            if lay is not None:
+                aligned = Seq(len(out) - len(s) + lay.dim, lay.merged)
+                if found is not None and aligned != found:
+                    raise _Refused(f"`{_op(node)}` combines values split along different dims {found} and {aligned}")
+                found = aligned
+        for a in node.args:  # a replicated operand must be broadcast along the sequence, not indexed by it
+            if isinstance(a, fx.Node) and self.lay.get(a) is None and isinstance(a.meta.get("val"), torch.Tensor):
+                s = _shape(a)
+                k = found.dim - (len(out) - len(s))
+                if 0 <= k < len(s) and s[k] != 1:
+                    raise _Refused(f"`{_op(node)}` combines a value split along the sequence with "
+                                   f"`{a.name}` {tuple(s)}, which has the sequence's {s[k]} positions along dim "
+                                   f"{k} but is not built from `arange` positions: context parallelism cannot "
+                                   "prove which of them this rank's tokens need")
+        for dim_arg in _dim_args(node):
+            if dim_arg % len(out) == found.dim:
+                raise _Refused(f"`{_op(node)}` along the sequence dim {found.dim}")
+        return found
+
+    def only_operand(self, node: fx.Node, index: int, what: str):
+        for k, a in enumerate(node.args):
+            if k != index and isinstance(a, fx.Node) and self.lay.get(a) is not None:
+                raise _Refused(f"`{_op(node)}`: {what} is split along the sequence")
+        return self.lay[node.args[index]]
+
+    def linear(self, node: fx.Node):
+        x = self.lay.get(node.args[0])
+        if x is None or any(self.lay.get(a) is not None for a in node.args[1:] if isinstance(a, fx.Node)):
+            raise _Refused(f"`{_op(node)}` with a weight split along the sequence")
+        if x.dim == len(_shape(node.args[0])) - 1:
+            raise _Refused(f"`{_op(node)}` contracts the sequence dim")
+        return x
+
+    def norm(self, node: fx.Node):
+        x = self.only_operand(node, 0, "a weight")
+        if x.dim >= len(_shape(node.args[0])) - len(node.args[1]):
+            raise _Refused(f"`{_op(node)}` normalizes over the sequence dim")
+        return x
+
+    def transpose(self, node: fx.Node):
+        x, n = self.lay[node.args[0]], len(_shape(node.args[0]))
+        d0, d1 = node.args[1] % n, node.args[2] % n
+        return Seq({d0: d1, d1: d0}.get(x.dim, x.dim), x.merged)
+
+    def permute(self, node: fx.Node):
+        x, n = self.lay[node.args[0]], len(_shape(node.args[0]))
+        dims = [d % n for d in node.args[1]]
+        return Seq(dims.index(x.dim), x.merged)
+
+    def unsqueeze(self, node: fx.Node):
+        x, n = self.lay[node.args[0]], len(_shape(node))
+        d = node.args[1] % n
+        return Seq(x.dim + (d <= x.dim), x.merged)
+
+    def split(self, node: fx.Node):
+        x, n = self.lay[node.args[0]], len(_shape(node.args[0]))
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if node.target is aten.unbind.int:
+            dim = node.args[1] if len(node.args) > 1 else 0
+        if dim % n == x.dim:
+            raise _Refused(f"`{_op(node)}` splits along the sequence dim")
+        parts = len(node.meta["val"])
+        lay = x if node.target is not aten.unbind.int else Seq(x.dim - (dim % n < x.dim), x.merged)
+        return tuple(lay for _ in range(parts))
+
+    def view(self, node: fx.Node):
+        """A reshape keeps the sequence a dimension (alone or with outer dims folded in) or is refused;
+        its size becomes local."""
+        x, src, out = self.lay[node.args[0]], _shape(node.args[0]), _shape(node)
+        before = math.prod(src[:x.dim]) * x.merged  # elements in front of the sequence, flattened
+        after = math.prod(src[x.dim + 1:])
+        for j in range(len(out)):
+            head = math.prod(out[:j])
+            if math.prod(out[j + 1:]) == after and before % head == 0 and out[j] == before // head * self.seq_len:
+                merged = before // head
+                local = list(out)
+                local[j] = merged * self.local
+                node.args = (node.args[0], local, *node.args[2:])
+                return Seq(j, merged)
+        raise _Refused(f"`{_op(node)}` {tuple(src)} → {tuple(out)} does not keep the sequence a dimension of "
+                       "its own or folded with the dims before it")
+
+    # --- attention and the loss ------------------------------------------------------------------
+
+    def attention(self, node: fx.Node):
+        a = _sdpa_args(node)
+        q, k, v = a["query"], a["key"], a["value"]
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            lay = self.lay.get(t)
+            if lay != Seq(len(_shape(t)) - 2):
+                raise _Refused(f"attention's {name} is not split along its sequence dim -2 ({lay})")
+        if a.get("attn_mask") is not None:
+            raise _Refused("attention with an explicit attn_mask: context parallelism builds only causal masks "
+                           "(from global positions); pass is_causal=True or no mask")
+        if a.get("dropout_p", 0.0):
+            raise _Refused("attention dropout under context parallelism is not proven yet")
+        if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:
+            raise _Refused("grouped-query attention (enable_gqa) under context parallelism is not proven yet")
+        scale = a.get("scale")
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(_shape(q)[-1])
+        args = (q, k, v, AXIS, bool(a.get("is_causal", False)), scale, self.cp)
+        if self.method == "alltoall" and _shape(q)[-3] % self.cp:
+            heads = _shape(q)[-3]
+            raise _Refused(f"all-to-all attention scatters heads over cp: {heads} heads are not divisible by "
+                           f"cp {self.cp}")
+        with self.gm.graph.inserting_before(node):
+            if self.method == "alltoall":  # DeepSpeed-Ulysses: one op, one output
+                ring = out = self.gm.graph.call_function(parc_ops.ulysses_attention.default, args)
+            else:
+                ring = self.gm.graph.call_function(parc_ops.ring_attention.default, args)
+                out = self.gm.graph.call_function(operator.getitem, (ring, 0))
+        ring.meta["nn_module_stack"] = out.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        ring.meta["stack_trace"] = out.meta["stack_trace"] = node.meta.get("stack_trace")
+        out.meta["val"] = node.meta["val"]  # full shapes during the walk; `_propagate` makes them local
+        node.replace_all_uses_with(out)
+        self.gm.graph.erase_node(node)
+        self.attentions += 1
+        self.ctx.count(NAME)
+        self.lay[out] = Seq(len(_shape(q)) - 2)
+        return None
+
+    def cross_entropy(self, node: fx.Node):
+        """`F.cross_entropy(logits, targets)` with reduction mean: this rank's sum, summed over cp, over the
+        whole micro-batch's count of targets not ignored (what the serial mean divides by)."""
+        args = list(node.args) + [None] * (6 - len(node.args))
+        x, target, weight, reduction, ignore, smoothing = args
+        reduction = 1 if reduction is None else reduction
+        ignore = -100 if ignore is None else ignore
+        if weight is not None:
+            raise _Refused("cross_entropy with class weights under context parallelism is not proven yet")
+        if reduction == 0:
+            return self.lay[x]  # per-token losses: split like the tokens
+        lx, lt = self.lay.get(x), self.lay.get(target)
+        if lx is None or lt is None or lx.dim != 0 or lt.dim != 0 or lx.merged != lt.merged:
+            raise _Refused(f"`{_op(node)}` of logits {lx} and targets {lt}: context parallelism needs both split "
+                           "along their token dim 0")
+        g = self.gm.graph
+        with g.inserting_before(node):
+            local = g.call_function(aten.cross_entropy_loss.default,
+                                    (x, target, None, 2, ignore, smoothing or 0.0))
+            total = g.call_function(parc_ops.cp_sum.default, (local, AXIS))
+            out = total
+            if reduction == 1:
+                kept = g.call_function(aten.ne.Scalar, (target, ignore))
+                count = g.call_function(aten.sum.dim_IntList, (kept, [0]), {"dtype": torch.float32})
+                all_count = g.call_function(parc_ops.cp_sum.default, (count, AXIS))
+                out = g.call_function(aten.div.Tensor, (total, all_count))
+        for n in (local, total, out):
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+            n.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        self.ctx.count(NAME)
+        return None
+
+    def reduce_all(self, node: fx.Node):
+        """`x.mean()` / `x.sum()` over a split value: the local sum, summed over cp (÷ the serial count)."""
+        x = node.args[0]
+        g = self.gm.graph
+        with g.inserting_before(node):
+            local = g.call_function(aten.sum.default, (x,), dict(node.kwargs))
+            out = g.call_function(parc_ops.cp_sum.default, (local, AXIS))
+            if node.target is aten.mean.default:
+                out = g.call_function(aten.div.Scalar, (out, float(math.prod(_shape(x)))))
+        for n in (local, out):
+            n.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        self.ctx.count(NAME)
+        return None
+
+    # --- diagnostics -----------------------------------------------------------------------------
+
+    def refuse_at(self, node: fx.Node | None, message: str, plan_key: str | None = None,
+                  hint: str | None = None) -> None:
+        if node is not None:
+            message = f"{message} (op `{node.name}` in module `{module_path(node) or '<top level>'}`)"
+        span = self.plan.spans.get(plan_key) if plan_key else None
+        span = span or (_user_span(node, self.ctx) if node is not None else None) or \
+            self.plan.spans.get("mesh.cp") or getattr(self.plan.mesh, "span", None)
+        key = (message.split(" (op ")[0], module_path(node).split(".")[-1] if node is not None else "")
+        if key in self.seen:  # each layer repeats its blocks' ops: one error per kind of op and module
+            return
+        self.seen.add(key)
+        self.errors.append(Diagnostic(message, span, hint or "docs/context-parallel.md says what cp proves",
+                                      "error", self.plan.source if span is not None and span.file == self.plan.file
+                                      else None))
+
+    def summary(self) -> dict:
+        return {"method": self.method, "cp": self.cp, "seq_len": self.seq_len, "inputs": self.sharded_inputs,
+                "attentions": self.attentions, "positions": self.positions}
+
+
+def _op(node: fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", str(t)) if not hasattr(t, "_schema") else str(t).removeprefix("aten.")
+
+
+def _shape(node) -> list[int]:
+    return list(node.meta["val"].shape)
+
+
+def _dim_args(node: fx.Node) -> list[int]:
+    """The dim a softmax runs along (the only pointwise ops here that have one)."""
+    if node.target in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
+        return [node.args[1]]
+    return []
+
+
+def _sdpa_args(node: fx.Node) -> dict:
+    a = dict(zip(SDPA_ARGS, node.args))
+    a.update(node.kwargs)
+    return a
+
+
+def _user_span(node: fx.Node, ctx) -> Span | None:
+    """The innermost line of the user's code (outside torch and parc) in the node's stack trace."""
+    for file, line in re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")[::-1]:
+        if not any(Path(file).resolve().is_relative_to(d) for d in (_TORCH, *_PARC)):
+            return Span(file, int(line), _column(file, int(line)))
+    return None
+
+
+def _column(file: str, line: int) -> int:
+    """The first non-blank column of `line` (the statement the op came from)."""
+    try:
+        text = Path(file).read_text().splitlines()[line - 1]
+    except (OSError, IndexError):
+        return 1
+    return len(text) - len(text.lstrip()) + 1
+
+
+def _propagate(gm: fx.GraphModule) -> None:
+    """Re-run every node's shape on fake tensors from the whole micro-batch: the program's own `cp_shard`
+    makes them local, so a size the rewrite got wrong fails here, at compile time."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        args = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="cpu")
+                for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)

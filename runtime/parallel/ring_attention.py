@@ -1,0 +1,243 @@
+"""Context parallelism's runtime: the sequence layout over cp ranks and ring attention.
+
+Start here to see what the `torch.ops.parc.cp_*` and `torch.ops.parc.ring_attention` lines of a program
+compiled with `mesh … cp=N` do (passes/context_parallel.py writes them; docs/context-parallel.md).
+
+Layout (Megatron-Core's causal load balancing). The sequence of T tokens is cut into 2·cp chunks of
+c = T / (2·cp); cp rank r holds chunks r and 2·cp−1−r, in that order, as one local sequence of 2c tokens.
+Under a causal mask chunk j attends to chunks 0..j, so every rank gets the same number of (query, key)
+chunk pairs to compute: rank r's chunks r and 2cp−1−r see r+1 and 2cp−r chunks, 2cp+1 in all.
+
+Ring attention. Each rank keeps its queries; the key/value blocks travel around the cp ring (rank r
+sends to r+1, receives from r−1), cp−1 hops, the next hop posted before the current block is computed
+so the two overlap. Each (query chunk, key chunk) pair is skipped when the key chunk lies wholly after
+the query chunk (causal), computed without a mask when wholly before, with a triangle on the diagonal:
+masks from global positions. The partial results of one query row are merged exactly with the
+log-sum-exp of its scores (the online softmax). The backward is a ring too: the blocks travel the
+same way with their dK/dV accumulators, which take one more hop home at the end.
+
+Everything here computes in fp32 (a bf16 input is cast up and the outputs cast back), as SDPA's math
+path does on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parc.runtime import eager
+from parc.runtime.parallel.ops import _note, group, mark_ordered
+
+
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The two global chunks cp rank `rank` holds under causal load balancing."""
+    return rank, 2 * cp - 1 - rank
+
+
+def local_positions(seq_len: int, rank: int, cp: int) -> Tensor:
+    """The global positions of rank `rank`'s local tokens, in local order (int64, length seq_len / cp)."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(rank, cp)])
+
+
+def _rank(axis: str) -> tuple[int, int]:
+    g = group(axis)
+    return dist.get_rank(g), dist.get_world_size(g)
+
+
+# --- the sequence layout, as ops -------------------------------------------------------------------
+
+@eager.custom_op("parc::cp_shard")
+def cp_shard(x: Tensor, axis: str, dim: int, parts: int) -> Tensor:
+    """A batch input entering the program: this cp rank's two chunks of `x` along `dim` (the sequence).
+    No communication; batch inputs carry no gradient."""
+    r, cp = _rank(axis)
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([chunks[i] for i in chunk_ids(r, cp)], dim).contiguous()
+
+
+@cp_shard.register_fake
+def _(x, axis, dim, parts):
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return x.new_empty(shape)
+
+
+@eager.custom_op("parc::cp_positions")
+def cp_positions(like: Tensor, seq_len: int, axis: str, parts: int) -> Tensor:
+    """`arange(seq_len)` of the serial model, as this cp rank sees it: the global positions of its local
+    tokens (`like` only gives the device)."""
+    r, cp = _rank(axis)
+    return local_positions(seq_len, r, cp).to(like.device)
+
+
+@cp_positions.register_fake
+def _(like, seq_len, axis, parts):
+    return like.new_empty((seq_len // parts,), dtype=torch.int64)
+
+
+@eager.custom_op("parc::cp_sum")
+def cp_sum(x: Tensor, axis: str) -> Tensor:
+    """A loss's partial sum over this rank's tokens. Forward: all-reduce (sum) over `axis`, so every cp
+    rank holds the micro-batch's whole sum. Backward: identity: the one (replicated) sum's gradient
+    reaches every rank's share once; parameter gradients are then summed over cp (runtime/train.py)."""
+    _note("all_reduce", axis, "fwd")
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group(axis))
+    return out
+
+
+cp_sum.register_fake(lambda x, axis: torch.empty_like(x))
+eager.register_autograd(cp_sum, lambda ctx, g: (g, None), setup_context=lambda ctx, inputs, output: None)
+
+
+# --- ring attention ----------------------------------------------------------------------------------
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours of this rank's `axis` group."""
+
+    def __init__(self, axis: str, phase: str):
+        self.group = group(axis)
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        self.axis, self.phase = axis, phase
+
+    def start(self, tensors: list[Tensor]):
+        """Post the sends of `tensors` to the next rank and the receives of their like from the previous."""
+        _note("ring_send", self.axis, self.phase)
+        out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, as gloo needs
+        reqs = [dist.isend(t.contiguous(), self.next, group=self.group) for t in tensors]
+        reqs += [dist.irecv(o, self.prev, group=self.group) for o in out]
+        return out, reqs
+
+    @staticmethod
+    def finish(reqs) -> None:
+        for q in reqs:
+            q.wait()
+
+
+def _pairs(causal: bool, q_chunks, k_chunks):
+    """(query half, key half, "full" | "diag") of every chunk pair a block computes; causal skips the
+    pairs whose key chunk lies after the query chunk."""
+    for a, qa in enumerate(q_chunks):
+        for b, kb in enumerate(k_chunks):
+            if not causal or kb < qa:
+                yield a, b, "full"
+            elif kb == qa:
+                yield a, b, "diag"
+
+
+def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
+    return x.chunk(2, dim=-2)
+
+
+def _block_forward(q, k, v, scale, kind):
+    """Scores, log-sum-exp per row and the softmax-weighted values of one chunk pair (fp32)."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if kind == "diag":
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (…, c); finite: a causal diagonal keeps each row's own key
+    return lse, torch.exp(s - lse.unsqueeze(-1)) @ v
+
+
+def _merge(acc, lse_acc, out_b, lse_b):
+    """Online softmax: two partial results of the same query rows, merged exactly by their log-sum-exps."""
+    if acc is None:
+        return out_b, lse_b
+    lse = torch.logaddexp(lse_acc, lse_b)
+    return acc * torch.exp(lse_acc - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1), lse
+
+
+@eager.custom_op("parc::ring_attention")
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float,
+                   parts: int) -> tuple[Tensor, Tensor]:
+    """SDPA over a sequence sharded across `axis` in the load-balanced layout: q, k, v (…, 2c, hs) local.
+    `parts`: the cp degree (the compiler's; the group's size at run time). Returns (out (…, 2c, hs) in q's
+    dtype, lse (…, 2c) fp32, kept for the backward)."""
+    ring = _Ring(axis, "fwd")
+    cp = ring.size
+    qh = _halves(q.float())
+    mine = chunk_ids(ring.rank, cp)
+    acc, lse = [None, None], [None, None]
+    kv = [k.float().contiguous(), v.float().contiguous()]
+    for t in range(cp):
+        src = (ring.rank - t) % cp  # whose block this rank holds at hop t
+        pending = ring.start(kv) if t < cp - 1 else None  # the next hop overlaps this block's compute
+        kh, vh = _halves(kv[0]), _halves(kv[1])
+        for a, b, kind in _pairs(causal, mine, chunk_ids(src, cp)):
+            lse_b, out_b = _block_forward(qh[a], kh[b], vh[b], scale, kind)
+            acc[a], lse[a] = _merge(acc[a], lse[a], out_b, lse_b)
+        if pending is not None:
+            kv, reqs = pending
+            _Ring.finish(reqs)
+    return torch.cat(acc, dim=-2).to(q.dtype), torch.cat(lse, dim=-1)
+
+
+@ring_attention.register_fake
+def _(q, k, v, axis, causal, scale, parts):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@eager.custom_op("parc::bwd_ring_attention")
+def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, axis: str,
+                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Ring attention's backward (FlashAttention's, block by block): K, V and their dK, dV accumulators go
+    round the ring; after the last block each accumulator takes one more hop, home to its owner."""
+    ring = _Ring(axis, "bwd")
+    cp = ring.size
+    g32, q32 = grad.float(), q.float()
+    delta = (g32 * out.float()).sum(-1)  # (…, 2c): rowsum(dO ∘ O)
+    qh, gh, lh, dh = _halves(q32), _halves(g32), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
+    dq = [torch.zeros_like(h) for h in qh]
+    mine = chunk_ids(ring.rank, cp)
+    blocks = [k.float().contiguous(), v.float().contiguous(),
+              torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+              torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    for t in range(cp):
+        src = (ring.rank - t) % cp
+        kh, vh = _halves(blocks[0]), _halves(blocks[1])
+        dkh, dvh = _halves(blocks[2]), _halves(blocks[3])
+        for a, b, kind in _pairs(causal, mine, chunk_ids(src, cp)):
+            s = (qh[a] @ kh[b].transpose(-1, -2)) * scale
+            p = torch.exp(s - lh[a].unsqueeze(-1))
+            if kind == "diag":
+                n = p.shape[-1]
+                p = p.masked_fill(torch.ones(n, n, dtype=torch.bool, device=p.device).triu(1), 0.0)
+            dvh[b].add_(p.transpose(-1, -2) @ gh[a])
+            ds = p * (gh[a] @ vh[b].transpose(-1, -2) - dh[a].unsqueeze(-1)) * scale
+            dq[a].add_(ds @ kh[b])
+            dkh[b].add_(ds.transpose(-1, -2) @ qh[a])
+        if t < cp - 1:  # k, v and their accumulators to the next rank
+            blocks, reqs = ring.start(blocks)
+            _Ring.finish(reqs)
+    if cp > 1:  # the accumulators held now are rank r+1's: send them home
+        (dk, dv), reqs = ring.start(blocks[2:])
+        _Ring.finish(reqs)
+    else:
+        dk, dv = blocks[2], blocks[3]
+    return torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@bwd_ring_attention.register_fake
+def _(grad, q, k, v, out, lse, axis, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, axis, causal, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.args = (axis, causal, scale)
+
+
+def _ring_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = eager.call("parc::bwd_ring_attention", grad_out, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+eager.register_autograd(ring_attention, _ring_backward, setup_context=_ring_setup)
+for _op in (cp_sum, ring_attention, bwd_ring_attention):
+    mark_ordered(_op)

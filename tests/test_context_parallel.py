@@ -1,0 +1,215 @@
+"""Context parallelism (mesh cp, passes/context_parallel.py, runtime/parallel/ring_attention.py): ring
+attention equals SDPA, cp plans train like the serial model, and what cp cannot run is refused, located."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import ROOT, compile_text, parallel_vs_serial
+from parc.errors import ParcError
+from parc.runtime.launch import spawn
+
+# fp32, dropout 0. Ring attention sums each row's softmax in cp·2 pieces merged by their log-sum-exps,
+# and the loss is a sum over cp of per-rank sums: the same numbers added in another order, which moves
+# losses by ~1e-7 relative (measured 1.7e-7 on dp 2 × cp 2). Parameters after three AdamW steps at lr
+# 1e-2 agree to ~1e-6 model-wide (Adam divides each gradient by its own magnitude, magnifying the rounding
+# of near-zero ones; runtime/verify.py). A wrong chunk order, mask or missing reduction is 1e-2 or more.
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4
+# one attention in fp32: the same products, summed blockwise: ~1e-7 of the values' scale
+ATTN_TOL = 1e-5
+
+UNFUSED = ROOT / "tests" / "models" / "cp_unfused.py"
+POSBIAS = ROOT / "tests" / "models" / "cp_posbias.py"
+
+
+def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring"):
+    """Each rank: ring attention on its load-balanced chunks of one (q, k, v), forward and backward,
+    against F.scaled_dot_product_attention on the whole sequence (computed on every rank)."""
+    import torch.distributed as dist
+
+    from parc.runtime.parallel import ops
+    import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
+    from parc.runtime.parallel.ring_attention import local_positions
+
+    ops.bind_groups(SimpleNamespace(groups={"cp": dist.group.WORLD}))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(shape, generator=g) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    (ref * w).sum().backward()
+    pos = local_positions(shape[-2], ctx.rank, ctx.world_size)
+    local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
+    if method == "ring":
+        out, _ = torch.ops.parc.ring_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
+    else:
+        out = torch.ops.parc.ulysses_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
+    (out * w[..., pos, :]).sum().backward()
+    scale = ref.abs().max().item()
+    diffs = {"out": (out - ref[..., pos, :]).abs().max().item() / scale}
+    for name, mine, whole in zip("qkv", local, full):
+        diffs["d" + name] = (mine.grad - whole.grad[..., pos, :]).abs().max().item() / whole.grad.abs().max().item()
+    return diffs
+
+
+@pytest.mark.parametrize("cp,causal", [(2, True), (4, True), (2, False)])
+def test_ring_attention_equals_sdpa(cp, causal):
+    for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 3, 8 * cp, 4))):
+        assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
+
+
+@pytest.mark.parametrize("cp,causal", [(2, True), (4, True)])
+def test_ulysses_attention_equals_sdpa(cp, causal):
+    for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 4, 8 * cp, 4), "alltoall")):
+        assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
+
+
+def test_load_balanced_layout():
+    from parc.runtime.parallel.ring_attention import local_positions
+
+    # T 16 over cp 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert local_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    every = torch.cat([local_positions(32, r, 4) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(32))
+
+
+def _plan(mesh: str, extra: str = "") -> str:
+    return f"mesh {mesh}\nbatch global=4 micro=2\ncontext_parallel ring\noptimizer adamw lr=1e-2 clip=1.0\n{extra}"
+
+
+def _check(verdict):
+    assert verdict.loss_rel < LOSS_TOL, verdict.render()
+    assert verdict.param_rel < PARAM_TOL, verdict.render()
+    assert verdict.serial_losses[0] != verdict.serial_losses[-1]  # the run trained
+
+
+@pytest.mark.parametrize("mesh", ["cp=2", "dp=2 cp=2"])
+def test_gpt_cp_matches_serial(tmp_path, mesh):
+    _check(parallel_vs_serial(compile_text(_plan(mesh), tmp_path / "c").root, steps=3))
+
+
+def test_program_shards_sequence_and_rings_attention(tmp_path):
+    art = compile_text(_plan("dp=2 cp=2"), tmp_path / "c")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count("torch.ops.parc.ring_attention") == 4  # one per layer
+    assert "scaled_dot_product_attention" not in src
+    assert src.count("torch.ops.parc.cp_shard") == 2  # idx and targets
+    assert "torch.ops.parc.cp_positions" in src and "aten.arange" not in src  # wpe reads global positions
+    assert src.count("torch.ops.parc.cp_sum") == 2  # the loss's sum and its count of targets
+    plan = art.plan
+    assert plan["groups"]["cp"] == [[0, 1], [2, 3]] and plan["groups"]["dp"] == [[0, 2], [1, 3]]
+    assert plan["groups"]["dp_cp"] == [[0, 1, 2, 3]]
+    assert plan["context_parallel"] == {"method": "ring", "cp": 2, "seq_len": 32, "inputs": ["batch_0", "batch_1"],
+                                        "attentions": 4, "positions": 1}
+
+
+def test_plan_language_round_trips():
+    from parc.grammar.parser import parse
+    from parc.grammar.printer import format_plan
+
+    for text in ("mesh dp=2 pp=1 tp=1 cp=2\ncontext_parallel ring\n",
+                 "mesh dp=2 pp=1 tp=1 cp=2 order=cp,tp,pp,dp\n"):
+        plan = parse(text, file="t.par")
+        assert parse(format_plan(plan), file="t.par") == plan
+    plan = parse("mesh dp=2 cp=2\n", file="t.par")
+    assert plan.mesh.world_size == 4 and plan.mesh.order == ("tp", "cp", "pp", "dp")
+
+
+def test_order_must_name_cp():
+    from parc.grammar.parser import parse
+
+    with pytest.raises(ParcError) as e:
+        parse("mesh dp=2 cp=2 order=tp,pp,dp\n", file="t.par")
+    assert "mesh order must name each of dp, pp, tp, cp once" in e.value.message
+    assert (e.value.span.line, e.value.span.col) == (1, 22)
+
+
+def test_sequence_not_divisible_by_two_cp(tmp_path):
+    # examples/gpt.py's 32 tokens in 2 × cp 3 = 6 load-balanced chunks
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=3"), tmp_path / "c")
+    assert "sequence length 32 is not divisible by 2 × cp chunks" in e.value.message
+    assert "= 6" in e.value.message
+    assert (e.value.span.line, e.value.span.col) == (1, 9)  # at the 3 of `cp=3`
+
+
+def test_compositions_refused_all_at_once(tmp_path):
+    text = ("mesh dp=1 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1\nprecision bf16\n"
+            'recompute "blocks.*"\ncontext_parallel ring\n')
+    with pytest.raises(ParcError) as e:
+        compile_text(text, tmp_path / "c")
+    said = {d.span.line: d.message for d in e.value.diagnostics}
+    assert "mesh cp 2 with tp 2" in said[1] or any("with tp 2" in d.message for d in e.value.diagnostics)
+    assert any("with pp 2" in d.message for d in e.value.diagnostics)
+    assert "zero stage=1 with mesh cp 2" in said[3]
+    assert "precision bf16 with mesh cp 2" in said[4]
+    assert "recompute with mesh cp 2" in said[5]
+
+
+def test_unknown_method(tmp_path):
+    with pytest.raises(ParcError) as e:
+        compile_text("mesh cp=2\nbatch global=4 micro=2\ncontext_parallel ulysses\n", tmp_path / "c")
+    assert "unknown context_parallel method `ulysses`" in e.value.message
+    assert (e.value.span.line, e.value.span.col) == (3, 18)
+
+
+def test_alltoall_heads_not_divisible_by_cp(tmp_path):
+    # examples/gpt.py's 4 heads over cp 8 (its 32 tokens make 16 chunks of 2: the layout itself is fine)
+    with pytest.raises(ParcError) as e:
+        compile_text("mesh cp=8\nbatch global=4 micro=2\ncontext_parallel alltoall\n", tmp_path / "c")
+    d = e.value.diagnostics[0]
+    assert "4 heads are not divisible by cp 8" in d.message and "blocks.0.attn" in d.message
+    assert d.span.file.endswith("gpt.py") and "scaled_dot_product_attention" in \
+        (ROOT / "examples" / "gpt.py").read_text().splitlines()[d.span.line - 1]
+
+
+def test_gpt_alltoall_matches_serial(tmp_path):
+    text = _plan("dp=2 cp=2").replace("context_parallel ring", "context_parallel alltoall")
+    art = compile_text(text, tmp_path / "c")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count("torch.ops.parc.ulysses_attention") == 4 and "torch.ops.parc.ring_attention" not in src
+    _check(parallel_vs_serial(art.root, steps=3))
+
+
+def test_context_parallel_without_cp(tmp_path):
+    with pytest.raises(ParcError) as e:
+        compile_text("mesh dp=2\nbatch global=4 micro=2\ncontext_parallel ring\n", tmp_path / "c")
+    assert "context_parallel needs mesh cp > 1" in e.value.message and e.value.span.line == 3
+
+
+def test_unfused_attention_refused_at_its_line(tmp_path):
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=2"), tmp_path / "c", model=UNFUSED)
+    d = e.value.diagnostics[0]
+    assert "q @ kᵀ" in d.message and "blocks.0.attn" in d.message
+    assert d.span.file.endswith("cp_unfused.py")
+    line = UNFUSED.read_text().splitlines()[d.span.line - 1]
+    assert "q @ k.transpose" in line
+
+
+def test_unprovable_positions_refused_at_their_line(tmp_path):
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=2"), tmp_path / "c", model=POSBIAS)
+    d = e.value.diagnostics[0]
+    assert "not built from `arange` positions" in d.message
+    assert d.span.file.endswith("cp_posbias.py")
+    assert "self.pos_bias[:T]" in POSBIAS.read_text().splitlines()[d.span.line - 1]
+
+
+def test_dropout_refused(tmp_path):
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=2"), tmp_path / "c", model=ROOT / "tests" / "models" / "gpt_dropout.py")
+    assert any("dropout under context parallelism" in d.message for d in e.value.diagnostics)
+
+
+def test_report_refuses_cp_rather_than_price_it_as_dp(tmp_path):
+    from parc.analysis import report
+
+    compile_text(_plan("dp=2 cp=2"), tmp_path / "c")
+    with pytest.raises(ParcError) as e:
+        report.build(tmp_path / "c", preset="h100")
+    assert "parc report does not model context parallelism yet (mesh cp 2)" in e.value.message
+    assert e.value.span.line == 1
