@@ -97,3 +97,38 @@ def checkpoint_differences(a: Path, b: Path) -> list[str]:
     if info[0] != info[1]:
         bad.append("parc.json")
     return bad
+
+
+def checkpoint_sessions(ctx, sessions: list[tuple[str, str | None]], compiled: dict[str, str], root: str):
+    """A chain of checkpoint sessions, (plan, plan whose first session's checkpoint it resumes from or None):
+    each trains (or resumes) to step 2, saves, notes the state it saved, and takes one more step under its plan.
+    Rank 0 returns [{first, saved, loss, after}] per session (test_checkpoint._check_reshard compares them)."""
+    first_of = {}
+    for i, (name, _) in enumerate(sessions):
+        first_of.setdefault(name, i)
+    out = []
+    for i, (name, source) in enumerate(sessions):
+        trainer = Trainer.load(compiled[name], 0)
+        first = checkpoint.load(trainer, f"{root}/{first_of[source]}") if source else 0
+        for s in range(first, 2):
+            trainer.step(s)
+        checkpoint.save(trainer, f"{root}/{i}", 2)
+        saved = {k: v.clone() for k, v in trainer.gathered_state().items()}  # on CPU it may alias the live params
+        loss = trainer.global_losses([trainer.step(2).loss])[0]
+        out.append({"first": first, "saved": saved, "loss": loss, "after": trainer.gathered_state()})
+    return out if ctx.rank == 0 else None
+
+
+def checkpoint_leg(ctx, compiled: dict[str, str], root: str, resume: bool, first: int, last: int,
+                   every: int = 2) -> None:
+    """One leg of a kill-and-resume run: each plan trains steps [first, last), resuming from `root/<plan>` when
+    `resume`, and saves there every `every` steps."""
+    for name, path in compiled.items():
+        trainer = Trainer.load(path, 0)
+        out = f"{root}/{name}"
+        if resume:
+            assert checkpoint.load(trainer, out) == first
+        for step in range(first, last):
+            trainer.step(step)
+            if (step + 1) % every == 0:
+                checkpoint.save(trainer, out, step + 1)

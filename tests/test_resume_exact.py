@@ -26,10 +26,9 @@ import sys
 import pytest
 import torch
 
-from helpers import checkpoint_differences, compile_text
+from helpers import checkpoint_differences, checkpoint_leg, compile_text
 from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
-from parc.runtime.train import Trainer
 
 PLANS = {
     "zero1": "mesh dp=2\nzero stage=1\n",
@@ -66,28 +65,17 @@ def seeds():
     return "1", str(other)
 
 
-def _leg(ctx, compiled: dict[str, str], root: str, resume: bool, first: int, last: int) -> None:
-    for name, path in compiled.items():
-        trainer = Trainer.load(path, 0)
-        out = f"{root}/{name}"
-        if resume:
-            assert checkpoint.load(trainer, out) == first
-        for step in range(first, last):
-            trainer.step(step)
-            if (step + 1) % EVERY == 0:
-                checkpoint.save(trainer, out, step + 1)
-
-
 def test_kill_resume_twice_is_bitwise_under_every_zero_stage_and_pp(tmp_path, seeds):
     compiled = {n: str(compile_text(p + COMMON, tmp_path / "c" / n).root) for n, p in PLANS.items()}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     a, b = seeds
-    spawn(2, _leg, compiled, str(whole), False, 0, STEPS, start_env=[{"PYTHONHASHSEED": a}, {"PYTHONHASHSEED": b}])
+    ab, ba = [{"PYTHONHASHSEED": a}, {"PYTHONHASHSEED": b}], [{"PYTHONHASHSEED": b}, {"PYTHONHASHSEED": a}]
+    spawn(2, checkpoint_leg, compiled, str(whole), False, 0, STEPS, EVERY, start_env=ab)
     for name in PLANS:  # the interrupted run's first leg: killed after its step_2
         shutil.copytree(whole / name / "step_2", cut / name / "step_2")
         (cut / name / checkpoint.LATEST).write_text("step_2\n")
-    spawn(2, _leg, compiled, str(cut), True, 2, 4, start_env=[{"PYTHONHASHSEED": a}, {"PYTHONHASHSEED": b}])
-    spawn(2, _leg, compiled, str(cut), True, 4, 6, start_env=[{"PYTHONHASHSEED": b}, {"PYTHONHASHSEED": a}])
+    spawn(2, checkpoint_leg, compiled, str(cut), True, 2, 4, EVERY, start_env=ab)
+    spawn(2, checkpoint_leg, compiled, str(cut), True, 4, 6, EVERY, start_env=ba)
     bad = {f"{name} step_{s}": diff for name in PLANS for s in (4, 6)
            if (diff := checkpoint_differences(whole / name / f"step_{s}", cut / name / f"step_{s}"))}
     assert not bad, bad

@@ -16,10 +16,9 @@ import shutil
 
 import torch
 
-from helpers import checkpoint_differences, compile_text
+from helpers import checkpoint_differences, checkpoint_leg, checkpoint_sessions, compile_text
 from parc.runtime import checkpoint
 from parc.runtime.launch import spawn
-from parc.runtime.train import Trainer
 from test_checkpoint import _check_reshard
 from test_resume_exact import _order
 
@@ -29,46 +28,14 @@ PLANS = {"hsdp": "mesh dp=4\nzero stage=3 shard=2\n", "zero3": "mesh dp=4\nzero 
 SESSIONS = [("hsdp", None), ("zero3", "hsdp"), ("dp", "hsdp"), ("hsdp", "zero3"), ("hsdp", "dp")]
 
 
-def _sessions(ctx, compiled: dict[str, str], root: str):
-    """Each session: train (or resume) to step 2, save, note the state; one more step under its plan."""
-    out = []
-    for i, (name, source) in enumerate(SESSIONS):
-        trainer = Trainer.load(compiled[name], 0)
-        first = checkpoint.load(trainer, f"{root}/{_saved_by(source)}") if source else 0
-        for s in range(first, 2):
-            trainer.step(s)
-        checkpoint.save(trainer, f"{root}/{i}", 2)
-        saved = {k: v.clone() for k, v in trainer.gathered_state().items()}  # on CPU it may alias the live params
-        loss = trainer.global_losses([trainer.step(2).loss])[0]
-        out.append({"first": first, "saved": saved, "loss": loss, "after": trainer.gathered_state()})
-    return out if ctx.rank == 0 else None
-
-
-def _saved_by(name: str) -> int:
-    """The session whose checkpoint a later one resumes from: the first session of plan `name`."""
-    return next(i for i, (n, _) in enumerate(SESSIONS) if n == name)
-
-
 def test_hsdp_checkpoint_resumes_under_zero3_and_dp_and_back(tmp_path):
     compiled = {n: str(compile_text(p + BATCH, tmp_path / n).root) for n, p in PLANS.items()}
-    res = spawn(4, _sessions, compiled, str(tmp_path / "ck"))[0]
+    res = spawn(4, checkpoint_sessions, SESSIONS, compiled, str(tmp_path / "ck"))[0]
     src = res[0]
     assert src["first"] == 0
     for dst in res[1:]:
         # every checkpoint in the chain holds the state of session 0 after step 2, whichever plan saved it
         _check_reshard(src, dst)
-
-
-def _leg(ctx, compiled: dict[str, str], root: str, resume: bool, first: int, last: int) -> None:
-    for name, path in compiled.items():
-        trainer = Trainer.load(path, 0)
-        out = f"{root}/{name}"
-        if resume:
-            assert checkpoint.load(trainer, out) == first
-        for step in range(first, last):
-            trainer.step(step)
-            if (step + 1) % 2 == 0:
-                checkpoint.save(trainer, out, step + 1)
 
 
 def test_kill_resume_is_bitwise_under_shard(tmp_path):
@@ -79,11 +46,11 @@ def test_kill_resume_is_bitwise_under_shard(tmp_path):
     other = str(next(s for s in range(2, 50) if _order(s) != first))
     seeds = [{"PYTHONHASHSEED": s} for s in ("1", other, "1", other)]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    spawn(4, _leg, compiled, str(whole), False, 0, 4, start_env=seeds)
+    spawn(4, checkpoint_leg, compiled, str(whole), False, 0, 4, start_env=seeds)
     for name in plans:  # the interrupted run: killed after its step_2
         shutil.copytree(whole / name / "step_2", cut / name / "step_2")
         (cut / name / checkpoint.LATEST).write_text("step_2\n")
-    spawn(4, _leg, compiled, str(cut), True, 2, 4, start_env=seeds[::-1])
+    spawn(4, checkpoint_leg, compiled, str(cut), True, 2, 4, start_env=seeds[::-1])
     bad = {name: diff for name in plans
            if (diff := checkpoint_differences(whole / name / "step_4", cut / name / "step_4"))}
     assert not bad, bad

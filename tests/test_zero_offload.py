@@ -28,7 +28,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import checkpoint_differences, compile_text
+from helpers import checkpoint_differences, checkpoint_leg, checkpoint_sessions, compile_text
 from parc.errors import PlanError
 from parc.grammar.parser import parse
 from parc.grammar.printer import format_plan
@@ -262,30 +262,11 @@ CK_PLANS = {"offload": "mesh dp=2\nzero stage=2 offload=cpu\n", "zero2": "mesh d
 SESSIONS = [("offload", None), ("zero2", "offload"), ("dp", "offload"), ("offload", "zero2"), ("offload", "dp")]
 
 
-def _sessions(ctx, compiled: dict[str, str], root: str):
-    """Each session: train (or resume) to step 2, save, note the state; one more step under its plan."""
-    out = []
-    for i, (name, source) in enumerate(SESSIONS):
-        trainer = Trainer.load(compiled[name], 0)
-        first = checkpoint.load(trainer, f"{root}/{_saved_by(source)}") if source else 0
-        for s in range(first, 2):
-            trainer.step(s)
-        checkpoint.save(trainer, f"{root}/{i}", 2)
-        saved = {k: v.clone() for k, v in trainer.gathered_state().items()}
-        loss = trainer.global_losses([trainer.step(2).loss])[0]
-        out.append({"first": first, "saved": saved, "loss": loss, "after": trainer.gathered_state()})
-    return out if ctx.rank == 0 else None
-
-
-def _saved_by(name: str) -> int:
-    return next(i for i, (n, _) in enumerate(SESSIONS) if n == name)
-
-
 def test_offload_checkpoint_resumes_without_offload_and_back(tmp_path):
     from test_checkpoint import _check_reshard
 
     compiled = {n: str(compile_text(p + BATCH, tmp_path / n).root) for n, p in CK_PLANS.items()}
-    res = spawn(DP, _sessions, compiled, str(tmp_path / "ck"))[0]
+    res = spawn(DP, checkpoint_sessions, SESSIONS, compiled, str(tmp_path / "ck"))[0]
     src = res[0]
     assert src["first"] == 0
     for dst in res[1:]:
@@ -295,28 +276,16 @@ def test_offload_checkpoint_resumes_without_offload_and_back(tmp_path):
     assert all(torch.equal(res[3]["after"][k], res[1]["after"][k]) for k in res[1]["after"])
 
 
-def _leg(ctx, compiled: dict[str, str], root: str, resume: bool, first: int, last: int) -> None:
-    for name, path in compiled.items():
-        trainer = Trainer.load(path, 0)
-        out = f"{root}/{name}"
-        if resume:
-            assert checkpoint.load(trainer, out) == first
-        for step in range(first, last):
-            trainer.step(step)
-            if (step + 1) % 2 == 0:
-                checkpoint.save(trainer, out, step + 1)
-
-
 def test_kill_resume_is_bitwise_under_offload(tmp_path):
     plans = {f"zero{s}": f"mesh dp=2\nzero stage={s} offload=cpu\n" for s in (1, 3)}
     plans["zero2_bf16"] = "mesh dp=2\nzero stage=2 offload=cpu\nprecision bf16\n"
     compiled = {n: str(compile_text(p + BATCH, tmp_path / "c" / n).root) for n, p in plans.items()}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    spawn(DP, _leg, compiled, str(whole), False, 0, 4)
+    spawn(DP, checkpoint_leg, compiled, str(whole), False, 0, 4)
     for name in plans:  # the interrupted run: killed after its step_2
         shutil.copytree(whole / name / "step_2", cut / name / "step_2")
         (cut / name / checkpoint.LATEST).write_text("step_2\n")
-    spawn(DP, _leg, compiled, str(cut), True, 2, 4)
+    spawn(DP, checkpoint_leg, compiled, str(cut), True, 2, 4)
     bad = {name: diff for name in plans
            if (diff := checkpoint_differences(whole / name / "step_4", cut / name / "step_4"))}
     assert not bad, bad
