@@ -53,14 +53,11 @@ _HINT = ("draw with torch inside forward (`torch.rand`, `torch.bernoulli`, `nn.D
 
 @contextlib.contextmanager
 def watched(model: torch.nn.Module, user_module: ModuleType | None) -> Iterator[Callable[[], bool]]:
-    """Yield `drew()`: whether a host generator in reach changed state while the block ran (module docstring)."""
+    """Yield `drew()`: whether a host generator in reach has changed state since the block began (called after
+    it; module docstring)."""
     generators = _generators(model, user_module)
     before = [_state(g) for g in generators]
-    changed: list[bool] = []
-    try:
-        yield lambda: bool(changed and changed[0])
-    finally:
-        changed.append(any(_state(g) != s for g, s in zip(generators, before)))
+    yield lambda: any(_state(g) != s for g, s in zip(generators, before))
 
 
 @contextlib.contextmanager

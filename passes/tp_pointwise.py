@@ -33,7 +33,8 @@ def needs_check(node: fx.Node) -> bool:
 
 
 def check(node: fx.Node, s: Shard, tp: int, sharded: set[fx.Node]) -> str | None:
-    """Why the op is not elementwise along `s.dim` when cut in `tp` chunks, or None (also when it cannot run)."""
+    """Why the op is not elementwise along `s.dim` when cut in `tp` chunks, or None (also when it has no CPU
+    kernel to run)."""
     out_rank = len(shape(node))
     g = torch.Generator().manual_seed(0)
     whole, cut_dims = [], {}
@@ -48,23 +49,26 @@ def check(node: fx.Node, s: Shard, tp: int, sharded: set[fx.Node]) -> str | None
             whole.append(t)
         else:
             whole.append(a)
-    try:
-        with unset_fake_temporarily():
-            return _compare(node.target, whole, cut_dims, s.dim, tp, g)
-    except (NotImplementedError, RuntimeError, TypeError):
-        return None  # no CPU kernel: the tag is trusted
+    with unset_fake_temporarily():
+        return _compare(node.target, whole, cut_dims, s.dim, tp, g)
 
 
 def _compare(op, whole: list, cut_dims: dict[int, int], dim: int, tp: int, g: torch.Generator) -> str | None:
     leaves = [i for i, t in enumerate(whole) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     ins = [t.requires_grad_() if i in leaves else t for i, t in enumerate(whole)]
-    out = op(*ins)
+    try:
+        out = op(*ins)
+    except NotImplementedError:
+        return None  # no CPU kernel (a CUDA-only op): it cannot run here, and its tag is trusted
     grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
     grads = _grads(out, grad_out, [ins[i] for i in leaves])
     for k in range(tp):
         part = [t.detach().chunk(tp, cut_dims[i])[k].requires_grad_(i in leaves) if i in cut_dims else
                 (t.detach().requires_grad_() if i in leaves else t) for i, t in enumerate(ins)]
-        part_out = op(*part)
+        try:
+            part_out = op(*part)
+        except RuntimeError as e:  # runs on the whole tensor, not on a shard of it: not elementwise
+            return f"it fails on chunk {k} of {tp} along dim {dim} ({str(e).splitlines()[0]})"
         if not _close(part_out, out.detach().chunk(tp, dim)[k]):
             return f"its forward on chunk {k} of {tp} along dim {dim} differs from the same chunk of its output"
         if grads is None:

@@ -222,6 +222,7 @@ def test_custom_op_without_a_sharding_rule_is_refused_located(tmp_path):
 @pytest.mark.parametrize("body, backward, words", [
     ("torch.softmax(x, dim=-1)", "lambda ctx, grad: grad", "its forward on chunk 0 of 2"),  # over the sharded dim
     ("torch.round(x * 4) / 4", "lambda ctx, grad: grad.flip(-1)", "its backward on chunk 0 of 2"),  # mixes elements
+    ("x + torch.arange(32, dtype=x.dtype)", "lambda ctx, grad: grad", "it fails on chunk 0 of 2"),  # whole width only
 ])
 def test_a_wrong_pointwise_tag_is_refused_at_the_rule(tmp_path, body, backward, words):
     """The tag is the author's word; parc checks it on the cut it makes, forward and backward, where the op has
@@ -237,6 +238,18 @@ def test_a_wrong_pointwise_tag_is_refused_at_the_rule(tmp_path, body, backward, 
     message = str(err.value)
     assert "tagged `torch.Tag.pointwise`, but " + words in message, message
     assert err.value.diagnostics[0].span.line == 5  # "fc" : column, the rule that shards its input
+
+
+def test_a_pointwise_op_without_a_cpu_kernel_is_trusted(tmp_path):
+    """A CUDA-only op cannot run on the compiling machine: its tag is taken at its word, as before the check
+    (here a softmax, which the check would refuse had it a CPU kernel to run)."""
+    source = CUSTOM_OP_TP.format(tag="cuda_only", tags="(torch.Tag.pointwise,)")
+    source = source.replace("return torch.round(x * 4) / 4", "return torch.softmax(x, dim=-1)")
+    source = source.replace("mutates_args=(), tags=", "mutates_args=(), device_types=\"cuda\", tags=")
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    art = compile_text(TP_PLAN, tmp_path / "c", model=path)
+    assert "torch.ops.parc_tests.ste_tp_cuda_only.default" in (art.root / "programs" / "stage0_tp0.py").read_text()
 
 
 NO_AUTOGRAD = """\
