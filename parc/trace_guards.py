@@ -216,7 +216,7 @@ def _past_modes(frame):
     """The frame that made the call a stack of TorchFunctionModes is handling (parc's modes and torch's dispatch
     in between skipped): who read `.data`, say."""
     while frame is not None and (frame.f_code.co_name == "__torch_function__"
-                                 or Path(frame.f_code.co_filename).name == "overrides.py"):
+                                 or Path(frame.f_code.co_filename).resolve() == _TORCH / "overrides.py"):
         frame = frame.f_back
     return frame
 
