@@ -57,7 +57,7 @@ def _batch_line(plan) -> str:
 
 def cmd_check(args) -> int:
     """Every error and warning, all at once: the plan against itself, the launch and the model
-    (parc/grammar/validate.py), what the runtime does not implement (parc/analysis/support.py, precision), the
+    (parc/grammar/validate.py), what the runtime does not implement (parc/analysis/support.py), the
     topology, schedule and memory (parc/analysis/review.py), and with --model the errors of compile's passes."""
     from parc.errors import PlanError
     from parc.grammar.parser import load_plan
@@ -87,14 +87,13 @@ def cmd_check(args) -> int:
 
 
 def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
-    """What `parc compile` would refuse (parc/analysis/support.py, precision, and with the model its passes), then
+    """What `parc compile` would refuse (parc/analysis/support.py, and with the model its passes), then
     topology, schedule and (with the model) memory checks (parc/analysis/review.py). When the plan already `failed`
     validation, a check that cannot run on it (an exception that is no ParcError) is skipped, and so are
     its errors that point at no line (echoes of the errors found, such as the pipeline split's layer count)."""
     from parc import compiler
     from parc.analysis import support
     from parc.analysis.review import review
-    from parc.runtime import precision
 
     out: list[Diagnostic] = []
 
@@ -108,7 +107,6 @@ def _review(plan, args, traced, failed: bool) -> list[Diagnostic]:
                 raise
         return None
 
-    attempt(precision.check_supported, plan)
     attempt(support.check, plan)
     stats = None
     if traced is not None:

@@ -25,7 +25,6 @@ from parc.passes import PassCtx, context_parallel, dropout, expert_parallel, gra
 from parc.passes import precision as precision_casts
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
-from parc.runtime import precision
 from parc.trace import Traced, load_user_module, trace
 from parc.traced import index_bounds
 from parc.trace_constants import MAX_CARRIED_ELEMENTS
@@ -157,7 +156,6 @@ def plan_checks(plan: Plan, num_layers: int | None = None) -> list:
             raise PlanError(diagnostics=[unknown])
 
     return [lambda: validate(plan, num_layers=num_layers),  # sizes past parc's limits, before work scales
-            lambda: precision.check_supported(plan),  # fp16 with expert parallelism
             lambda: support.check(plan),  # what the runtime does not implement (the plan alone says)
             preset]
 

@@ -37,10 +37,12 @@
   DeepSpeed's dynamic loss scaler (runtime/loss_scale.py): the loss is scaled
   before backward, the fp32 master gradients unscaled before clipping, and a step
   whose gradients overflowed is skipped, decided on the device. `reduce=` stays
-  fp32 (validate refuses reduce=bf16 under fp16). `check_supported` refuses fp16
-  with expert parallelism: an expert's weight gradient is one fp16 output over the
-  tokens of several ranks, so whether a step overflows differs from the serial
-  run's near the threshold (measured: docs/precision.md).
+  fp32 (validate refuses reduce=bf16 under fp16). The overflow flag is all-reduced
+  over dp, tp and pp (runtime/parallel/grad_norm.py `nonfinite`; ep and edp groups
+  lie inside dp), so every rank skips the same steps. Under expert parallelism an
+  expert's weight gradient is one fp16 output over the tokens of several ranks, so
+  near the threshold whether a step overflows can differ from the serial run's
+  (docs/precision.md).
 
 The serial reference (runtime/serial_reference.py) applies the same layout, so --verify
 compares bf16 with bf16.
@@ -53,20 +55,9 @@ import functools
 
 import torch
 
-from parc.errors import ParcError
 
 SUPPORTED = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_supported(plan) -> None:
-    """Compile-time refusal of a precision the runtime cannot honour (`plan` is a parc.grammar.plan.Plan):
-    fp16 under expert parallelism, whose overflows would differ from the serial run's (module docstring)."""
-    if plan.precision == "fp16" and plan.expert_parallel.patterns:
-        raise ParcError("precision fp16 with expert_parallel is not implemented: an expert's gradient sums the "
-                        "tokens of several ranks in one fp16 output, so its overflows (and skipped steps) would "
-                        "differ from the serial run's", plan.spans.get("precision"),
-                        hint="use `precision bf16` with expert_parallel")
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

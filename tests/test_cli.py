@@ -82,15 +82,15 @@ def test_plan_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_check_reports_what_compile_would_refuse(tmp_path):
-    """`parc check` lists the runtime's refusals (parc/analysis/support.py, fp16 under expert parallelism) with the
-    plan's other errors."""
+    """`parc check` lists the runtime's refusals (parc/analysis/support.py: fp16 with ep and pp, unproven) with
+    the plan's other errors."""
     plan = tmp_path / "refused.par"
-    plan.write_text('mesh dp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n'
+    plan.write_text('mesh dp=2 ep=2 pp=2\nbatch global=8 micro=2\nzero stage=3\nrecompute "blocks.*"\nprecision fp16\n'
                     'expert_parallel {\n    "blocks.*.moe.experts"\n}\n')
     r = _run([sys.executable, "-m", "parc.cli", "check", str(plan)], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "refused.par:4:11: error: recompute with zero stage=3" in r.stderr
-    assert "refused.par:5:11: error: precision fp16" in r.stderr
+    assert "refused.par:5:11: error: expert parallelism (mesh ep 2) with precision fp16" in r.stderr
 
 def test_help_explains_the_commands():
     r = _run([sys.executable, "-m", "parc.cli", "--help"], ROOT)

@@ -1,12 +1,22 @@
-"""Expert parallelism composed with ZeRO-1/2, `clip=` and bf16, exact against the serial MoE model.
+"""Expert parallelism composed with ZeRO-1/2, `clip=`, bf16 and fp16, exact against the serial MoE model.
 
 tests/test_moe.py's tiny MoE GPT (block 1 top-1 at capacity factor 0.5: tokens dropped; block 3
 top-2 at 2.0: none) trains 2 steps per plan; the serial reference (`PER_MICRO_BATCH`) runs the same
 batches from the same weights under each plan's optimizer and precision. One spawned world per
 size: 4 ranks (`mesh dp=4 ep=2 zero stage=2`, clipped: the experts' ZeRO partition is cut over
-edp groups of 2, the dense one over dp 4), 2 ranks (ZeRO-1, clipping without ZeRO, bf16; there edp
-is one rank, so the experts' partition is whole and their gradient only divided by dp). Under bf16
-the all-to-alls carry bf16 activations: half the bytes of the fp32 run's.
+edp groups of 2, the dense one over dp 4), 2 ranks (ZeRO-1, clipping without ZeRO, bf16, fp16; there edp
+is one rank, so the experts' partition is whole and their gradient only divided by dp). Under bf16 and
+fp16 the all-to-alls carry 16-bit activations: half the bytes of the fp32 run's.
+
+fp16 runs DeepSpeed's loss scaler (runtime/loss_scale.py) from two first scales: 2**4, where this model
+never overflows, and 2**18 with hysteresis 1, where both steps overflow (skipped, the scale halved each
+time). Each must match the serial run's scale history and skipped steps on every rank, and its losses and
+parameters. Between the two (2**17 here) the ep run and the serial one part: an expert's weight gradient
+is one fp16 matmul output over the tokens the all-to-all gathered from several ranks, where the serial
+reference forms one rank's micro-batch at a time, so the two overflow at different scales (measured: the
+serial run skipped step 0 at 2**17, the ep run did not). The run's own decision still holds on every
+rank: the overflow flag is all-reduced over dp (runtime/parallel/grad_norm.py `nonfinite`), which
+contains every ep and edp group.
 
 The clipped plans use SGD (Adam would cancel a wrong clip coefficient) at `clip=1.0`, below this
 model's gradient norm in both steps (checked), so the update is lr · clip · g / ‖g‖: a norm counting
@@ -35,12 +45,16 @@ PLANS = {
     "zero1": (2, "zero stage=1\noptimizer adamw lr=1e-2\n"),
     "clip": (2, f"optimizer sgd lr=2 clip={CLIP}\n"),
     "bf16": (2, "precision bf16\noptimizer adamw lr=1e-3\n"),
+    "fp16": (2, "precision fp16 initial_scale_power=4\noptimizer adamw lr=1e-3\n"),
+    "fp16_overflow": (2, "precision fp16 initial_scale_power=18 hysteresis=1\noptimizer adamw lr=1e-3\n"),
 }
 # bf16: the serial run rounds the same fp32 masters to bf16 the same way; what differs is summation
 # order (dp and edp reductions, the all-to-all's sources) through bf16 activations, then AdamW, as in
 # tests/test_bf16_layout.py, whose lr 1e-3 and tolerance this takes (measured here: parameters 8.6e-4,
 # losses 1.2e-5).
-TOLERANCES = {"bf16": 2e-3}
+# fp16 rounds finer than bf16 (11 mantissa bits) and the loss scale is a power of two (it adds no rounding
+# of its own), so bf16's reasons and tolerance hold (measured: parameters 3.4e-4, losses 1.8e-6).
+TOLERANCES = {"bf16": 2e-3, "fp16": 2e-3, "fp16_overflow": 2e-3}
 
 
 def _compile(name: str, tmp_path) -> str:
@@ -60,8 +74,12 @@ def _body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
+        history, steps = [], []
         with expert_parallel.traffic() as sent:
-            steps = [trainer.step(s) for s in range(STEPS)]
+            for s in range(STEPS):
+                scale = trainer.scaler.scale.item() if trainer.scaler else None
+                steps.append(trainer.step(s))
+                history.append((scale, bool(steps[-1].skipped.item()) if trainer.scaler else None))
         layout = None
         if trainer.zero is not None:  # the experts' ranges: cut over edp, not dp
             experts = trainer.zero.experts
@@ -69,7 +87,8 @@ def _body(ctx, roots: dict[str, str]):
                       sum(b["padded"] for b in trainer.entry["expert_zero"]["buckets"]))
         out[name] = {"losses": trainer.global_losses([r.loss for r in steps]),
                      "norms": [float(r.grad_norm) for r in steps if r.grad_norm is not None],
-                     "state": trainer.gathered_state(), "layout": layout, "sent": sum(b for _, b in sent)}
+                     "state": trainer.gathered_state(), "layout": layout, "sent": sum(b for _, b in sent),
+                     "history": history}
         if ctx.rank:
             out[name]["state"] = None
     return out
@@ -82,6 +101,7 @@ def test_ep_composes_exactly(dp, tmp_path):
     results = spawn(dp, _body, roots)
     if dp == 2:  # bf16 activations on the all-to-all: half the bytes of the same fp32 exchange
         assert 2 * results[0]["bf16"]["sent"] == results[0]["clip"]["sent"] > 0
+        assert results[0]["fp16"]["sent"] == results[0]["bf16"]["sent"]
     for name in names:
         art = artifact.load(roots[name])
         got = results[0][name]
@@ -92,7 +112,12 @@ def test_ep_composes_exactly(dp, tmp_path):
             assert edp == dp // 2 and held * edp == padded, got["layout"]
             assert all(r[name]["layout"] == got["layout"] for r in results)
         user = load_user_module(art.root / "model" / "model.py")
-        serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS)
+        scale_log: list = []
+        serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS, scale_log=scale_log)
+        if name.startswith("fp16"):  # the same scales and skipped steps as serial, on every rank
+            assert all(r[name]["history"] == scale_log for r in results), (scale_log, got["history"])
+            skipped = [s for _, s in scale_log]
+            assert skipped == ([True] * STEPS if name == "fp16_overflow" else [False] * STEPS), scale_log
         verdict = compare(got["losses"], serial_losses, got["state"], serial_state,
                           TOLERANCES.get(name, DEFAULT_TOLERANCE))
         print(f"{name}: {verdict.render()} norms {got['norms']}")  # the measured figures, with -s

@@ -10,8 +10,7 @@ on meta), then:
    `replicate`. A model whose structure does not fit gets no tp > 1 candidate, with the reason;
 2. enumerates dp × tp × pp × schedule (× virtual stages) × micro-batch × ZeRO stage × recompute ×
    sequence parallelism (`_candidates`); each is a `Plan` built in code, dropped with its reason when
-   the mesh, batch or widths do not divide, or when `validate`, `support.check` or
-   `precision.check_supported` refuse it (what `parc check` and `parc compile` would say);
+   the mesh, batch or widths do not divide, or when `validate` or `support.check` refuse it (what `parc check` and `parc compile` would say);
 3. gives each survivor the per-stage statistics `cost.graph_stats` would (`_Stats`): those are
    computed for one stage and for one stage per layer, and any pp × virtual split is assembled from
    the per-layer ones by `pipeline_split`'s balancing rule, scaled linearly to the micro-batch;

@@ -14,7 +14,7 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism (mesh ep) with dp, fp32                     test_moe (everything else refused below)
   expert parallelism with tp (expert FFNs column/row), fp32, no SP test_moe_tp
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
-  ep with ZeRO-1/2 (experts cut over edp) and clip=              test_moe_zero
+  ep with ZeRO-1/2 (experts cut over edp), clip=, bf16 and fp16  test_moe_zero
   ZeRO-Offload (zero offload=cpu), stages 1–3, fp32/bf16, with tp and pp (as ZeRO is) test_zero_offload
   context parallelism (mesh cp, ring, alltoall) with dp, fp32    test_context_parallel (the rest: cp_support)
 
@@ -89,12 +89,12 @@ def _offload(plan: Plan, refuse) -> None:
 
 def _expert_parallel(plan: Plan, refuse) -> None:
     """mesh ep > 1 is proven with dp (tests/test_moe.py), tp (tests/test_moe_tp.py), pp (1F1B, GPipe:
-    tests/test_moe_pp.py), and ZeRO-1/2, bf16 and clip= (tests/test_moe_zero.py, with tp 1 and pp 1):
+    tests/test_moe_pp.py), and ZeRO-1/2, bf16, fp16 and clip= (tests/test_moe_zero.py, with tp 1 and pp 1):
     each other feature is refused, with why."""
     m, pipe = plan.mesh, plan.pipeline
     if m.ep == 1:
         return
-    sharded = m.tp > 1 or m.pp > 1  # ZeRO, bf16 and clip= are proven with ep at tp 1 and pp 1 only
+    sharded = m.tp > 1 or m.pp > 1  # ZeRO, bf16, fp16 and clip= are proven with ep at tp 1 and pp 1 only
     unproven = f"with tp {m.tp} and pp {m.pp} no test proves it with ep (tests/test_moe_zero.py runs tp 1, pp 1)"
     why = {
         "tensor_parallel": (m.tp > 1 and plan.tensor_parallel.sequence_parallel, "sequence_parallel: the "
