@@ -45,11 +45,12 @@ class LossScaler:
         as DeepSpeed scales, then divides by the gradient accumulation steps."""
         return self.scale / accumulation if accumulation > 1 else self.scale
 
-    def unscale_(self, grads: list[torch.Tensor]) -> None:
-        """Multiply the fp32 master gradients by 1/S in place (exact: S is a power of two)."""
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Multiply the fp32 master gradients by 1/S in place (exact: S is a power of two); return 1/S."""
         inv = torch.reciprocal(self.scale)
         for g in grads:
             g.mul_(inv.to(g.dtype))
+        return inv
 
     def update(self, found: torch.Tensor) -> None:
         """After the step: move S by DeepSpeed's rule (module docstring); `found` > 0 where the step overflowed."""

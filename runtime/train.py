@@ -285,7 +285,7 @@ class Trainer:
         updated = self.zero.master_grads() if self.zero else [p.grad for p in self.params.values()]
         updated = [g for g in updated if g is not None]  # what the optimizer reads: the fp32 master gradients
         if self.scaler:  # fp16: unscaled before anything reads them (--verify's observer, the norm, the step)
-            self.scaler.unscale_(updated)
+            self._multiplied(self.scaler.unscale_(updated))
         if self.grad_observer is not None:
             observe, self.grad_observer = self.grad_observer, None
             observe(self)
@@ -348,7 +348,16 @@ class Trainer:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to the serial model's global norm (`parc.runtime.parallel.grad_norm`); return that norm."""
         owned, grads, axes = self._owned_grads()
-        return grad_norm.clip_(owned, grads, max_norm, self.ctx, axes)
+        norm, coef = grad_norm.clip_(owned, grads, max_norm, self.ctx, axes)
+        self._multiplied(coef)
+        return norm
+
+    def _multiplied(self, factor: torch.Tensor) -> None:
+        """Every gradient the optimizer reads was just multiplied in place by `factor` (fp16's 1/S, clipping's
+        coefficient). ZeRO-Offload copied the reduced ranges to the host during backward: it multiplies its
+        copies alike (runtime/parallel/offload.py `multiplied`)."""
+        if self.zero is not None and self.zero.offload is not None:
+            self.zero.offload.multiplied(factor)
 
     def global_grad_norm(self) -> torch.Tensor:
         """The serial model's global gradient norm, unclipped (collective over the axes that split it)."""

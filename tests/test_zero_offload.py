@@ -11,7 +11,9 @@ copy of runtime/parallel/offload.py. Checked:
   same elementwise update on the same fp32 values (torch's foreach kernels equal its per-tensor loop bit
   for bit), so any difference is a bug of the copies, not rounding;
 - device memory: `held_state` equals `analytic_bytes` with the optimizer state gone, and the host holds
-  exactly `analytic_host_bytes` (masters, gradient buffers, Adam's moments), in tensors of their own.
+  exactly `analytic_host_bytes` (masters, gradient buffers, Adam's moments), in tensors of their own;
+- the gradient download overlaps backward: every bucket's copy started during backward and the step used
+  it, clipping's coefficient applied on the host (`reused`), and still no bit differs.
 
 With tp and pp (4 ranks: ZeRO-3 and ZeRO-2 bf16 with tp 2, ZeRO-2 GPipe and ZeRO-1 1F1B bf16 with pp 2) offload
 must again change no bit against the same plan without it (tests/test_zero_combos.py proves those against serial).
@@ -59,7 +61,7 @@ def _body(ctx, roots: dict[str, str]):
         trainer = Trainer.load(root, 0)
         local = [trainer.step(s).loss for s in range(STEPS)]
         host = trainer.zero.offload
-        out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
+        out[name] = {"reused": (host.reused, len(host.grads)) if host else None,"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
                      "memory": held_state(trainer), "host": host.host_bytes() if host else None,
                      # the host masters are tensors of their own, in host memory, not the device ranges
                      "separate": host is not None and all(
@@ -103,6 +105,8 @@ def test_offload_changes_no_bit_and_moves_the_state_to_the_host(trained, name):
         bad = [k for k in want["state"] if not torch.equal(got["state"][k], want["state"][k])]
         assert not bad, (rank, bad)
         assert got["separate"]
+        reused, buckets = got["reused"]  # each copy made during backward, clipped on the host, used
+        assert reused == buckets > 0, got["reused"]
         bf16 = "bf16" in name
         device = analytic_bytes(table, compute_elem=2 if bf16 else None)
         assert device["optimizer"] == 0
@@ -187,6 +191,31 @@ def test_host_step_skips_where_found_and_copies_between_separate_buffers():
     assert all(torch.equal(after[k], v) for k, v in before[1].items())
 
 
+def test_an_early_copy_is_used_only_if_nothing_but_declared_multiplies_wrote_its_gradient():
+    """`download` during backward, then the step: a declared multiply (clip, 1/S) is applied to the host copy;
+    any other in-place write of the range since the copy (here through a view, as a tp-partial sum writes)
+    makes the step copy it again. Either way the host sees exactly the device's final gradient."""
+    from parc.runtime.parallel.offload import HostOptimizer
+
+    bucket = {"shard": 8, "params": [{"name": "w", "offset": 0, "numel": 8}]}
+    for write_after in (False, True):
+        device = [torch.arange(8, dtype=torch.float32)]
+        host = HostOptimizer(device, [bucket], 0, {}, lambda groups: torch.optim.SGD(groups, lr=1.0))
+        grad = torch.linspace(-1, 1, 8) / 3
+        device[0].grad = grad
+        host.download(0, grad)
+        coef = torch.tensor(0.3)
+        grad.mul_(coef)
+        host.multiplied(coef)
+        if write_after:
+            grad[2:4].add_(1.0)  # a view: the base's version counter moves
+        final = grad.clone()
+        before = device[0].clone()
+        host.step(None)
+        assert host.reused == (0 if write_after else 1)
+        assert torch.equal(host.grads[0], final) and torch.equal(device[0], before - final)
+
+
 def test_offload_key_is_located_round_trips_and_refuses_what_is_unproven():
     plan = parse("mesh dp=2\nzero stage=2 offload=cpu\n")
     assert plan.zero.offload == "cpu" and "zero stage=2 offload=cpu" in format_plan(plan)
@@ -223,7 +252,16 @@ def test_report_prices_the_copies_and_the_host_step():
     each = 4 * 8e9 / 8
     assert [size for _, size, _ in copies] == [each, each]
     assert sum(seconds for _, _, seconds in copies) == pytest.approx(2 * each / hw.pcie_bw)
-    assert added == pytest.approx(2 * each / hw.pcie_bw + 28 * 1e9 / hw.host_mem_bw - 28 * 1e9 / hw.mem_bw)
+    host_update = 28 * 1e9 / hw.host_mem_bw - 28 * 1e9 / hw.mem_bw
+    assert added == pytest.approx(2 * each / hw.pcie_bw + host_update)
+    # the download under the last backward: all but one bucket's share hides under a long one, a short one
+    # hides its own length
+    down_s = each / hw.pcie_bw
+    _, hidden, copies, note = offload_cost.apply(rows, 8e9, 8, 2, "adamw", 4, 0, 8, hw, backward_s=10.0, buckets=4)
+    assert hidden == pytest.approx(down_s / 4 + down_s + host_update) and "exposed" in note
+    _, partly, _, _ = offload_cost.apply(rows, 8e9, 8, 2, "adamw", 4, 0, 8, hw, backward_s=down_s / 2, buckets=4)
+    assert partly == pytest.approx(down_s / 2 + down_s + host_update)
+    assert sum(seconds for _, _, seconds in copies) == pytest.approx(2 * each / hw.pcie_bw)  # the rows: the whole
     # bf16 ZeRO-3: the fp32 master shard leaves too, a bf16 shard stays; bf16 goes up (2 bytes), fp32 down
     rows = [{"pp_rank": 0, "params_count": 8e9, "params": 8e9 * 4 / 8, "grads": 1.0, "optimizer": 8e9, "total": 2e10}]
     out, _, copies, _ = offload_cost.apply(rows, 8e9, 8, 3, "adamw", 4, 2, 8, hw)

@@ -624,7 +624,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
     step = makespan + dp_exposed + optimizer_s
     if z >= 1 and getattr(plan.zero, "offload", None):  # ZeRO-Offload (parc/analysis/offload_cost.py)
-        memory, added, copies, note = offload_cost.apply(memory, big, k, z, plan.optimizer.name, pb, cb, ob, hw)
+        # the gradient download runs under the last micro-batch's backward, bucket by bucket (runtime/parallel/offload.py)
+        bwd = sum(times[big_rank + v * pp][1] for v in range(virtual)) if overlap_dp else 0.0
+        memory, added, copies, note = offload_cost.apply(memory, big, k, z, plan.optimizer.name, pb, cb, ob, hw,
+                                                         backward_s=bwd, buckets=units)
         comms += [Comm("host", name, 1, size, 0.0, 0.0, seconds) for name, size, seconds in copies]
         step += added
         notes.append(note)

@@ -10,15 +10,16 @@ one tp rank's share) and K the ranks ZeRO cuts the state over:
   host memory      the fp32 master range, a gradient buffer and the optimizer state: (4 + 4 + 8)Ψ/K
   host↔device      per step the reduced fp32 gradient range down (4Ψ/K bytes) and the updated range up,
                    in the compute dtype (bf16: 2Ψ/K, cast on the host) over PCIe (`Hardware.pcie_bw`, one
-                   direction), one after the other: the host step needs every gradient and the all-gather
-                   needs the upload
+                   direction). The download of a bucket starts when its last reduce lands, during the last
+                   micro-batch's backward, so it hides under the rest of that backward: exposed is
+                   max(one bucket's share, download − backward). The upload is exposed: the host step
+                   needs every gradient first, and the all-gather needs the upload
   the update       moves from the device's memory bandwidth to the host's (`Hardware.host_mem_bw`, what
                    one rank's share of the host's DRAM reaches): the bytes of compute.step_seconds'
                    update (AdamW 28 a parameter, SGD 12)
 
-The copies and the host step are priced on the step, not overlapped: the runtime starts the download
-after clipping (which reads every gradient) and the step after it, so only the upload's tail can hide
-under the next forward's first layers, which is left out (the estimate errs slow).
+The host step and the upload are priced on the step; only the upload's tail could hide under the next
+forward's first layers, which is left out (the estimate errs slow).
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ def host_step_seconds(params: float, k: int, optimizer: str, hw) -> tuple[float,
 
 
 def apply(memory_rows: list[dict], params: float, k: int, stage: int, optimizer: str, master_b: int, compute_b: int,
-          optimizer_b: int, hw) -> tuple[list[dict], float, list[tuple[str, float, float]], str]:
-    """(memory rows, seconds added to the step, the two copies as (name, bytes, seconds), the report's note)."""
+          optimizer_b: int, hw, backward_s: float = 0.0,
+          buckets: int = 1) -> tuple[list[dict], float, list[tuple[str, float, float]], str]:
+    """(memory rows, seconds added to the step, the two copies as (name, bytes, seconds), the report's note).
+    `backward_s`: the last micro-batch's backward on this rank, which the download of `buckets` buckets hides
+    under (0: not overlapped)."""
 
     rows = [memory(r, r["params_count"], k, stage, master_b, compute_b, optimizer_b) for r in memory_rows]
     down, up, down_s, up_s = traffic(params, k, compute_b or master_b, hw)
-    copy_s = down_s + up_s
+    down_exposed = max(down_s / max(buckets, 1), down_s - backward_s) if backward_s else down_s
+    copy_s = down_exposed + up_s
     host_s, device_s = host_step_seconds(params, k, optimizer, hw)
     added = copy_s + host_s - device_s
     copies = [("copy device→host, gradients (PCIe)", down, down_s), ("copy host→device, parameters (PCIe)", up, up_s)]
@@ -68,7 +73,8 @@ def apply(memory_rows: list[dict], params: float, k: int, stage: int, optimizer:
             + (", the fp32 masters" if compute_b else "") + f"); the host holds {_gib(rows[0]['host'])} a rank (fp32 "
             f"masters, gradient buffer, optimizer state); each step copies {_gib(down)} of gradients down and "
             f"{_gib(up)} of parameters up"
-            + (f" at {hw.pcie_bw / 1e9:g} GB/s ({copy_s * 1e3:.3g} ms)" if hw.pcie_bw else " (no PCIe figure: unpriced)")
+            + (f" at {hw.pcie_bw / 1e9:g} GB/s ({(down_s + up_s) * 1e3:.3g} ms, {copy_s * 1e3:.3g} ms of it exposed: "
+               "the download runs under the last backward)" if hw.pcie_bw else " (no PCIe figure: unpriced)")
             + (f", and the update runs on the host at {hw.host_mem_bw / 1e9:g} GB/s ({host_s * 1e3:.3g} ms, against "
                f"{device_s * 1e3:.3g} ms on the device)" if hw.host_mem_bw else ", the host update unpriced"))
     return rows, added, copies, note

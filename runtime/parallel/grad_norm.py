@@ -42,13 +42,14 @@ def global_norm(owned: list[torch.Tensor], ctx, axes: tuple[str, ...]) -> torch.
 
 
 def clip_(owned: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float, ctx,
-          axes: tuple[str, ...]) -> torch.Tensor:
-    """Scale `grads` (everything this rank updates) in place by min(1, max_norm / ‖g‖); return ‖g‖."""
+          axes: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale `grads` (everything this rank updates) in place by min(1, max_norm / ‖g‖); return (‖g‖, that
+    coefficient), both 0-dim tensors on the device."""
     norm = global_norm(owned, ctx, axes)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
     for g in grads:
         g.mul_(coef.to(g.dtype))
-    return norm
+    return norm, coef
 
 
 def nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> torch.Tensor:

@@ -12,10 +12,19 @@ and the step is the plan's optimizer on those host tensors, torch's `foreach` ke
 loops, bitwise the per-tensor loop the serial reference runs; the fused CPU Adam is not, by 1 ulp on
 some elements: measured 6e-8 after five AdamW steps, so it is not used and the tests stay exact).
 
-One step, after `finish`, clipping and the nonfinite check have run on the device as without offload:
+One step:
 
-  1. device → host: each bucket's reduced fp32 gradient range into its host buffer (`non_blocking`:
-     the copies of all buckets are queued on the device's stream back to back, then waited on once);
+  1. device → host: each bucket's reduced fp32 gradient range into its host buffer, `non_blocking`, as
+     soon as it is final: `ZeroOptimizer._wait` calls `download` when the last micro-batch's reduce of
+     the bucket lands, during backward (stages 2–3 reduce bucket by bucket as backward goes; stage 1 in
+     the last micro-batch), so the copies run under the rest of backward, as DeepSpeed's.
+     What the step does to the device's gradients after that is the dependency: the sums a gradient
+     still lacks (tp partials, tied copies: `Trainer._complete_grads`), fp16's unscale and clipping.
+     The two multiplies are declared (`multiplied`: the Trainer passes 1/S and the clip coefficient) and
+     the host applies them to its copy, the same fp32 product, so the same bits. Anything else that
+     writes a range in place bumps its version counter (views share it), and that bucket is copied
+     again at the step: a copy that might be stale is never used. At the step every copy is waited on
+     once (`step`);
   2. the host step over all ranges (skipped where `found` says so: runtime/optim_step.py);
   3. host → device: each updated master range into the device's copy of the range (`non_blocking`),
      which the ZeRO runtime then casts and all-gathers as it does without offload; the copy and the
@@ -71,6 +80,9 @@ class HostOptimizer:
         self.stands_in = compute_dtype is not None
         self.staging = [_host_like(m, self.pin, compute_dtype) for m in ranges] if self.stands_in else []
         self.kept: list[torch.Tensor] = []
+        # bucket → (the device gradient copied early, its version then, factors to apply since), or None
+        self.early: list[tuple | None] = [None] * len(ranges)
+        self.reused = 0  # buckets whose early copy the last step used (tests/test_zero_offload.py)
         if self.stands_in:
             # the device's fp32 ranges are dropped: one shared element, expanded, holds each range's gradient
             shared = torch.zeros(1, dtype=ranges[0].dtype, device=self.device)
@@ -84,12 +96,43 @@ class HostOptimizer:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True  # multi-tensor host kernels: the serial loop's values, fewer launches
 
+    def download(self, b: int, grad: torch.Tensor) -> None:
+        """Bucket b's reduced gradient `grad` is final for this step: start its copy to the host."""
+        with torch.no_grad():
+            self.grads[b].copy_(grad, non_blocking=True)
+        self.early[b] = (grad, grad._version, [])
+
+    def multiplied(self, factor: torch.Tensor) -> None:
+        """Every range's gradient on the device was just multiplied in place by the 0-dim `factor`: each early
+        copy gets the same product at the step. A copy whose gradient was also written otherwise since
+        (its version moved by more than this one multiply) is dropped, and copied again at the step."""
+        for b, early in enumerate(self.early):
+            if early is not None:
+                grad, version, factors = early
+                fresh = grad._version == version + 1
+                self.early[b] = (grad, version + 1, [*factors, factor]) if fresh else None
+
+    def _gradients_down(self) -> None:
+        """Each host gradient buffer := its range's final gradient: the early copy with the declared factors
+        applied, or a copy made now where there is none, or it may be stale."""
+        late, self.reused = [], 0
+        with torch.no_grad():
+            for b, (h, d) in enumerate(zip(self.grads, self.ranges)):
+                early = self.early[b]
+                if early is None or early[0] is not d.grad or d.grad._version != early[1]:
+                    h.copy_(d.grad, non_blocking=True)
+                    late.append(b)
+            _wait_for_device(self.ranges)  # the host step reads what the copies wrote
+            for b, early in enumerate(self.early):
+                if early is not None and b not in late:
+                    self.reused += 1
+                    for factor in early[2]:
+                        self.grads[b].mul_(factor.to(device="cpu", dtype=self.grads[b].dtype))
+        self.early = [None] * len(self.early)
+
     def step(self, found: torch.Tensor | None) -> None:
         """Gradients down, the host step, parameters up (the module docstring's 1–3)."""
-        with torch.no_grad():
-            for h, d in zip(self.grads, self.ranges):
-                h.copy_(d.grad, non_blocking=True)
-            _wait_for_device(self.ranges)  # the host step reads what the copies wrote
+        self._gradients_down()
         for m, g in zip(self.master, self.grads):
             m.grad = g
         self.pieces.bind_grads()

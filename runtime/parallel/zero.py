@@ -310,7 +310,7 @@ class ZeroOptimizer:
             out.copy_(flat)
             work = None
         self._launched += 1
-        self._works[b] = (work, flat, out, self._launched)
+        self._works[b] = (work, flat, out, self._launched, self._sync)
 
     def _bound_reduce_scatters(self) -> None:
         """Stages 2–3: before another bucket's reduce-scatter starts, wait for the oldest ones beyond
@@ -324,7 +324,7 @@ class ZeroOptimizer:
             self._wait(k)
 
     def _wait(self, b: int) -> None:
-        work, _flat, out, _order = self._works[b]
+        work, _flat, out, _order, last = self._works[b]
         if work is not None:
             work.wait()
         if self.stage == 1:
@@ -332,6 +332,10 @@ class ZeroOptimizer:
         else:
             self.grad_acc[b].add_(out)
         self._works[b] = True
+        if last and self.offload is not None and self.replicate is None:
+            # the step's last reduce of this bucket: its range is final, so ZeRO-Offload starts copying it to
+            # the host now, under the rest of backward (offload.py `download`)
+            self.offload.download(b, self.master[b].grad if self.stage == 1 else self.grad_acc[b])
 
     def _drain(self) -> None:
         for b, w in enumerate(self._works):
