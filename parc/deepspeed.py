@@ -16,6 +16,7 @@ What maps to what:
 | pipeline_parallel.pp_size, pipeline.stages (an integer), pipeline_model_parallel_size | mesh pp= |
 | zero_optimization.stage | zero stage= |
 | zero_optimization.mics_shard_size (MiCS) | zero … shard= (HSDP) |
+| zero_optimization.zero_hpz_partition_size (ZeRO++ hpZ, stage 3) | zero stage=3 shard= (HSDP, more state a rank: `_hpz`) |
 | zero_optimization.offload_optimizer.device cpu (ZeRO-Offload) | zero … offload=cpu |
 | optimizer.type / params (lr, betas, eps, weight_decay) | optimizer adamw/adam/sgd lr= betas= eps= weight_decay= |
 | gradient_clipping | optimizer clip= |
@@ -77,9 +78,6 @@ WHY_PREFIX = {
     "fp16.consecutive_hysteresis": "parc's hysteresis is refilled only when the scale grows (DeepSpeed's default, "
                                    "consecutive_hysteresis false), not after every clean step",
     "zero_optimization.offload_param": "parc has no parameter offload: parameters stay on the device",
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ keeps a per-node copy of the weights for the gathers; "
-                                                 "parc has no such copy (its HSDP, `zero shard=`, is MiCS's "
-                                                 "mics_shard_size: the state itself sharded per group)",
 }
 AUTO = "auto"
 # HF Trainer's defaults for these optimizer "auto"s are parc's own defaults (adamw betas 0.9,0.999, eps 1e-8,
@@ -183,6 +181,7 @@ class _Reader:
     def __init__(self, config: dict):
         self.flat = _flatten(config)
         self.used: list[str] = []
+        self.why: dict[str, str] = {}  # a key left untranslated for a reason of this config (else `_why`)
 
     def take(self, *keys: str):
         found = [(k, self.flat[k]) for k in keys if k in self.flat]
@@ -260,8 +259,11 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
             raise ParcError(f"DeepSpeed zero_optimization.stage must be 0..3, got {stage!r}")
         mkey, mics = r.take("zero_optimization.mics_shard_size")
         offload = _offload(r)
+        hpz = _hpz(r, stage, dp, offload, mics_set=bool(mkey and mics not in (None, -1)), notes=notes)
         if mkey and mics not in (None, -1):  # MiCS: the state sharded in groups of K, replicated across them
             lines.append(f"zero stage={stage} shard={_int(mkey, mics)}{offload}   # MiCS mics_shard_size: HSDP")
+        elif hpz:
+            lines.append(f"zero stage=3 shard={hpz}   # ZeRO++ zero_hpz_partition_size {hpz}: HSDP (see the note)")
         else:
             lines.append(f"zero stage={stage}{offload}" + ("   # ZeRO-Offload: offload_optimizer.device cpu"
                                                           if offload else ""))
@@ -270,13 +272,46 @@ def translate(config: dict, *, world_size: int | None = None, nodes: int | None 
 
     fp16_on = bool(r.flat.get("fp16.enabled")) and r.flat.get("fp16.enabled") != AUTO
     untranslated = [(k, "fp16 is not enabled: its loss-scaling settings have no effect" if k.startswith("fp16.")
-                     and not fp16_on else _why(k)) for k in r.rest()]
+                     and not fp16_on else r.why.get(k) or _why(k)) for k in r.rest()]
     head = [f"# translated from {source} by `parc import-deepspeed`"]
     head += [f"# note: {n}" for n in notes]
     if untranslated:
         head.append("# not translated:")
         head += [f"#   {k}: {why}" for k, why in untranslated]
     return Import("\n".join(head + lines) + "\n", r.used, untranslated, notes, {"dp": dp, "pp": pp, "tp": tp})
+
+
+def _hpz(r: _Reader, stage: int, dp: int | None, offload: str, mics_set: bool, notes: list[str]) -> int | None:
+    """ZeRO++ hpZ (`zero_hpz_partition_size` K > 1, stage 3) → `zero stage=3 shard=K`, parc's HSDP, where it is
+    the nearest parc plan and compiles: its weight gathers stay inside groups of K ranks as hpZ's secondary copy
+    does, but parc also shards the optimizer state and fp32 masters over those K ranks, not over all dp, so a
+    rank holds more (said in a note). Left untranslated, with why (`WHY_PREFIX`), under MiCS (which already
+    sets `shard=`), with offload (parc refuses `shard=` below dp with `offload=`), or where K does not divide a
+    known dp. K = 1 is hpZ off: translated, nothing written."""
+    key = "zero_optimization.zero_hpz_partition_size"
+    if key not in r.flat:
+        return None
+    k = r.flat[key]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        r.why[key] = f"ZeRO++ hpZ partition size must be a positive integer to map onto `zero shard=`, got {k!r}"
+        return None
+    if k == 1:
+        r.take(key)
+        return None
+    why = ("MiCS's mics_shard_size already sets `zero shard=`" if mics_set else
+           "hpZ is a stage-3 setting" if stage != 3 else
+           "parc refuses `zero shard=` below dp together with `offload=cpu`" if offload else
+           f"{k} does not divide dp {dp}" if dp is not None and dp % k else
+           "dp is not known (auto), so `shard=` cannot be checked against it" if dp is None else None)
+    if why is not None:
+        r.why[key] = f"ZeRO++ hpZ (partition size {k}) is not mapped onto `zero shard=`: {why}"
+        return None
+    r.take(key)
+    notes.append(f"zero_hpz_partition_size {k} → `zero stage=3 shard={k}` (HSDP): the weight all-gathers stay "
+                 f"inside groups of {k} ranks, as hpZ's secondary copy makes them, but parc shards the fp32 masters "
+                 f"and optimizer state over those {k} ranks rather than over all {dp}, so a rank holds 12/{k} bytes "
+                 f"a parameter of state where hpZ holds 12/{dp}: check it fits with `parc report`")
+    return k
 
 
 def _offload(r: _Reader) -> str:

@@ -253,6 +253,27 @@ def test_mics_shard_size_is_hsdp(tmp_path):
     assert (plan.zero.stage, plan.zero.shard) == (3, 4)
 
 
+def test_hpz_partition_size_is_hsdp_with_a_note_or_left_with_why(tmp_path):
+    """ZeRO++ hpZ's partition size K is `zero stage=3 shard=K` (gathers inside groups of K), with a note that parc
+    also cuts the state over K (more a rank than hpZ); where that plan would not compile or not say the same
+    (MiCS set, offload, stage 2, K not dividing dp, "auto") it stays untranslated with the reason."""
+    key = "zero_optimization.zero_hpz_partition_size"
+    base = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    imp = translate(dict(base, zero_optimization={"stage": 3, "zero_hpz_partition_size": 4}), world_size=8)
+    assert write_plan(imp, tmp_path / "hpz.par").zero == Zero(3, 4, None)
+    assert key not in dict(imp.untranslated) and any("12/4 bytes" in n and "12/8" in n for n in imp.notes)
+    off = translate(dict(base, zero_optimization={"stage": 3, "zero_hpz_partition_size": 1}), world_size=8)
+    assert write_plan(off, tmp_path / "off.par").zero == Zero(3, None, None) and key not in dict(off.untranslated)
+    for zero, why in (({"stage": 3, "mics_shard_size": 2}, "MiCS"),
+                      ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "offload"),
+                      ({"stage": 2}, "stage-3 setting"), ({"stage": 3, "zero_hpz_partition_size": 3}, "divide dp 8"),
+                      ({"stage": 3, "zero_hpz_partition_size": "auto"}, "positive integer")):
+        zero = {"zero_hpz_partition_size": 4, **zero}
+        imp = translate(dict(base, zero_optimization=zero), world_size=8)
+        assert why in dict(imp.untranslated)[key], (zero, imp.untranslated)
+        assert write_plan(imp, tmp_path / "x.par").zero.shard in (None, 2)  # MiCS's 2, never hpZ's
+
+
 def test_fp16_loss_scaling_keys_map_onto_the_plan(tmp_path):
     """DeepSpeed's fp16 scaler keys are parc's (runtime/loss_scale.py): the Megatron-DeepSpeed config's become
     the plan's; a value that is not a number, and consecutive_hysteresis true (not parc's rule), stay
