@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import json
 import re
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parc.errors import ParcError, PlanError
+from parc.errors import ParcError
 from parc.grammar.plan import LOSS_SCALING_KEYS, LossScaling
 from parc.grammar.plan import Optimizer as OptimizerDefaults
 
