@@ -356,8 +356,9 @@ class Trainer:
         """Every gradient the optimizer reads was just multiplied in place by `factor` (fp16's 1/S, clipping's
         coefficient). ZeRO-Offload copied the reduced ranges to the host during backward: it multiplies its
         copies alike (runtime/parallel/offload.py `multiplied`)."""
-        if self.zero is not None and self.zero.offload is not None:
-            self.zero.offload.multiplied(factor)
+        offload = getattr(self.zero, "offload", None)  # ep's ExpertZero has none (offload with ep is refused)
+        if offload is not None:
+            offload.multiplied(factor)
 
     def global_grad_norm(self) -> torch.Tensor:
         """The serial model's global gradient norm, unclipped (collective over the axes that split it)."""
