@@ -18,6 +18,9 @@ stay one object, and nothing of the weights is read.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -30,29 +33,67 @@ _CONFIG_KWARGS = ("attn_implementation", "dtype", "torch_dtype")
 @contextlib.contextmanager
 def pretrained_as_config(paths: list[Path]):
     """Within: `PreTrainedModel.from_pretrained(p, ...)` returns `cls._from_config(AutoConfig(p))` in train
-    mode and appends `p` to `paths`. Without transformers installed, nothing changes."""
-    try:
-        import transformers
-    except ImportError:
-        yield
-        return
-    base = transformers.PreTrainedModel
-    original = base.__dict__["from_pretrained"]
+    mode and appends `p` to `paths`. Without transformers installed, nothing changes.
 
-    def from_config(cls, path, *args, config=None, **kwargs):
-        if config is None or isinstance(config, (str, Path)):
-            config = transformers.AutoConfig.from_pretrained(config or path)
-        given = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs and kwargs[k] != "auto"}
-        if "dtype" not in given and "torch_dtype" not in given and getattr(config, "dtype", None) is not None:
-            given["dtype"] = config.dtype  # from_pretrained's default "auto": the dtype the config was saved in
-        paths.append(Path(path))
-        return cls._from_config(config, **given)
+    transformers is patched only where the model uses it: at once if it is imported already (a model file
+    that imports it at its top), else the moment something inside imports it (`_AfterImport`). A model
+    that never imports it cannot call `from_pretrained`, and importing it costs every rank of every run
+    seconds at start-up (2.6 s measured here, most of `Trainer.load` for examples/gpt.py)."""
+    undo: list = []
 
-    base.from_pretrained = classmethod(from_config)
+    def patch(transformers) -> None:
+        base = transformers.PreTrainedModel
+        original = base.__dict__["from_pretrained"]
+
+        def from_config(cls, path, *args, config=None, **kwargs):
+            if config is None or isinstance(config, (str, Path)):
+                config = transformers.AutoConfig.from_pretrained(config or path)
+            given = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs and kwargs[k] != "auto"}
+            if "dtype" not in given and "torch_dtype" not in given and getattr(config, "dtype", None) is not None:
+                given["dtype"] = config.dtype  # from_pretrained's default "auto": the dtype the config was saved in
+            paths.append(Path(path))
+            return cls._from_config(config, **given)
+
+        base.from_pretrained = classmethod(from_config)
+        undo.append(lambda: setattr(base, "from_pretrained", original))
+
+    hook = None
+    if "transformers" in sys.modules:
+        patch(sys.modules["transformers"])
+    else:
+        hook = _AfterImport("transformers", patch)
+        sys.meta_path.insert(0, hook)
     try:
         yield
     finally:
-        base.from_pretrained = original
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+        for step in undo:
+            step()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A one-shot import hook: when `name` is first imported, `then(module)` runs once the module has executed
+    (with what the module left in sys.modules: transformers replaces itself by a lazy module)."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders locate the module
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            self.then(sys.modules.get(fullname, module))
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 @contextlib.contextmanager
@@ -93,9 +134,7 @@ def build_skeleton(user, seed: int = 0) -> tuple[torch.nn.Module, list[Path]]:
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
-    """Whether `model` is a transformers `PreTrainedModel` (it has a config that `from_pretrained` reads)."""
-    try:
-        import transformers
-    except ImportError:
-        return False
-    return isinstance(model, transformers.PreTrainedModel)
+    """Whether `model` is a transformers `PreTrainedModel` (it has a config that `from_pretrained` reads). A model
+    built while transformers was never imported is none, and the seconds of importing it are not spent."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)

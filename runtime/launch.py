@@ -14,7 +14,7 @@ Python reads only at start-up, such as PYTHONHASHSEED (`env` is applied later,
 inside the rank, for all ranks alike).
 
 Ranks start from a fork server that has imported torch once (multiprocessing's
-"forkserver", torch and torch.distributed preloaded): a fresh interpreter importing
+"forkserver", torch, torch.distributed and torch._dynamo preloaded): a fresh interpreter importing
 torch costs seconds per rank, which on a small machine was most of a distributed
 test's time (4 ranks: 7–16 s to start with "spawn", under 1 s forked). A forked rank
 sees what a spawned one would: the caller's environment as of the call (applied
@@ -104,7 +104,10 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
         os._exit(0)
 
 
-_PRELOAD = ["torch", "torch.distributed"]  # what the fork server imports once (module docstring)
+# what the fork server imports once (module docstring); torch._dynamo because every rank imports it anyway:
+# a parameter initialised on meta (`Trainer.load`'s skeleton) goes through torch._refs, whose wrappers import
+# it (1.3 s a rank measured here)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def _context(fresh_interpreter: bool):

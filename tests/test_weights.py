@@ -154,6 +154,38 @@ def test_from_pretrained_in_build_model_compiles_and_reads_per_shard(hf_run):
     assert all(r["read"] < 0.6 * total for r in runs)  # half of every sharded tensor; norms whole
 
 
+LAZY = """
+import sys, types
+from parc.pretrained import build_skeleton
+sys.path.insert(0, {examples!r})
+import gpt
+plain = types.SimpleNamespace(build_model=gpt.build_model)
+build_skeleton(plain)
+print("plain imported transformers:", "transformers" in sys.modules)
+
+def build_model():  # transformers imported inside build_model, not by the file
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained({ckpt!r})
+
+model, paths = build_skeleton(types.SimpleNamespace(build_model=build_model))
+print("paths:", [str(p) for p in paths], "meta:", all(p.is_meta for p in model.parameters()))
+"""
+
+
+def test_from_pretrained_is_a_config_even_when_build_model_imports_transformers(hf_run, tmp_path):
+    """A model that never imports transformers does not pay for importing it (seconds a rank: parc/pretrained.py);
+    one whose build_model imports it itself still gets `from_pretrained` as a config (the import hook), so no
+    weights are read into the skeleton. A fresh interpreter: this process has imported transformers."""
+    import subprocess
+    import sys
+
+    script = LAZY.format(examples=str(ROOT / "examples"), ckpt=str(hf_run["ckpt"]))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "plain imported transformers: False" in r.stdout
+    assert f"paths: ['{hf_run['ckpt']}'] meta: True" in r.stdout, r.stdout
+
+
 def test_export_hf_directory_loads_in_transformers(hf_run, tmp_path):
     """parc export --hf: config.json + safetensors shards + index; AutoModelForCausalLM.from_pretrained gives
     the trained parc model's logits."""
