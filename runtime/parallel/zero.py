@@ -15,6 +15,10 @@ Bytes per parameter, N = dp, Adam (padding aside):
   1     | 4 + 4 + 8/N      | 2 + 4/N (masters) + 4 + 8/N = 6 + 12/N  (Megatron's distributed optimizer)
   2     | 4 + 4/N + 8/N    | 2 + 4/N + 4/N + 8/N = 2 + 16/N, plus a bucket's transient bf16 gradient
   3     | 16/N             | 16/N, plus the gathered bf16 working set
+  bf16 with `reduce=bf16 accumulate=bf16` (the ZeRO paper's and DeepSpeed's bf16 gradients):
+  1     | 2 + 4/N + 2 + 8/N = 2 + 2 + 12/N
+  2     | 2 + 4/N + 2/N + 8/N = 2 + 14/N
+  (the step's fp32 copy of the rank's reduced range, 4/N, lives from `finish` to `zero` only)
 
 The optimizer is the plan's own (AdamW, …) run on one fp32 tensor per bucket,
 the rank's range ("master"); every update is elementwise, so it is the serial
@@ -93,6 +97,16 @@ each micro-batch's bf16 gradient summed in fp32. Stage 3's gather casts the
 rank's fp32 range to bf16 and gathers bf16, so the program's weights and their
 gradients are bf16, as FSDP2's `param_dtype`. Each reduce-scatter moves
 `reduce_dtype` (fp32 unless `reduce=bf16`) and its result is added into the fp32 range.
+
+bf16 accumulation (`precision bf16 reduce=bf16 accumulate=bf16`, stages 1–2; DeepSpeed's
+`grad_accum_dtype`): the accumulators are bf16 too. Stage 1's whole flat gradient buffer is bf16 and
+each program gradient is a view of it, so autograd adds every micro-batch's bf16 gradient into it in
+place (no hook copy); at the last micro-batch the buffer is divided by dp in bf16 and reduce-scattered
+as it is. Stage 2 adds each micro-batch's reduce-scattered bf16 range into a bf16 range. `finish` hands
+the optimizer an fp32 copy of the reduced range (freed by `zero`). With one micro-batch a step this is
+bitwise `reduce=bf16` (adding into zeros is exact, and dividing in bf16 rounds once, as the fp32 divide
+then the cast do); with k micro-batches each of the k − 1 additions rounds to bf16's 8 bits, where fp32
+accumulation rounds to 24 (tests/test_zero_bf16_accumulate.py states the tolerance this costs).
 """
 
 from __future__ import annotations
@@ -139,7 +153,8 @@ class ZeroOptimizer:
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
                  decay_of: dict[str, bool] | None = None, read_range=None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 divisor: int | None = None, replicate=None, replica: int = 0, lazy_gather: bool = False):
+                 divisor: int | None = None, replicate=None, replica: int = 0, lazy_gather: bool = False,
+                 accumulate_dtype: torch.dtype | None = None):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/checkpoint/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
@@ -149,11 +164,14 @@ class ZeroOptimizer:
         ranges (None: no other copy), and this rank's index in it; `group`, `dp`, `dp_rank` are then the
         shard group's, and `divisor` all of dp.
         `lazy_gather` (stages 1–2, a program with `zero_wait_gather` ops run eagerly): the post-step
-        all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above)."""
+        all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above).
+        `accumulate_dtype` (stages 1–2, `precision bf16 reduce=bf16 accumulate=bf16`): the dtype of the
+        gradient accumulators, stage 1's whole flat buffer and stage 2's range (see "bf16 accumulation")."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.divisor = divisor or dp
         self.replicate, self.replica = replicate, replica
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # None: the masters' fp32
+        self.accumulate_dtype = accumulate_dtype or torch.float32
         self.table = table
         self.params = params
         self.buckets = table["buckets"]
@@ -165,6 +183,8 @@ class ZeroOptimizer:
         self._offset_of: dict[int, int] = {}           # stage 1 under bf16: where a parameter's gradient goes
         # stages 1–2 under a compute dtype: the program's weights are a low-precision flat buffer
         self._low = self.stage < 3 and compute_dtype is not None
+        # ... whose gradients also accumulate in it: the program's gradient lands in the accumulator itself
+        self._low_acc = self._low and self.accumulate_dtype == compute_dtype
         shared = None
         for b, bucket in enumerate(self.buckets):
             ps = [params[p["name"]] for p in bucket["params"]]
@@ -196,14 +216,14 @@ class ZeroOptimizer:
                     # shared element; `zero_unshard` ignores its data and returns the gathered bucket instead
                     p.data = shared.expand(p.shape)
             if self.stage == 1:
-                g = torch.zeros(bucket["padded"], dtype=torch.float32, device=full.device)
-                if not self._low:
+                g = torch.zeros(bucket["padded"], dtype=self.accumulate_dtype, device=full.device)
+                if not self._low or self._low_acc:  # autograd adds each micro-batch's gradient into g in place
                     for p, spec in zip(ps, bucket["params"]):
                         p.grad = g[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
                 # bf16: a bf16 parameter cannot hold an fp32 .grad; `_on_grad` adds each bf16 gradient in
                 self.grad_flat.append(g)
             else:
-                self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=full.device))
+                self.grad_acc.append(torch.zeros(n, dtype=self.accumulate_dtype, device=full.device))
             if self.stage < 3:
                 for p, spec in zip(ps, bucket["params"]):
                     self._bucket_of[id(p)] = b
@@ -261,7 +281,7 @@ class ZeroOptimizer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]
-        if self.stage == 1 and self._low:
+        if self.stage == 1 and self._low and not self._low_acc:
             # bf16: the micro-batch's bf16 gradient summed into the fp32 flat buffer, then freed (the
             # fp32 accumulation that `StepCasts`' cast backward used to do into an fp32 master's .grad)
             o = self._offset_of[id(p)]
@@ -296,7 +316,8 @@ class ZeroOptimizer:
         return torch.cat(parts)
 
     def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
-        flat = flat.float()  # stages 2–3 under bf16: the bf16 bucket gradient (else a no-op)
+        if not self._low_acc:  # bf16 accumulation: already the wire's dtype, divided in it (the same bits)
+            flat = flat.float()  # stages 2–3 under bf16: the bf16 bucket gradient (else a no-op)
         if self.divisor > 1:
             flat.div_(self.divisor)  # average: pre-divide in fp32, as DDP does, to keep sums in range
         if self.reduce_dtype is not None:
@@ -355,7 +376,7 @@ class ZeroOptimizer:
         self._reduce_replicas()
         if self.stage >= 2:
             for m, g in zip(self.master, self.grad_acc):
-                m.grad = g
+                m.grad = g.float()  # bf16 accumulation: an fp32 copy for the step, freed by `zero` (else g)
 
     def _reduce_replicas(self) -> None:
         """HSDP: sum each reduced range over the replicas of this rank's shard (one all-reduce a bucket, a step).
@@ -663,11 +684,13 @@ def shard_ranks(table: dict) -> int:
     return table.get("shard_size", table["dp"])
 
 
-def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None) -> dict[str, int]:
+def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None,
+                   grad_elem: int | None = None) -> dict[str, int]:
     """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state.
 
     `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
-    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table).
+    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table),
+    unless `grad_elem` (2 under `accumulate=bf16`) says they accumulate in the compute dtype.
     Under offload (`table["offload"]`) the optimizer state is in host memory (`analytic_host_bytes`): 0 here;
     with a compute dtype so are the fp32 masters (stage 3 keeps its range in the compute dtype)."""
     psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
@@ -676,7 +699,7 @@ def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_ele
         params = psi * compute_elem + psi * elem // n
     if compute_elem is not None and table.get("offload"):  # the fp32 ranges live on the host; stage 3 keeps bf16
         params = psi * compute_elem // (n if s >= 3 else 1)
-    return {"params": params, "grads": psi * elem // (n if s >= 2 else 1),
+    return {"params": params, "grads": psi * (grad_elem or elem) // (n if s >= 2 else 1),
             "optimizer": 0 if table.get("offload") else adam_states * psi * elem // n}
 
 
