@@ -178,7 +178,10 @@ class ZeroOptimizer:
         self.full: list[torch.Tensor | None] = []     # stages 1–2: the whole flat parameter buffer (compute dtype)
         self.master: list[torch.Tensor] = []           # this rank's range, fp32, what the optimizer updates
         self.grad_flat: list[torch.Tensor] = []        # stage 1: whole flat gradient buffer
-        self.grad_acc: list[torch.Tensor] = []         # stages 2–3: this rank's range of the reduced gradient
+        # stages 2–3: this rank's range of the reduced gradient, made by the step's first reduce-scatter of the
+        # bucket and freed after the update (None between steps: "Gradient ranges live in the step only")
+        self.grad_acc: list[torch.Tensor | None] = []
+        self.released_grad_bytes = 0                   # bytes of the ranges the last `zero` freed (`held`)
         self._bucket_of: dict[int, int] = {}
         self._offset_of: dict[int, int] = {}           # stage 1 under bf16: where a parameter's gradient goes
         # stages 1–2 under a compute dtype: the program's weights are a low-precision flat buffer
@@ -223,7 +226,7 @@ class ZeroOptimizer:
                 # bf16: a bf16 parameter cannot hold an fp32 .grad; `_on_grad` adds each bf16 gradient in
                 self.grad_flat.append(g)
             else:
-                self.grad_acc.append(torch.zeros(n, dtype=self.accumulate_dtype, device=full.device))
+                self.grad_acc.append(None)
             if self.stage < 3:
                 for p, spec in zip(ps, bucket["params"]):
                     self._bucket_of[id(p)] = b
@@ -263,7 +266,7 @@ class ZeroOptimizer:
                 master[a - lo:e - lo] = read_range(spec["name"], a - spec["offset"], e - spec["offset"])
         self.full.append(None)
         self.master.append(master)
-        self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=master.device))
+        self.grad_acc.append(None)
         shared = shared if shared is not None else torch.zeros(1, dtype=ps[0].dtype, device=ps[0].device)
         for p in ps:
             p.data = shared.expand(p.shape)
@@ -351,6 +354,8 @@ class ZeroOptimizer:
         if self.stage == 1:
             self.master[b].grad = out.float()
         else:
+            if self.grad_acc[b] is None:  # the step's first range of bucket b: zeros + out, the same bits as before
+                self.grad_acc[b] = torch.zeros(out.shape, dtype=self.accumulate_dtype, device=out.device)
             self.grad_acc[b].add_(out)
         self._works[b] = True
         if last and self.offload is not None and self.replicate is None:
@@ -463,10 +468,11 @@ class ZeroOptimizer:
     def zero(self) -> None:
         for g in self.grad_flat:
             g.zero_()
-        for g in self.grad_acc:
-            g.zero_()
+        # stages 2–3: the ranges go (FSDP2's `zero_grad(set_to_none=True)`): between steps no gradient is held
+        self.released_grad_bytes = sum(g.untyped_storage().nbytes() for g in self.grad_acc if g is not None)
+        self.grad_acc = [None] * len(self.grad_acc)
         for m in self.master:
-            m.grad = None  # stage 1's reduced range is a temporary; 2–3 keep `grad_acc`
+            m.grad = None  # stage 1's reduced range is a temporary, 2–3's `grad_acc` (freed above)
         (self.offload or self.pieces).clear_grads()
 
     # --- stage 3: gather on demand -------------------------------------------------------
@@ -662,14 +668,18 @@ class ZeroOptimizer:
         return sum(self.buckets[b]["padded"] for b in self._needed_in_backward)
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`)."""
+        """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`). Stages 2–3's
+        gradient ranges are not among them: they live from the step's first reduce-scatter to its update, and
+        `released_grad_bytes` says how many bytes the last step's were (runtime/memory.py `held_state` adds them:
+        they are part of every step's peak)."""
         self.settle()
         program = [p.detach() for p in self.params.values()]
         # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
         params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
         if self.offload is not None and self.offload.stands_in:  # the masters are stand-ins, not weights
             params = self.offload.device_tensors() + (program if self.stage < 3 else [])
-        grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + self.grad_acc
+        grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + \
+            [g for g in self.grad_acc if g is not None]
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         opt = [] if self.offload else opt  # offload: in host memory (`HostOptimizer.host_bytes`), none on the device
         return {"params": params, "grads": grads, "optimizer": opt, "stand_ins": program if self.stage == 3 else []}
