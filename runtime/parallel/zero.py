@@ -9,6 +9,8 @@ equal range of each. Per bucket this rank holds:
   1     | full flat buffer (bf16: + fp32 range) | full flat buffer (fp32) | its range: exp_avg, exp_avg_sq
   2     | full flat buffer (bf16: + fp32 range) | its range only (fp32)   | its range
   3     | its range only (fp32)                 | its range only (fp32)   | its range
+Stages 2–3's gradient range exists within a step only: made by the bucket's first reduce-scatter, freed
+after the update (FSDP2's `zero_grad(set_to_none=True)`), so between steps a rank holds no gradient.
 
 Bytes per parameter, N = dp, Adam (padding aside):
   stage | fp32             | bf16
