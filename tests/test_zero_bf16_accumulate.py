@@ -51,10 +51,11 @@ def _body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
+        dtypes = set()  # the accumulators' dtypes at the first update (stage 2's range lives in the step only)
+        trainer.grad_observer = lambda t: dtypes.update(g.dtype for g in t.zero.grad_flat + t.zero.grad_acc)
         local, sent = steps_recorded(trainer, STEPS)
         out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
-                     "sent": sent, "memory": held_state(trainer),
-                     "grad_dtypes": {g.dtype for g in trainer.zero.grad_flat + trainer.zero.grad_acc}}
+                     "sent": sent, "memory": held_state(trainer), "grad_dtypes": dtypes}
     return out
 
 
