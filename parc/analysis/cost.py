@@ -661,7 +661,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     if z >= 2:
-        notes.append(f"ZeRO-{z} in flight (memory, `zero_working`): at most 2 bucket gradients being reduce-scattered"
+        notes.append(f"ZeRO-{z} in flight (memory, `zero_working`): at most 1 bucket gradient being reduce-scattered"
                      + (" and 2 gathered layers (the one computing, the one prefetched)" if z == 3 else "")
                      + ", each bucket at the largest layer's size")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
@@ -766,7 +766,7 @@ def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: fl
 
 def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wire_b: int) -> float:
     """Bytes ZeRO holds for a moment beyond its state, at the bounds runtime/parallel/zero.py keeps
-    ("Overlap"): stages 2–3, `REDUCE_SCATTERS_IN_FLIGHT` (2) whole bucket gradients in the wire dtype
+    ("Overlap"): stages 2–3, `REDUCE_SCATTERS_IN_FLIGHT` (1) whole bucket gradient in the wire dtype
     as reduce-scatter inputs; stage 3 also two gathered layers (the one computing, the one arriving) in
     the gathered dtype. A bucket is taken at the largest unit's size (`zero_unit_max`; statistics
     without it: the mean bucket)."""
@@ -774,7 +774,7 @@ def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wi
         return 0.0
     units = max(sum(d.get("zero_units", 0) for d in held), 1)
     largest = max((d.get("zero_unit_max", 0) for d in held), default=0) or params / units
-    return 2 * largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
+    return largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
 
 
 def _zero_overlap_note(stage: int, lazy: bool, units: int) -> str:

@@ -60,10 +60,12 @@ same, parc/analysis/cost.py `zero_exposed`):
   reduce-scatter  launched by a bucket's last gradient hook (stages 1–2, DDP's buckets; stage 1
                   in the last micro-batch only) or by `zero_unshard`'s backward (stage 3), so it
                   runs under the rest of that backward. Stages 2–3 keep at most
-                  `REDUCE_SCATTERS_IN_FLIGHT` (2) in flight: launching another first waits for the
-                  oldest beyond that, so at most two whole bucket gradients are alive, never the
-                  model's. The rest are waited on at the next micro-batch's start or in `finish`,
-                  before the update needs them.
+                  `REDUCE_SCATTERS_IN_FLIGHT` (1) in flight, as FSDP2 does: launching the next bucket's
+                  first waits for the one before, which ran under this bucket's backward, so one whole
+                  bucket gradient is alive as a collective's input, never the model's. (With 2, measured
+                  in bench/zero3_vs_fsdp2.py, the peak per rank rose 4.95–5.21 MiB over the step
+                  against FSDP2's 5.05, depending on when gloo finished; with 1, 4.92–5.02.) The last is
+                  waited on at the next micro-batch's start or in `finish`, before the update needs it.
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
                   `zero_wait_gather` before each bucket's first use, so the next forward waits for
@@ -140,7 +142,7 @@ quiet_renamed_collectives()
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
 # stages 1–2 runtimes whose post-step all-gathers the program's `zero_wait_gather` ops wait on (see `step`)
 _GATHERING: list["ZeroOptimizer"] = []
-REDUCE_SCATTERS_IN_FLIGHT = 2  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
+REDUCE_SCATTERS_IN_FLIGHT = 1  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
 
 
 class ZeroOptimizer:
