@@ -62,10 +62,11 @@ same, parc/analysis/cost.py `zero_exposed`):
                   runs under the rest of that backward. Stages 2–3 keep at most
                   `REDUCE_SCATTERS_IN_FLIGHT` (1) in flight, as FSDP2 does: launching the next bucket's
                   first waits for the one before, which ran under this bucket's backward, so one whole
-                  bucket gradient is alive as a collective's input, never the model's. (With 2, measured
-                  in bench/zero3_vs_fsdp2.py, the peak per rank rose 4.95–5.21 MiB over the step
-                  against FSDP2's 5.05, depending on when gloo finished; with 1, 4.92–5.02.) The last is
-                  waited on at the next micro-batch's start or in `finish`, before the update needs it.
+                  bucket gradient is alive as a collective's input, never the model's (it was two).
+                  On CPU ranks the measured peak is dominated by when gloo's thread lets go of
+                  finished buffers: bench/zero3_vs_fsdp2.py's step rose 4.95–5.21 MiB with two and
+                  4.92–5.34 MiB with one (12 samples each), FSDP2's 5.05–5.24. The last is waited on at
+                  the next micro-batch's start or in `finish`, before the update needs it.
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
                   `zero_wait_gather` before each bucket's first use, so the next forward waits for
@@ -183,7 +184,7 @@ class ZeroOptimizer:
         self.master: list[torch.Tensor] = []           # this rank's range, fp32, what the optimizer updates
         self.grad_flat: list[torch.Tensor] = []        # stage 1: whole flat gradient buffer
         # stages 2–3: this rank's range of the reduced gradient, made by the step's first reduce-scatter of the
-        # bucket and freed after the update (None between steps: "Gradient ranges live in the step only")
+        # bucket and freed after the update (None between steps: the table at the top of this module)
         self.grad_acc: list[torch.Tensor | None] = []
         self.released_grad_bytes = 0                   # bytes of the ranges the last `zero` freed (`held`)
         self._bucket_of: dict[int, int] = {}
