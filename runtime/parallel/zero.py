@@ -65,7 +65,7 @@ same, parc/analysis/cost.py `zero_exposed`):
                   bucket gradient is alive as a collective's input, never the model's (it was two).
                   On CPU ranks the measured peak is dominated by when gloo's thread lets go of
                   finished buffers: bench/zero3_vs_fsdp2.py's step rose 4.95–5.21 MiB with two and
-                  4.92–5.34 MiB with one (12 samples each), FSDP2's 5.05–5.24. The last is waited on at
+                  4.92–5.34 MiB with one (6 and 12 profiled steps), FSDP2's 5.05–5.24. The last is waited on at
                   the next micro-batch's start or in `finish`, before the update needs it.
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
