@@ -7,7 +7,7 @@ Run: python bench/zero3_vs_fsdp2.py [--rounds 5] [--steps 4]
 Target: parc/FSDP2 ≤ 1.0, in time and in peak memory.
 
 Peak memory per rank, measured on one more step of each after the timed rounds: the state the
-rank holds between steps, counted storage by storage (parc: `runtime/memory.py held_state`, its
+rank holds between steps, counted storage by storage (parc: `ZeroOptimizer.held`, its
 weight, gradient and Adam ranges; FSDP2: the local shards of its parameters and of AdamW's
 moments, its gradients being None after `zero_grad`), plus the most the CPU allocator's live
 bytes rise during the step (bench/common.py `peak_rise`: the profiler's allocation and free
@@ -64,9 +64,13 @@ def _body(ctx, compiled: str, rounds: int, steps: int):
 
 
 def _held_parc(trainer) -> int:
-    from parc.runtime.memory import held_state
+    from parc.runtime.memory import storage_bytes
 
-    return sum(held_state(trainer)[k] for k in ("params", "grads", "optimizer"))
+    # between steps: ZeRO-3's gradient ranges are freed after each update, as FSDP2's `zero_grad(set_to_none)`
+    # frees its gradients; both make them again in the step, so the step's rise counts them for both
+    held = trainer.zero.held()
+    return storage_bytes(held["params"]) + storage_bytes(held["grads"]) + \
+        storage_bytes([t for t in held["optimizer"] if t.dim() > 0])
 
 
 def _held_fsdp2(model, opt) -> int:

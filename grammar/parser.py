@@ -428,7 +428,7 @@ KEYS: dict[str, dict[str, Callable[[_Arg], object]]] = {
     "pipeline": {"schedule": _name, "stages": _stages, "virtual": _POSITIVE},
     "zero": {"stage": _int("an integer 0..3"), "shard": _POSITIVE, "offload": _name},
     "recompute": {},
-    "precision": {"reduce": _name, "initial_scale_power": _int("an integer 0..64"),
+    "precision": {"reduce": _name, "accumulate": _name, "initial_scale_power": _int("an integer 0..64"),
                   "loss_scale_window": _POSITIVE, "hysteresis": _POSITIVE, "min_loss_scale": _float,
                   "loss_scale": _float},
     "compile": {},
@@ -480,6 +480,7 @@ class _Builder:
         plan = Plan(**{k: v for k, v in parts.items() if v is not None and k != "batch"},
                     batch=parts.get("batch"), file=self.file, source=self.text, spans=self.spans,
                     grad_reduce=getattr(self, "grad_reduce", "fp32"),
+                    grad_accumulate=getattr(self, "grad_accumulate", "fp32"),
                     loss_scaling=getattr(self, "loss_scaling", LossScaling()))
         return plan
 
@@ -574,6 +575,7 @@ class _Builder:
         name, span = stmt.words[0]
         self.spans["precision"] = span
         self.grad_reduce = kw.get("reduce", "fp32")  # a Plan field of its own: `precision` stays a name
+        self.grad_accumulate = kw.get("accumulate", "fp32")  # ZeRO-1/2's gradient accumulators (validate)
         # fp16's scaler keys (validate refuses them under another precision, at the key)
         self.loss_scaling = LossScaling(**{k: kw[k] for k in LOSS_SCALING_KEYS if k in kw})
         return name

@@ -197,6 +197,8 @@ class Plan:
     compile: str = "none"
     context_parallel: ContextParallel = ContextParallel()
     grad_reduce: str = "fp32"  # `precision bf16 reduce=…`: dtype of the dp gradient reduction (docs/precision.md)
+    # `precision bf16 reduce=bf16 accumulate=…`: dtype ZeRO-1/2 accumulate gradients in (DeepSpeed's grad_accum_dtype)
+    grad_accumulate: str = "fp32"
     loss_scaling: LossScaling = LossScaling()  # `precision fp16 initial_scale_power=… …` (docs/precision.md)
     file: str = field(default="<plan>", compare=False)
     source: str = field(default="", compare=False, repr=False)

@@ -49,8 +49,9 @@ def format_plan(plan: Plan) -> str:
     if plan.recompute.patterns:
         rc = plan.recompute
         lines.append("recompute " + " ".join(_quote(p) + "?" * (p in rc.optional) for p in rc.patterns))
-    if plan.precision != "fp32" or plan.grad_reduce != "fp32":
+    if plan.precision != "fp32" or plan.grad_reduce != "fp32" or plan.grad_accumulate != "fp32":
         reduce = f" reduce={plan.grad_reduce}" if plan.grad_reduce != "fp32" else ""
+        reduce += f" accumulate={plan.grad_accumulate}" if plan.grad_accumulate != "fp32" else ""
         lines.append(f"precision {plan.precision}{reduce}{_loss_scaling(plan.loss_scaling)}")
     if plan.optimizer != Optimizer():
         lines.append(_optimizer(plan.optimizer))

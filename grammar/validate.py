@@ -356,6 +356,31 @@ def _check_zero_offload(plan: Plan, out: _Report) -> None:
                   "write zero stage=1, 2 or 3 with offload=, or drop offload=")
 
 
+def _check_accumulate(plan: Plan, out: _Report) -> None:
+    """`precision bf16 reduce=bf16 accumulate=bf16`: ZeRO-1/2 keep their gradient accumulators in bf16
+    (runtime/parallel/zero.py), 2 bytes a parameter at ZeRO-1 and 2/N at ZeRO-2 instead of 4 and 4/N. Only
+    where the runtime does it and a test holds it to the serial run: refused elsewhere, at the key."""
+    acc = plan.grad_accumulate
+    if acc == "fp32":
+        return
+    where = out.at("precision.accumulate")
+    if acc not in REDUCE_DTYPES:
+        out.error(f"precision accumulate must be fp32 or bf16, got `{acc}`", where, _one_of(acc, REDUCE_DTYPES))
+    elif plan.precision != "bf16" or plan.grad_reduce != "bf16":
+        # a bf16 accumulator reduced in fp32 would move 4 bytes of values rounded to 2: nothing gained
+        out.error(f"precision {plan.precision} reduce={plan.grad_reduce} accumulate=bf16: bf16 gradient "
+                  "accumulation needs bf16 compute and a bf16 reduction", where,
+                  "write `precision bf16 reduce=bf16 accumulate=bf16`, or drop accumulate=")
+    elif plan.zero.stage not in (1, 2):
+        out.error(f"precision accumulate=bf16 under zero stage {plan.zero.stage}: bf16 gradient accumulators "
+                  "are implemented for ZeRO-1 and ZeRO-2 only", where,
+                  "state `zero stage=1` or `zero stage=2`, or drop accumulate=")
+    elif plan.zero.offload is not None or plan.expert_parallel.patterns:
+        what = f"zero offload={plan.zero.offload}" if plan.zero.offload is not None else "expert_parallel"
+        out.error(f"precision accumulate=bf16 with {what} is not implemented: its gradients take another path "
+                  "(runtime/parallel/offload.py, expert_parallel.py)", where, "drop accumulate=")
+
+
 def _check_loss_scaling(plan: Plan, out: _Report) -> None:
     """fp16's scaler keys (runtime/loss_scale.py): only under fp16, each in its range, at its token."""
     ls, base = plan.loss_scaling, LossScaling()
@@ -410,6 +435,7 @@ def _check_rest(plan: Plan, out: _Report) -> None:
     elif plan.grad_reduce == "bf16" and plan.precision != "bf16":
         out.error(f"precision {plan.precision} reduce=bf16: a bf16 gradient reduction needs bf16 compute",
                   out.at("precision.reduce"), "write `precision bf16 reduce=bf16`, or drop reduce=")
+    _check_accumulate(plan, out)
     _check_loss_scaling(plan, out)
     opt = plan.optimizer
     if opt.name not in OPTIMIZERS:

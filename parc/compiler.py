@@ -58,6 +58,8 @@ def _plan_summary(plan: Plan) -> dict:
         "precision": plan.precision,
         "compile": plan.compile,
         "grad_reduce": plan.grad_reduce,  # `precision bf16 reduce=…` (runtime/precision.py reduce_dtype)
+        # `precision bf16 reduce=bf16 accumulate=bf16` (runtime/precision.py accumulate_dtype); absent when fp32
+        **({"grad_accumulate": plan.grad_accumulate} if plan.grad_accumulate != "fp32" else {}),
         # `precision fp16`'s scaler keys (runtime/loss_scale.py); absent under fp32 and bf16
         **({"loss_scaling": dataclasses.asdict(plan.loss_scaling)} if plan.precision == "fp16" else {}),
         "optimizer": {"name": opt.name, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,

@@ -121,7 +121,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 def held_state(trainer) -> dict[str, int]:
     """Bytes of the state a rank keeps between steps: trainable weights (with bf16's compute copies),
-    gradients, optimizer state.
+    gradients, optimizer state. ZeRO-2/3's gradient ranges are counted though the runtime frees them after
+    each update (runtime/parallel/zero.py `held`): they exist from backward to the update of every step, so
+    they are state for the memory a step needs, as the report counts it (measured: their storages' bytes at
+    the last step's end).
 
     Adam's per-tensor `step` counters are 0-dim tensors, a few bytes outside every
     memory formula: they are left out. Measure after a step, when every buffer exists.
@@ -129,10 +132,12 @@ def held_state(trainer) -> dict[str, int]:
     if trainer.zero is not None:
         held = trainer.zero.held()
         params, grads, opt = held["params"], held["grads"], held["optimizer"]
+        released = trainer.zero.released_grad_bytes
     else:
         params = [p.detach() for p in trainer.params.values()]
         grads = [p.grad for p in trainer.params.values() if p.grad is not None]  # views of the flat buckets
         opt = [v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        released = 0
     params = list(params) + trainer.casts.copies()  # bf16: the compute copies a step keeps (runtime/precision.py)
-    return {"params": storage_bytes(params), "grads": storage_bytes(grads),
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads) + released,
             "optimizer": storage_bytes([t for t in opt if t.dim() > 0])}

@@ -70,6 +70,12 @@ def reduce_dtype(plan_summary: dict) -> torch.dtype | None:
     return _DTYPES.get(plan_summary.get("grad_reduce", "fp32"))
 
 
+def accumulate_dtype(plan_summary: dict) -> torch.dtype | None:
+    """plan.json's `precision bf16 reduce=bf16 accumulate=…`: the dtype ZeRO-1/2 accumulate gradients in
+    (runtime/parallel/zero.py), or None for fp32."""
+    return _DTYPES.get(plan_summary.get("grad_accumulate", "fp32"))
+
+
 def autocast(precision: str, device) -> contextlib.AbstractContextManager:
     """The compute context of `precision` on `device` (a no-op for fp32)."""
     if precision not in _DTYPES:

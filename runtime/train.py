@@ -152,6 +152,7 @@ class Trainer:
                                       self.decay_of,
                                       pretrained.range_reader(self.weights, self.entry, ctx.device) if stand_ins else None,
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]),
+                                      accumulate_dtype=precision.accumulate_dtype(plan["plan"]),
                                       divisor=ctx.degree["dp"], replicate=replicas[0], replica=replicas[1],
                                       # eager programs wait for each layer's post-step gather themselves;
                                       # compiled ones are not ordered against it: `step` waits for them

@@ -277,6 +277,26 @@ def test_precision_reduce_dtype():
     assert parse("mesh\nprecision bf16 reduce=bf16\n", "t.par").grad_reduce == "bf16"
 
 
+def test_precision_accumulate_dtype():
+    """`accumulate=bf16` (ZeRO-1/2's bf16 gradient accumulators) only where the runtime has it, at the key."""
+    z1 = "mesh dp=2\nzero stage=1\n"
+    assert _only(z1 + "precision bf16 reduce=bf16 accumulate=fp16\n") == (
+        "precision accumulate must be fp32 or bf16, got `fp16`", 3, 39)
+    assert _only(z1 + "precision bf16 accumulate=bf16\n") == (
+        "precision bf16 reduce=fp32 accumulate=bf16: bf16 gradient accumulation needs bf16 compute and a bf16 "
+        "reduction", 3, 27)
+    assert _only("mesh dp=2\nzero stage=3\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
+        "precision accumulate=bf16 under zero stage 3: bf16 gradient accumulators are implemented for ZeRO-1 and "
+        "ZeRO-2 only", 3, 39)
+    assert _only("mesh dp=2\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
+        "precision accumulate=bf16 under zero stage 0: bf16 gradient accumulators are implemented for ZeRO-1 and "
+        "ZeRO-2 only", 2, 39)
+    assert _only("mesh dp=2\nzero stage=2 offload=cpu\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
+        "precision accumulate=bf16 with zero offload=cpu is not implemented: its gradients take another path "
+        "(runtime/parallel/offload.py, expert_parallel.py)", 3, 39)
+    assert parse(z1 + "precision bf16 reduce=bf16 accumulate=bf16\n", "t.par").grad_accumulate == "bf16"
+
+
 def test_lr_must_be_positive():
     assert _only("mesh\noptimizer adamw lr=0\n") == ("optimizer lr must be > 0, got 0.0", 2, 20)
 

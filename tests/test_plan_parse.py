@@ -76,6 +76,13 @@ def test_precision_reduce_round_trips():
     assert "reduce" not in format_plan(parse("mesh dp=2\nprecision bf16 reduce=fp32\n"))  # the default
 
 
+def test_precision_accumulate_round_trips():
+    plan = parse("mesh dp=2\nzero stage=2\nprecision bf16 reduce=bf16 accumulate=bf16\n")
+    assert plan.grad_accumulate == "bf16"
+    assert "precision bf16 reduce=bf16 accumulate=bf16" in format_plan(plan) and parse(format_plan(plan)) == plan
+    assert "accumulate" not in format_plan(parse("mesh dp=2\nprecision bf16 accumulate=fp32\n"))  # the default
+
+
 def test_bandwidth_units_are_decimal_and_bits_are_eighths():
     plan = parse("mesh\ntopology intra=1.5TB/s inter=400Gbit/s nodes=2 gpus_per_node=4\n")
     assert plan.topology.intra_bw == 1.5e12 and plan.topology.inter_bw == 50e9

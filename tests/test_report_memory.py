@@ -47,7 +47,10 @@ MICRO8 = {name: f"mesh dp=1\nbatch global=8 micro=8\nprecision {name.removeprefi
 # (runtime/recompute_policy.py), which the report counts (parc/analysis/activations.py); measured on the
 # compiled program by the saved-tensor hook (runtime/memory.py `saved_only`)
 TP_RECOMPUTE_COMPILED = (ROOT / "examples" / "tp.par").read_text() + 'recompute "blocks.*"\ncompile aot_eager\n'
-TEXTS = {"pp_bf16": PP_BF16, **MICRO8, "tp_recompute_compiled": TP_RECOMPUTE_COMPILED}
+# bf16 ZeRO-1 with bf16 gradient accumulation (issue 25): 2 + 2 + 12/N bytes per parameter
+ZERO1_BF16_ACC = "mesh dp=2\nbatch global=8 micro=2\nzero stage=1\nprecision bf16 reduce=bf16 accumulate=bf16\n"
+TEXTS = {"pp_bf16": PP_BF16, **MICRO8, "tp_recompute_compiled": TP_RECOMPUTE_COMPILED,
+         "zero1_bf16_accumulate": ZERO1_BF16_ACC}
 PLANS = (*EXAMPLES, *TEXTS)
 # The cost model sizes what each op saves from its traced shapes and dtypes; what
 # it leaves out is small (int64 position ids, a 0-dim loss). Across the examples
@@ -150,6 +153,30 @@ def test_bf16_state_is_the_design_formula(measured):
     assert table["stage"] == 2 and artifact.load(root).plan["plan"]["precision"] == "bf16"
     for r in ranks:  # the bf16 buffer is whole at stage 2, the fp32 masters a range; the padding is state too
         assert (r["params"], r["grads"], r["optimizer"]) == (2 * padded + 4 * padded // dp, 4 * padded // dp,
+                                                             8 * padded // dp)
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_the_precision_note_says_what_is_held(measured, name):
+    """The report's note on bytes per parameter (parc/analysis/cost.py `_state_per_param`) adds up to its
+    own state rows, which the test above holds to the run: per parameter of the model, so within the
+    padding of ZeRO's flat buckets (< 1% here)."""
+    rep, _, _, _ = measured[name]
+    note = next(n for n in rep["notes"] if n.startswith("precision layout"))
+    said = float(note.split("as the runtime keeps them: ")[1].split(";")[0].split(" = ")[-1])
+    for row in rep["memory"]["per_pp_rank"]:
+        held = (row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]) / row["params_count"]
+        assert abs(held - said) <= 0.01 * said, (name, note, held)
+
+
+def test_bf16_accumulation_is_the_zero_paper_formula(measured):
+    """bf16 ZeRO-1 with `accumulate=bf16`, dp 2: 2 (bf16 weights) + 2 (bf16 gradients) + 12/N (fp32
+    masters and Adam) bytes per padded parameter, measured on every rank."""
+    _, ranks, _, root = measured["zero1_bf16_accumulate"]
+    table = artifact.load(root).plan["programs"]["stage0_tp0"]["zero"]
+    padded, dp = sum(b["padded"] for b in table["buckets"]), table["dp"]
+    for r in ranks:
+        assert (r["params"], r["grads"], r["optimizer"]) == (2 * padded + 4 * padded // dp, 2 * padded,
                                                              8 * padded // dp)
 
 

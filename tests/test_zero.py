@@ -72,7 +72,9 @@ def _body(ctx, compiled: str):
     held = trainer.zero.held()
     # Adam's per-tensor `step` counters are 0-dim tensors: one scalar per bucket, outside the formula
     scalars = [t for t in held["optimizer"] if t.dim() == 0]
-    memory = {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
+    # stages 2–3 free their gradient ranges after the update: the bytes the last step's were
+    memory = {"params": storage_bytes(held["params"]),
+              "grads": storage_bytes(held["grads"]) + trainer.zero.released_grad_bytes,
               "optimizer": storage_bytes([t for t in held["optimizer"] if t.dim() > 0]),
               "scalars": storage_bytes(scalars), "stand_ins": storage_bytes(held["stand_ins"])}
     losses = trainer.global_losses(local)

@@ -16,7 +16,8 @@ need the passes to have run:
 Memory follows docs/design.md's table as the runtime holds it (fp32 4Ψ/4Ψ/8Ψ; bf16 adds a
 2Ψ bf16 compute copy beside the 4Ψ fp32 masters, see docs/precision.md; ZeRO-1 ÷dp the
 optimizer and, under bf16, the fp32 masters (the whole bf16 copy stays: 6 + 12/N bytes per
-parameter); ZeRO-2 the grads too; ZeRO-3 the bf16 copy too, keeping no whole weight).
+parameter); ZeRO-2 the grads too; ZeRO-3 the bf16 copy too, keeping no whole weight;
+`accumulate=bf16`: ZeRO-1/2's gradients 2 bytes, 2 + 2 + 12/N and 2 + 14/N).
 Activations: what autograd saves is estimated as every non-view value the forward
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
@@ -334,6 +335,22 @@ def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int, int
     return 4, 2 if precision in ("bf16", "fp16") else 0, 4, moments
 
 
+def _state_per_param(precision: str, pb: int, cb: int, gb: int, ob: int, z: int, k: int,
+                     sharded_masters: bool) -> str:
+    """The report's note on state bytes per parameter per rank, term by term as the memory rows count them
+    (runtime/parallel/zero.py's table): e.g. bf16 ZeRO-1 over 8 `params 2 (bf16 weights) + 4/8 (fp32
+    masters) + grads 4 (fp32) + optimizer 8/8 = 7.5`."""
+    def term(b: int, sharded: bool, what: str) -> tuple[str, float]:
+        return (f"{b}/{k} ({what})", b / k) if sharded and k > 1 else (f"{b} ({what})", float(b))
+
+    params = [term(cb, False, f"{precision} weights")] if cb and z < 3 else []
+    params.append(term(pb, sharded_masters, "fp32 masters" if cb else "fp32 weights"))
+    grads = term(gb, z >= 2, "bf16" if gb == 2 else "fp32")
+    opt = term(ob, z >= 1, "fp32")
+    total = sum(v for _, v in params) + grads[1] + opt[1]
+    return (f"params {' + '.join(t for t, _ in params)} + grads {grads[0]} + optimizer {opt[0]} = {total:g}")
+
+
 def _ring_fraction(ranks: list[int], per_node: int) -> float:
     """Share of a ring's hops (rank order, wrapping) that leave a node."""
     if len(ranks) < 2:
@@ -459,6 +476,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     act_b = 4 if plan.precision == "fp32" else 2
     dtype = "fp32" if plan.precision == "fp32" else "bf16"
     pb, cb, gb, ob = _bytes_per_param(plan.precision, plan.optimizer.name)
+    if getattr(plan, "grad_accumulate", "fp32") == "bf16":  # `accumulate=bf16`: ZeRO-1/2's accumulators are bf16
+        gb = 2
     z = plan.zero.stage
     # HSDP (`zero shard=K`): ZeRO's state is cut over K ranks (the shard groups) and replicated over dp / K
     k = (plan.zero.shard or dp) if z >= 1 else dp
@@ -642,7 +661,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     if z >= 2:
-        notes.append(f"ZeRO-{z} in flight (memory, `zero_working`): at most 2 bucket gradients being reduce-scattered"
+        notes.append(f"ZeRO-{z} in flight (memory, `zero_working`): at most 1 bucket gradient being reduce-scattered"
                      + (" and 2 gathered layers (the one computing, the one prefetched)" if z == 3 else "")
                      + ", each bucket at the largest layer's size")
     layout = "fp32" if plan.precision == "fp32" else f"{plan.precision} compute (autocast) over fp32 master weights"
@@ -650,11 +669,16 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         layout += ", dynamic loss scaling (runtime/loss_scale.py)"
     if cb and 1 <= z <= 2:  # the whole 16-bit copy is ZeRO's flat buffer; the fp32 masters are sharded
         layout += f"; ZeRO-{z} keeps the whole {plan.precision} copy and 1/{k} of the fp32 masters, gathering {plan.precision}"
+        if gb == 2:
+            layout += ", accumulating gradients in bf16 (`accumulate=bf16`)"
     if k < dp:
         notes.append(f"HSDP: ZeRO-{z}'s state is cut over shard groups of {k} dp ranks and replicated over "
                      f"{dp // k}; reduce-scatters and all-gathers stay in the shard group, and one all-reduce a step "
                      f"of each rank's 1/{k} of the gradients crosses the replicate group")
-    notes.append(f"precision layout: {layout}; bytes per parameter: params {pb} + grads {gb} + optimizer {ob}, "
+    state = _state_per_param(plan.precision, pb, cb, gb, ob, z, k, sharded_masters)
+    if z >= 1 and getattr(plan.zero, "offload", None):
+        state += " on the device before ZeRO-Offload moves the fp32 ranges and optimizer state to the host"
+    notes.append(f"precision layout: {layout}; bytes per parameter per rank, as the runtime keeps them: {state}; "
                  f"dp gradients on the wire {wire}, activations {act_b}")
     if getattr(plan, "compile", "none") != "none" and plan.recompute.patterns and tp > 1:
         notes.append(f"recompute under compile {plan.compile}: each recomputed region keeps its tp collectives' "
@@ -742,7 +766,7 @@ def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: fl
 
 def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wire_b: int) -> float:
     """Bytes ZeRO holds for a moment beyond its state, at the bounds runtime/parallel/zero.py keeps
-    ("Overlap"): stages 2–3, `REDUCE_SCATTERS_IN_FLIGHT` (2) whole bucket gradients in the wire dtype
+    ("Overlap"): stages 2–3, `REDUCE_SCATTERS_IN_FLIGHT` (1) whole bucket gradient in the wire dtype
     as reduce-scatter inputs; stage 3 also two gathered layers (the one computing, the one arriving) in
     the gathered dtype. A bucket is taken at the largest unit's size (`zero_unit_max`; statistics
     without it: the mean bucket)."""
@@ -750,7 +774,7 @@ def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wi
         return 0.0
     units = max(sum(d.get("zero_units", 0) for d in held), 1)
     largest = max((d.get("zero_unit_max", 0) for d in held), default=0) or params / units
-    return 2 * largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
+    return largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
 
 
 def _zero_overlap_note(stage: int, lazy: bool, units: int) -> str:

@@ -209,6 +209,11 @@ class ExpertZero:
         for z in self.parts:
             z.load_full(params, optim, scalars)
 
+    @property
+    def released_grad_bytes(self) -> int:
+        """Both parts' gradient ranges the last step freed (runtime/parallel/zero.py `held`)."""
+        return sum(z.released_grad_bytes for z in self.parts)
+
     def held(self) -> dict[str, list[Tensor]]:
         parts = [z.held() for z in self.parts]
         return {k: [t for h in parts for t in h[k]] for k in parts[0]}

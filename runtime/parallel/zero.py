@@ -9,12 +9,18 @@ equal range of each. Per bucket this rank holds:
   1     | full flat buffer (bf16: + fp32 range) | full flat buffer (fp32) | its range: exp_avg, exp_avg_sq
   2     | full flat buffer (bf16: + fp32 range) | its range only (fp32)   | its range
   3     | its range only (fp32)                 | its range only (fp32)   | its range
+Stages 2–3's gradient range exists within a step only: made by the bucket's first reduce-scatter, freed
+after the update (FSDP2's `zero_grad(set_to_none=True)`), so between steps a rank holds no gradient.
 
 Bytes per parameter, N = dp, Adam (padding aside):
   stage | fp32             | bf16
   1     | 4 + 4 + 8/N      | 2 + 4/N (masters) + 4 + 8/N = 6 + 12/N  (Megatron's distributed optimizer)
   2     | 4 + 4/N + 8/N    | 2 + 4/N + 4/N + 8/N = 2 + 16/N, plus a bucket's transient bf16 gradient
   3     | 16/N             | 16/N, plus the gathered bf16 working set
+  bf16 with `reduce=bf16 accumulate=bf16` (the ZeRO paper's and DeepSpeed's bf16 gradients):
+  1     | 2 + 4/N + 2 + 8/N = 2 + 2 + 12/N
+  2     | 2 + 4/N + 2/N + 8/N = 2 + 14/N
+  (the step's fp32 copy of the rank's reduced range, 4/N, lives from `finish` to `zero` only)
 
 The optimizer is the plan's own (AdamW, …) run on one fp32 tensor per bucket,
 the rank's range ("master"); every update is elementwise, so it is the serial
@@ -54,10 +60,13 @@ same, parc/analysis/cost.py `zero_exposed`):
   reduce-scatter  launched by a bucket's last gradient hook (stages 1–2, DDP's buckets; stage 1
                   in the last micro-batch only) or by `zero_unshard`'s backward (stage 3), so it
                   runs under the rest of that backward. Stages 2–3 keep at most
-                  `REDUCE_SCATTERS_IN_FLIGHT` (2) in flight: launching another first waits for the
-                  oldest beyond that, so at most two whole bucket gradients are alive, never the
-                  model's. The rest are waited on at the next micro-batch's start or in `finish`,
-                  before the update needs them.
+                  `REDUCE_SCATTERS_IN_FLIGHT` (1) in flight, as FSDP2 does: launching the next bucket's
+                  first waits for the one before, which ran under this bucket's backward, so one whole
+                  bucket gradient is alive as a collective's input, never the model's (it was two).
+                  On CPU ranks the measured peak is dominated by when gloo's thread lets go of
+                  finished buffers: bench/zero3_vs_fsdp2.py's step rose 4.95–5.21 MiB with two and
+                  4.92–5.34 MiB with one (6 and 12 profiled steps), FSDP2's 5.05–5.24. The last is waited on at
+                  the next micro-batch's start or in `finish`, before the update needs it.
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
                   `zero_wait_gather` before each bucket's first use, so the next forward waits for
@@ -93,6 +102,16 @@ each micro-batch's bf16 gradient summed in fp32. Stage 3's gather casts the
 rank's fp32 range to bf16 and gathers bf16, so the program's weights and their
 gradients are bf16, as FSDP2's `param_dtype`. Each reduce-scatter moves
 `reduce_dtype` (fp32 unless `reduce=bf16`) and its result is added into the fp32 range.
+
+bf16 accumulation (`precision bf16 reduce=bf16 accumulate=bf16`, stages 1–2; DeepSpeed's
+`grad_accum_dtype`): the accumulators are bf16 too. Stage 1's whole flat gradient buffer is bf16 and
+each program gradient is a view of it, so autograd adds every micro-batch's bf16 gradient into it in
+place (no hook copy); at the last micro-batch the buffer is divided by dp in bf16 and reduce-scattered
+as it is. Stage 2 adds each micro-batch's reduce-scattered bf16 range into a bf16 range. `finish` hands
+the optimizer an fp32 copy of the reduced range (freed by `zero`). With one micro-batch a step this is
+bitwise `reduce=bf16` (adding into zeros is exact, and dividing in bf16 rounds once, as the fp32 divide
+then the cast do); with k micro-batches each of the k − 1 additions rounds to bf16's 8 bits, where fp32
+accumulation rounds to 24 (tests/test_zero_bf16_accumulate.py states the tolerance this costs).
 """
 
 from __future__ import annotations
@@ -124,7 +143,7 @@ quiet_renamed_collectives()
 _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running now (see `active`)
 # stages 1–2 runtimes whose post-step all-gathers the program's `zero_wait_gather` ops wait on (see `step`)
 _GATHERING: list["ZeroOptimizer"] = []
-REDUCE_SCATTERS_IN_FLIGHT = 2  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
+REDUCE_SCATTERS_IN_FLIGHT = 1  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
 
 
 class ZeroOptimizer:
@@ -139,7 +158,8 @@ class ZeroOptimizer:
     def __init__(self, params: dict[str, torch.Tensor], table: dict, group, dp: int, dp_rank: int, make_opt,
                  decay_of: dict[str, bool] | None = None, read_range=None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 divisor: int | None = None, replicate=None, replica: int = 0, lazy_gather: bool = False):
+                 divisor: int | None = None, replicate=None, replica: int = 0, lazy_gather: bool = False,
+                 accumulate_dtype: torch.dtype | None = None):
         """`read_range(name, a, e)` (stage 3, pretrained weights: runtime/checkpoint/weights.py): elements [a, e) of
         parameter `name`, flattened; the `params` are then stand-ins, and no rank builds a whole bucket.
         `compute_dtype`, `reduce_dtype` (`precision bf16 [reduce=bf16]`): what stage 3 gathers, and the
@@ -149,22 +169,30 @@ class ZeroOptimizer:
         ranges (None: no other copy), and this rank's index in it; `group`, `dp`, `dp_rank` are then the
         shard group's, and `divisor` all of dp.
         `lazy_gather` (stages 1–2, a program with `zero_wait_gather` ops run eagerly): the post-step
-        all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above)."""
+        all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above).
+        `accumulate_dtype` (stages 1–2, `precision bf16 reduce=bf16 accumulate=bf16`): the dtype of the
+        gradient accumulators, stage 1's whole flat buffer and stage 2's range (see "bf16 accumulation")."""
         self.stage, self.group, self.dp, self.rank = table["stage"], group, dp, dp_rank
         self.divisor = divisor or dp
         self.replicate, self.replica = replicate, replica
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # None: the masters' fp32
+        self.accumulate_dtype = accumulate_dtype or torch.float32
         self.table = table
         self.params = params
         self.buckets = table["buckets"]
         self.full: list[torch.Tensor | None] = []     # stages 1–2: the whole flat parameter buffer (compute dtype)
         self.master: list[torch.Tensor] = []           # this rank's range, fp32, what the optimizer updates
         self.grad_flat: list[torch.Tensor] = []        # stage 1: whole flat gradient buffer
-        self.grad_acc: list[torch.Tensor] = []         # stages 2–3: this rank's range of the reduced gradient
+        # stages 2–3: this rank's range of the reduced gradient, made by the step's first reduce-scatter of the
+        # bucket and freed after the update (None between steps: the table at the top of this module)
+        self.grad_acc: list[torch.Tensor | None] = []
+        self.released_grad_bytes = 0                   # bytes of the ranges the last `zero` freed (`held`)
         self._bucket_of: dict[int, int] = {}
         self._offset_of: dict[int, int] = {}           # stage 1 under bf16: where a parameter's gradient goes
         # stages 1–2 under a compute dtype: the program's weights are a low-precision flat buffer
         self._low = self.stage < 3 and compute_dtype is not None
+        # ... whose gradients also accumulate in it: the program's gradient lands in the accumulator itself
+        self._low_acc = self._low and self.accumulate_dtype == compute_dtype
         shared = None
         for b, bucket in enumerate(self.buckets):
             ps = [params[p["name"]] for p in bucket["params"]]
@@ -196,14 +224,14 @@ class ZeroOptimizer:
                     # shared element; `zero_unshard` ignores its data and returns the gathered bucket instead
                     p.data = shared.expand(p.shape)
             if self.stage == 1:
-                g = torch.zeros(bucket["padded"], dtype=torch.float32, device=full.device)
-                if not self._low:
+                g = torch.zeros(bucket["padded"], dtype=self.accumulate_dtype, device=full.device)
+                if not self._low or self._low_acc:  # autograd adds each micro-batch's gradient into g in place
                     for p, spec in zip(ps, bucket["params"]):
                         p.grad = g[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p)
                 # bf16: a bf16 parameter cannot hold an fp32 .grad; `_on_grad` adds each bf16 gradient in
                 self.grad_flat.append(g)
             else:
-                self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=full.device))
+                self.grad_acc.append(None)
             if self.stage < 3:
                 for p, spec in zip(ps, bucket["params"]):
                     self._bucket_of[id(p)] = b
@@ -243,7 +271,7 @@ class ZeroOptimizer:
                 master[a - lo:e - lo] = read_range(spec["name"], a - spec["offset"], e - spec["offset"])
         self.full.append(None)
         self.master.append(master)
-        self.grad_acc.append(torch.zeros(n, dtype=torch.float32, device=master.device))
+        self.grad_acc.append(None)
         shared = shared if shared is not None else torch.zeros(1, dtype=ps[0].dtype, device=ps[0].device)
         for p in ps:
             p.data = shared.expand(p.shape)
@@ -261,7 +289,7 @@ class ZeroOptimizer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]
-        if self.stage == 1 and self._low:
+        if self.stage == 1 and self._low and not self._low_acc:
             # bf16: the micro-batch's bf16 gradient summed into the fp32 flat buffer, then freed (the
             # fp32 accumulation that `StepCasts`' cast backward used to do into an fp32 master's .grad)
             o = self._offset_of[id(p)]
@@ -296,7 +324,8 @@ class ZeroOptimizer:
         return torch.cat(parts)
 
     def _reduce_scatter(self, b: int, flat: torch.Tensor) -> None:
-        flat = flat.float()  # stages 2–3 under bf16: the bf16 bucket gradient (else a no-op)
+        if not self._low_acc:  # bf16 accumulation: already the wire's dtype, divided in it (the same bits)
+            flat = flat.float()  # stages 2–3 under bf16: the bf16 bucket gradient (else a no-op)
         if self.divisor > 1:
             flat.div_(self.divisor)  # average: pre-divide in fp32, as DDP does, to keep sums in range
         if self.reduce_dtype is not None:
@@ -330,6 +359,8 @@ class ZeroOptimizer:
         if self.stage == 1:
             self.master[b].grad = out.float()
         else:
+            if self.grad_acc[b] is None:  # the step's first range of bucket b: zeros + out, the same bits as before
+                self.grad_acc[b] = torch.zeros(out.shape, dtype=self.accumulate_dtype, device=out.device)
             self.grad_acc[b].add_(out)
         self._works[b] = True
         if last and self.offload is not None and self.replicate is None:
@@ -355,7 +386,7 @@ class ZeroOptimizer:
         self._reduce_replicas()
         if self.stage >= 2:
             for m, g in zip(self.master, self.grad_acc):
-                m.grad = g
+                m.grad = g.float()  # bf16 accumulation: an fp32 copy for the step, freed by `zero` (else g)
 
     def _reduce_replicas(self) -> None:
         """HSDP: sum each reduced range over the replicas of this rank's shard (one all-reduce a bucket, a step).
@@ -442,10 +473,11 @@ class ZeroOptimizer:
     def zero(self) -> None:
         for g in self.grad_flat:
             g.zero_()
-        for g in self.grad_acc:
-            g.zero_()
+        # stages 2–3: the ranges go (FSDP2's `zero_grad(set_to_none=True)`): between steps no gradient is held
+        self.released_grad_bytes = sum(g.untyped_storage().nbytes() for g in self.grad_acc if g is not None)
+        self.grad_acc = [None] * len(self.grad_acc)
         for m in self.master:
-            m.grad = None  # stage 1's reduced range is a temporary; 2–3 keep `grad_acc`
+            m.grad = None  # stage 1's reduced range is a temporary, 2–3's `grad_acc` (freed above)
         (self.offload or self.pieces).clear_grads()
 
     # --- stage 3: gather on demand -------------------------------------------------------
@@ -641,14 +673,18 @@ class ZeroOptimizer:
         return sum(self.buckets[b]["padded"] for b in self._needed_in_backward)
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`)."""
+        """What this rank keeps between steps, by kind, for the memory test (`tests/test_zero.py`). Stages 2–3's
+        gradient ranges are not among them: they live from the step's first reduce-scatter to its update, and
+        `released_grad_bytes` says how many bytes the last step's were (runtime/memory.py `held_state` adds them:
+        they are part of every step's peak)."""
         self.settle()
         program = [p.detach() for p in self.params.values()]
         # at stage 3 the program's inputs are stand-ins sharing one element: listed apart, not weights
         params = [m.detach() for m in self.master] + (program if self.stage < 3 else [])
         if self.offload is not None and self.offload.stands_in:  # the masters are stand-ins, not weights
             params = self.offload.device_tensors() + (program if self.stage < 3 else [])
-        grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + self.grad_acc
+        grads = [p.grad for p in self.params.values() if p.grad is not None] + self.grad_flat + \
+            [g for g in self.grad_acc if g is not None]
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         opt = [] if self.offload else opt  # offload: in host memory (`HostOptimizer.host_bytes`), none on the device
         return {"params": params, "grads": grads, "optimizer": opt, "stand_ins": program if self.stage == 3 else []}
@@ -663,11 +699,13 @@ def shard_ranks(table: dict) -> int:
     return table.get("shard_size", table["dp"])
 
 
-def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None) -> dict[str, int]:
+def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_elem: int | None = None,
+                   grad_elem: int | None = None) -> dict[str, int]:
     """DESIGN.md's memory table for this rank, on the padded numel Ψ': params, grads, optimizer state.
 
     `compute_elem` (2 under bf16): stages 1–2 hold the whole flat buffer in the compute dtype and their
-    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table).
+    fp32 master range beside it; the gradients they accumulate stay fp32 (the module docstring's table),
+    unless `grad_elem` (2 under `accumulate=bf16`) says they accumulate in the compute dtype.
     Under offload (`table["offload"]`) the optimizer state is in host memory (`analytic_host_bytes`): 0 here;
     with a compute dtype so are the fp32 masters (stage 3 keeps its range in the compute dtype)."""
     psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
@@ -676,7 +714,7 @@ def analytic_bytes(table: dict, elem: int = 4, adam_states: int = 2, compute_ele
         params = psi * compute_elem + psi * elem // n
     if compute_elem is not None and table.get("offload"):  # the fp32 ranges live on the host; stage 3 keeps bf16
         params = psi * compute_elem // (n if s >= 3 else 1)
-    return {"params": params, "grads": psi * elem // (n if s >= 2 else 1),
+    return {"params": params, "grads": psi * (grad_elem or elem) // (n if s >= 2 else 1),
             "optimizer": 0 if table.get("offload") else adam_states * psi * elem // n}
 
 
