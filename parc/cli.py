@@ -201,8 +201,7 @@ def cmd_import_deepspeed(args) -> int:
 def cmd_report(args) -> int:
     from parc.analysis import report
 
-    rep = report.build(args.compiled, model=args.model, plan=args.plan, preset=args.preset,
-                       allreduce=args.allreduce)
+    rep = report.build_from_args(args)
     if args.json:
         print(report.to_json(rep))
     else:
@@ -379,6 +378,21 @@ def parser() -> argparse.ArgumentParser:
                                     "topology preset, else h100)")
     r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    other = r.add_argument_group(
+        "another system's run", "price a run of another framework rather than parc's runtime (docs/cost-model.md; "
+        "bench/published.py prices the published runs with these)")
+    other.add_argument("--attention", choices=("flash", "materialized", "materialized-dropout"), default="flash",
+                       help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
+                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them)")
+    other.add_argument("--pp-sends", choices=("whole", "scatter-gather"), default="whole",
+                       help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
+                            "all-gathered by the receiver over NVLink)")
+    other.add_argument("--no-dp-overlap", action="store_true",
+                       help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
+    other.add_argument("--dp-wire", choices=("fp32", "bf16", "fp16"),
+                       help="dtype of gradients on the dp wire (default: the plan's precision layout)")
+    other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "
+                                                 "(default: the preset's, one per GPU)")
     r.set_defaults(fn=cmd_report)
 
     cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",
