@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions: each pair of x's last dim turned by its position's angle. x: (B, T, nh, hs)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    # fp32 products (the table is fp32), cast back as torchtitan's `.type_as(xq)` does
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
