@@ -234,7 +234,10 @@ def summary(results: list[tuple[Row, float]]) -> list[str]:
         mine = [(r, p) for r, p in results if r.source == source]
         if len(mine) >= 3:
             rho = spearman([r.published for r, _ in mine], [p for _, p in mine])
-            lines.append(f"Spearman(predicted, published) inside {source}: {rho:+.2f} over {len(mine)} runs")
+            sizes = [math.log10(r.params) for r, _ in mine]
+            trend = (f"; error {slope(sizes, [p / r.published - 1 for r, p in mine]):+.1%} per decade of size"
+                     if max(sizes) - min(sizes) > 0.5 else "")
+            lines.append(f"Spearman(predicted, published) inside {source}: {rho:+.2f} over {len(mine)} runs{trend}")
     return lines
 
 
