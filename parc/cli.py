@@ -28,6 +28,7 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
+               (--attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics: price another framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
@@ -378,18 +379,20 @@ def parser() -> argparse.ArgumentParser:
                                     "topology preset, else h100)")
     r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    from parc.analysis.cost import System   # light: no torch
+
     other = r.add_argument_group(
-        "another system's run", "price a run of another framework rather than parc's runtime (docs/cost-model.md; "
+        "another system's run", "price a run of another framework rather than parc's runtime (docs/report-and-viz.md; "
         "bench/published.py prices the published runs with these)")
-    other.add_argument("--attention", choices=("flash", "materialized", "materialized-dropout"), default="flash",
+    other.add_argument("--attention", choices=System.ATTENTION, default="flash",
                        help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
                             "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them)")
-    other.add_argument("--pp-sends", choices=("whole", "scatter-gather"), default="whole",
+    other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")
     other.add_argument("--no-dp-overlap", action="store_true",
                        help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
-    other.add_argument("--dp-wire", choices=("fp32", "bf16", "fp16"),
+    other.add_argument("--dp-wire", choices=tuple(System.WIRE),
                        help="dtype of gradients on the dp wire (default: the plan's precision layout)")
     other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "
                                                  "(default: the preset's, one per GPU)")
