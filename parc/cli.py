@@ -28,6 +28,7 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
+               (--attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics: price another framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
@@ -201,8 +202,7 @@ def cmd_import_deepspeed(args) -> int:
 def cmd_report(args) -> int:
     from parc.analysis import report
 
-    rep = report.build(args.compiled, model=args.model, plan=args.plan, preset=args.preset,
-                       allreduce=args.allreduce)
+    rep = report.build_from_args(args)
     if args.json:
         print(report.to_json(rep))
     else:
@@ -379,6 +379,23 @@ def parser() -> argparse.ArgumentParser:
                                     "topology preset, else h100)")
     r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    from parc.analysis.cost import System   # light: no torch
+
+    other = r.add_argument_group(
+        "another system's run", "price a run of another framework rather than parc's runtime (docs/report-and-viz.md; "
+        "bench/published.py prices the published runs with these)")
+    other.add_argument("--attention", choices=System.ATTENTION, default="flash",
+                       help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
+                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them)")
+    other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
+                       help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
+                            "all-gathered by the receiver over NVLink)")
+    other.add_argument("--no-dp-overlap", action="store_true",
+                       help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
+    other.add_argument("--dp-wire", choices=tuple(System.WIRE),
+                       help="dtype of gradients on the dp wire (default: the plan's precision layout)")
+    other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "
+                                                 "(default: the preset's, one per GPU)")
     r.set_defaults(fn=cmd_report)
 
     cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",

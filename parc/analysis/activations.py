@@ -8,7 +8,10 @@ backward comes back). An output that only flows into a residual add, a
 collective or a p=0 dropout is freed as soon as they ran. So, per node:
 
 - follow its uses through views, getitems and p=0 dropouts (aliases, no new
-  memory) to the ops that consume the data, and ask each whether it saves it;
+  memory) to the ops that consume the data, and ask each whether it saves it
+  (`_saves`: casts, stack, repeat_interleave and export's metadata checks save
+  nothing; a product saves an operand only for a gradient that is needed, so
+  rotary positions times a constant table keep the table, not the projection);
 - count each distinct copy once. Under tensor parallelism the copy a column
   layer saves is the one its input collective made (all-gathered under sequence
   parallelism: the full sequence); under `precision bf16` the copy a matmul saves
@@ -52,9 +55,11 @@ LOWERED = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.matmul.
 FP32 = ("aten.layer_norm.", "aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.",
         "aten.cross_entropy_loss.", "aten.nll_loss", "aten.rms_norm.", "parc.vocab_parallel_cross_entropy.")
 VIEWS = ("view", "reshape", "expand", "permute", "transpose", "t.default", "slice", "select", "alias",
-         "detach", "unsqueeze", "squeeze", "split", "chunk", "unbind", "as_strided", "_unsafe_view")
-# consumers whose backward needs none of their tensor inputs
-NO_SAVE = ("aten.add.", "aten.sub.", "aten.cat.", "aten.clone.", "aten._to_copy.", "aten.neg.", "aten.sum.",
+         "detach", "unsqueeze", "squeeze", "split", "chunk", "unbind", "as_strided", "_unsafe_view", "flatten")
+# consumers whose backward needs none of their tensor inputs (a dtype cast's backward casts back; stack's
+# unbinds; repeat_interleave's sums the repeats)
+NO_SAVE = ("aten.add.", "aten.sub.", "aten.cat.", "aten.stack.", "aten.clone.", "aten._to_copy.", "aten.to.",
+           "aten.type_as.", "aten.repeat_interleave.", "aten._assert_tensor_metadata.", "aten.neg.", "aten.sum.",
            "aten.mean.", "aten.embedding.", "aten.cross_entropy_loss.", "parc.identity_allreduce.",
            "parc.allreduce_identity.", "parc.allgather_reducescatter.", "parc.reducescatter_allgather.",
            "parc.split_allgather.", "parc.allgather_split.", "parc.vocab_parallel_cross_entropy.")
@@ -89,14 +94,40 @@ def is_alias(n: fx.Node) -> bool:
     return False
 
 
+def _grad(n) -> bool:
+    """Does `n` need a gradient: a trainable parameter, or computed from one (floating point)? Cached on the
+    node. A value computed only from the batch and constants (token ids, positions, a rotary table) does not,
+    so an op's backward never needs what only its gradient would use."""
+    if not isinstance(n, fx.Node):
+        return False
+    if "parc_grad" not in n.meta:
+        if n.op == "placeholder":
+            n.meta["parc_grad"] = bool(getattr(n.meta.get("val"), "requires_grad", False))
+        else:
+            n.meta["parc_grad"] = _floating(n) and any(_grad(a) for a in n.all_input_nodes)
+    return n.meta["parc_grad"]
+
+
+def _root(a: fx.Node) -> fx.Node:
+    """The value whose memory `a` is: through views, getitems and p=0 dropouts."""
+    while a.op == "call_function" and is_alias(a) and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a
+
+
 def _saves(c: fx.Node, value: fx.Node) -> bool:
-    """Does consumer `c` save `value` (one of its inputs) for backward?"""
+    """Does consumer `c` save `value` (one of its inputs) for backward? A product a·b saves b for a's
+    gradient and a for b's, each only if that gradient is needed; a quotient a / b saves b for either."""
     if c.op != "call_function":
         return False
     if _is(c, NO_SAVE):
         return False
     if _is(c, SCALAR_FREE):
-        return any(isinstance(a, fx.Node) and a is not value for a in c.args)
+        others = [a for a in c.args if isinstance(a, fx.Node) and _root(a) is not value]
+        if _is(c, ("aten.div.",)) and isinstance(c.args[1] if len(c.args) > 1 else None, fx.Node) \
+                and _root(c.args[1]) is value:
+            return any(_grad(a) for a in c.all_input_nodes)
+        return any(_grad(a) for a in others)
     return True
 
 
@@ -249,6 +280,10 @@ def _dtype_sizes(gm: fx.GraphModule, nodes: list[fx.Node], bf16: bool) -> dict[f
         native = val.element_size() if hasattr(val, "element_size") else 4
         if not bf16 or not getattr(val, "is_floating_point", lambda: False)():
             size[n] = native
+        elif _is(n, ("aten.to.", "aten._to_copy.")) and "dtype" in str(n.target) + str(n.kwargs):
+            size[n] = native          # an explicit cast (`x.float()`): the dtype it names, autocast or not
+        elif _is(n, ("aten.type_as.",)) and len(n.args) > 1:
+            size[n] = of(n.args[1])   # the other operand's dtype as the runtime holds it
         elif _is(n, LOWERED):
             size[n] = 2
         elif _is(n, FP32):

@@ -86,6 +86,52 @@ class Hardware:
     source: str = ""               # where the figures come from
 
 
+@dataclass(frozen=True)
+class System:
+    """What the priced run does differently from parc's runtime: the options `parc report` takes to price a
+    run of another framework (its CLI flags --attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics), and
+    bench/published.py's published runs through that same path. The default is parc's own runtime.
+
+    - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
+      (the T × T scores written out, as Megatron and DeepSpeed did before FlashAttention, 2022), or
+      "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout).
+    - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
+      sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
+    - `dp_overlap`: False for a system whose dp all-reduce (or ZeRO's collectives) waits for the whole backward.
+    - `dp_wire`: the dtype of gradients on the dp wire ("fp32", "bf16", "fp16"); None: the plan's layout.
+    - `nics`: network links per node (0: the preset's, one per GPU), each at the topology's `inter=`.
+    """
+    attention: str = "flash"
+    pp_sends: str = "whole"
+    dp_overlap: bool = True
+    dp_wire: str | None = None
+    nics: int = 0
+
+    ATTENTION = ("flash", "materialized", "materialized-dropout")
+    PP_SENDS = ("whole", "scatter-gather")
+    WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+    def hardware(self, hw: "Hardware") -> "Hardware":
+        """`hw` with this system's NICs per node."""
+        return replace(hw, nics_per_node=self.nics) if self.nics else hw
+
+    def estimate_options(self) -> dict:
+        """The keyword arguments of `estimate` that price this system."""
+        return dict(attention="flash" if self.attention == "flash" else "materialized",
+                    attention_dropout=self.attention == "materialized-dropout",
+                    p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
+                    dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None)
+
+    def notes(self) -> list[str]:
+        """The report's line saying which options differ from parc's runtime (none: no line)."""
+        said = [f"{f} {v}" for f, v, d in (("attention", self.attention, "flash"),
+                                          ("pp sends", self.pp_sends, "whole"),
+                                          ("dp overlap", "off" if not self.dp_overlap else "on", "on"),
+                                          ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0))
+                if v != d]
+        return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
+
+
 def _gpu(name, memory, flops, intra, inter, key):
     from parc.analysis.presets import TABLES
 

@@ -119,8 +119,24 @@ def _artifact_params(pj: dict) -> list[int]:
     return [max(v for (r, _), v in sums.items() if r == rank) for rank in range(pp)]
 
 
+def system_of(args) -> cost.System:
+    """The `System` of `parc report`'s flags (cli.py): the one place they are read."""
+    return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
+                       dp_wire=args.dp_wire, nics=args.nics or 0)
+
+
+def build_from_args(args) -> dict:
+    """`parc report`'s report from its parsed arguments (cli.py `cmd_report`, and bench/published.py)."""
+    return build(args.compiled, model=args.model, plan=args.plan, preset=args.preset, allreduce=args.allreduce,
+                 system=system_of(args))
+
+
 def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path | None = None,
-          preset: str | None = None, allreduce: str | None = None) -> dict:
+          preset: str | None = None, allreduce: str | None = None, system: cost.System | None = None) -> dict:
+    """The report of a compiled/ directory, or of `model` and `plan` analytically. `system`: how the run
+    priced differs from parc's runtime (`parc report`'s --attention, --pp-sends, --no-dp-overlap, --dp-wire,
+    --nics; default: parc's own)."""
+    system = system or cost.System()
     plan_obj, stats, notes, pj = _inputs(compiled, model, plan)
     if plan_obj.mesh.cp > 1:  # its volumes and activations would be priced as dp's: wrong, so not said
         raise PlanError(f"parc report does not model context parallelism yet (mesh cp {plan_obj.mesh.cp}): its "
@@ -131,7 +147,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     topo = plan_obj.topology
     embedded = (pj or {}).get("costs", {}).get("preset_file") if preset is None else None
     name = preset or resolve(topo.preset, plan_obj.file if pj is None else None)
-    hw = cost.hardware(name, topo, embedded=embedded)
+    hw = system.hardware(cost.hardware(name, topo, embedded=embedded))
     warnings = assumed_hardware(name, hw) + implausible(hw)
     from parc.compiler import plan_refusals
     # what compile refuses is priced (the figures of a plan parc will not run), but said before anything else
@@ -141,7 +157,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
     ep_info = stats.get("experts")
     held = art_params if art_params is not None or ep_info is None else experts.params_per_rank(ep_info, plan_obj.mesh.ep)
-    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held)
+    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
+                        **system.estimate_options())
+    notes += system.notes()
     ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
     if ep is not None:
         est = experts.charge(est, ep["row"])

@@ -1,0 +1,122 @@
+"""A Llama at a size from PARC_BENCH_LLAMA="layers,dim,heads,kv_heads,ffn,vocab,seq": for bench/published.py.
+
+The architecture torchtitan trains (torchtitan/models/llama3/model, the Llama 2 and 3 of Meta's papers):
+RMSNorm before attention and before the MLP, rotary positions on q and k, grouped-query attention with the
+kv heads repeated to the query heads before the attention kernel (torchtitan's `repeat_kv`: a copy), a SwiGLU
+MLP w2(silu(w1 x) · w3 x), no biases, an untied output layer. Module names follow torchtitan's
+(`layers.N.attention.wq`, `layers.N.feed_forward.w1`), so its parallel plans read the same here.
+
+Only ever traced on meta, so the batches are random token ids. Rotary embedding is written with cos/sin
+(torchtitan multiplies complex numbers): the same bytes through memory-bound ops, no complex dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_L, _D, _NH, _KV, _FFN, _V, _T = (int(x) for x in
+                                   os.environ.get("PARC_BENCH_LLAMA", "32,4096,32,8,14336,128256,8192").split(","))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions: each pair of x's last dim turned by its position's angle. x: (B, T, nh, hs)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    # fp32 products (the table is fp32), cast back as torchtitan's `.type_as(xq)` does
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hs = _D // _NH
+        self.wq = nn.Linear(_D, _NH * self.hs, bias=False)
+        self.wk = nn.Linear(_D, _KV * self.hs, bias=False)
+        self.wv = nn.Linear(_D, _KV * self.hs, bias=False)
+        self.wo = nn.Linear(_NH * self.hs, _D, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.hs)   # (B, T, nh, hs): -1 follows a column-sharded width
+        k = self.wk(x).view(B, T, -1, self.hs)   # (B, T, nkv, hs)
+        v = self.wv(x).view(B, T, -1, self.hs)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rep = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(rep, dim=2)      # torchtitan's repeat_kv: kv heads copied to the query heads
+        v = v.repeat_interleave(rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)   # (B, nh, T, hs)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(_D, _FFN, bias=False)
+        self.w3 = nn.Linear(_D, _FFN, bias=False)
+        self.w2 = nn.Linear(_FFN, _D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = RMSNorm(_D)
+        self.attention = Attention()
+        self.ffn_norm = RMSNorm(_D)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(_V, _D)
+        self.layers = nn.ModuleList(Layer() for _ in range(_L))
+        self.norm = RMSNorm(_D)
+        self.output = nn.Linear(_D, _V, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        hs = _D // _NH
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hs, 2, device=idx.device).float() / hs))   # (hs/2,)
+        angles = torch.arange(T, device=idx.device).float()[:, None] * inv[None, :]           # (T, hs/2)
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]             # (1, T, 1, hs/2)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def build_model():
+    return Llama()
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    seq = torch.randint(0, _V, (batch_size, _T + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def loss_fn(model, idx, targets):
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

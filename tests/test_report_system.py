@@ -1,0 +1,108 @@
+"""Another framework's run, priced by `parc report` flags (issue 27, item 3): --attention, --pp-sends,
+--no-dp-overlap, --dp-wire and --nics each change the price the way their arithmetic says, are said in the
+report's notes, and bench/published.py prices its rows through exactly that CLI path. Analytic reports of
+bench/gpt_sized.py at 4 × 1024, sequence 2048 (large enough that kernels and messages are priced by their
+work, not their launch latency; tracing on meta only, no ranks): under a second each; the bench row traces a
+1.7B GPT on meta (a few seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from parc import cli
+from parc.analysis import cost, report
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZED = ROOT / "bench" / "gpt_sized.py"
+# 2 nodes of 4, dp 4 over both (2 ranks of each dp group on a node), pp 2 inside a node, bf16 on an A100
+PLAN = """mesh dp=4 pp=2
+topology nodes=2 gpus_per_node=4 preset=a100
+batch global=16 micro=2
+pipeline schedule=1f1b stages=2
+precision bf16
+"""
+
+
+@pytest.fixture(autouse=True)
+def _size(monkeypatch):
+    monkeypatch.setenv("PARC_BENCH_GPT", "4,1024,16,51200,2048")
+
+
+def _report(tmp_path, *flags) -> dict:
+    plan = tmp_path / "p.par"
+    plan.write_text(PLAN)
+    return report.build_from_args(cli.parser().parse_args(["report", "--model", str(SIZED), "--plan", str(plan),
+                                                           *flags]))
+
+
+def test_the_default_is_parcs_runtime_and_says_nothing(tmp_path):
+    rep = _report(tmp_path)
+    plan = tmp_path / "p.par"
+    same = report.build(model=SIZED, plan=plan, system=cost.System())
+    assert rep["utilization"]["step_seconds"] == same["utilization"]["step_seconds"]
+    assert not any("another system's run" in n for n in rep["notes"])
+
+
+def test_materialized_attention_costs_more_than_flash_and_dropout_more_again(tmp_path):
+    """The scores written out (T × T per head) and read back are memory traffic a fused kernel does not have."""
+    flash = _report(tmp_path)["utilization"]["compute_seconds"]
+    mat = _report(tmp_path, "--attention", "materialized")
+    drop = _report(tmp_path, "--attention", "materialized-dropout")["utilization"]["compute_seconds"]
+    assert flash < mat["utilization"]["compute_seconds"] < drop
+    assert any("attention materialized" in n for n in mat["notes"])
+
+
+def test_no_dp_overlap_exposes_the_whole_all_reduce(tmp_path):
+    """Overlapped, all but the last 25 MiB bucket hides under the last backward; not overlapped, all of it
+    is on the step: the step grows by exactly the difference in exposed dp seconds."""
+    on, off = _report(tmp_path), _report(tmp_path, "--no-dp-overlap")
+    dp_seconds = sum(r["seconds"] for r in on["communication"]["rows"] if r["axis"] == "dp")
+    assert off["communication"]["exposed_parts"]["dp"] == pytest.approx(dp_seconds)
+    grow = off["utilization"]["step_seconds"] - on["utilization"]["step_seconds"]
+    assert grow == pytest.approx(off["communication"]["exposed_parts"]["dp"] - on["communication"]["exposed_parts"]["dp"])
+
+
+def test_dp_wire_dtype_halves_the_bytes(tmp_path):
+    """bf16 gradients are fp32 under the plan's layout (4 bytes); --dp-wire bf16 sends 2."""
+    dp = [r for r in _report(tmp_path)["communication"]["rows"] if r["axis"] == "dp"][0]
+    half = [r for r in _report(tmp_path, "--dp-wire", "bf16")["communication"]["rows"] if r["axis"] == "dp"][0]
+    assert half["bytes_per_rank"] == pytest.approx(dp["bytes_per_rank"] / 2, rel=1e-6)
+
+
+def test_fewer_nics_than_gpus_slow_the_groups_that_cross_nodes(tmp_path):
+    """dp groups have 2 ranks on each node of 4: with a NIC per GPU each group runs over 2 links; with 1 NIC a
+    node, shared by the node's 2 groups, each gets half a link: 4× the inter-node time."""
+    one = [r for r in _report(tmp_path, "--nics", "1")["communication"]["rows"] if r["axis"] == "dp"][0]
+    four = [r for r in _report(tmp_path)["communication"]["rows"] if r["axis"] == "dp"][0]
+    assert one["seconds"] > 3 * four["seconds"]
+
+
+@pytest.mark.parametrize("flag", [["--attention", "paged"], ["--pp-sends", "broadcast"], ["--dp-wire", "fp8"]])
+def test_unknown_values_are_refused_by_the_cli(flag, capsys):
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["report", "--model", "m.py", "--plan", "p.par", *flag])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, monkeypatch):
+    """bench/published.py's first row (Megatron's 1.7B) against `parc report --json` run by hand with the
+    row's plan and its source's flags: the same step, to the last bit."""
+    spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
+    published = importlib.util.module_from_spec(spec)
+    sys.modules["published"] = published
+    spec.loader.exec_module(published)
+    row = published.ROWS[0]
+    predicted, rep = published.predict(row)
+    monkeypatch.setenv("PARC_BENCH_GPT", ",".join(map(str, row.shape)))
+    plan = tmp_path / "row.par"
+    plan.write_text(published.plan_text(row))
+    capsys.readouterr()
+    assert cli.main(["report", "--model", str(published.GPT_MODEL), "--plan", str(plan), "--preset", row.preset,
+                     *published.FLAGS[row.source][1], "--json"]) == 0
+    by_hand = json.loads(capsys.readouterr().out)
+    assert by_hand["utilization"]["step_seconds"] == rep["utilization"]["step_seconds"]
+    assert any("another system's run" in n and "attention materialized-dropout" in n for n in by_hand["notes"])
