@@ -39,7 +39,8 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # SC21 (arXiv:2104.04473), Table 1: A100-80GB (Selene: 8 per node, 8 × 200 Gbit/s HDR), vocab 51200,
 # sequence 2048, mixed precision, full activation recompute; TFLOP/s per GPU counts the recompute
 # (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)). The 1.7B–7.5B rows are the table's first three (tp 1, 2, 4
-# inside a node, pp 1, global batch 512); the issue's own audit quotes the 1.7B row.
+# inside a node, pp 1, global batch 512); the issue's own audit quotes the 1.7B row. The 3.6B and 7.5B rows
+# were transcribed from the table as recalled, not re-read against the paper's text: check them there.
 MEGATRON = "Megatron-LM 2021 Table 1"
 BLOOM = "BLOOM (BigScience 2022)"
 MTNLG = "MT-NLG (Smith et al. 2022)"
