@@ -137,16 +137,17 @@ def test_sequence_not_divisible_by_two_cp(tmp_path):
 
 
 def test_compositions_refused_all_at_once(tmp_path):
-    text = ("mesh dp=1 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1\nprecision bf16\n"
-            'recompute "blocks.*"\ncontext_parallel ring\n')
+    text = ("mesh dp=2 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1 shard=1 offload=cpu\n"
+            "precision fp16\ncontext_parallel ring\n")
     with pytest.raises(ParcError) as e:
         compile_text(text, tmp_path / "c")
-    said = {d.span.line: d.message for d in e.value.diagnostics}
-    assert "mesh cp 2 with tp 2" in said[1] or any("with tp 2" in d.message for d in e.value.diagnostics)
-    assert any("with pp 2" in d.message for d in e.value.diagnostics)
-    assert "zero stage=1 with mesh cp 2" in said[3]
-    assert "precision bf16 with mesh cp 2" in said[4]
-    assert "recompute with mesh cp 2" in said[5]
+    said = [(d.span.line, d.message) for d in e.value.diagnostics]
+    assert any(line == 1 and "with tp 2" in m for line, m in said), said
+    assert any(line == 1 and "with pp 2" in m for line, m in said), said
+    assert any(line == 3 and "zero stage=1 shard=1 with mesh cp 2" in m and "dp 2 × cp 2 = 4" in m
+               for line, m in said), said
+    assert any(line == 3 and "zero offload=cpu with mesh cp 2" in m for line, m in said), said
+    assert any(line == 4 and "precision fp16 with mesh cp 2" in m for line, m in said), said
 
 
 def test_unknown_method(tmp_path):

@@ -46,15 +46,17 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
         if m.degree(axis) > 1:
             refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
                    f"use {axis}=1 with cp, or cp=1")
-    if plan.zero.stage > 0:
-        refuse(f"zero stage={plan.zero.stage} with mesh cp {m.cp}: ZeRO would shard over dp only, not dp × cp; "
-               f"{later}", "zero.stage", plan.zero, "drop the `zero` line with cp")
-    if plan.precision != "fp32":
+    # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
+    if plan.zero.stage > 0 and plan.zero.shard:
+        refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
+               f"dp {m.dp} × cp {m.cp} = {m.dp * m.cp} ranks; HSDP's shard groups are {later}", "zero.shard",
+               plan.zero, "drop `shard=` with cp")
+    if plan.zero.stage > 0 and plan.zero.offload:
+        refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
+               "drop `offload=` with cp")
+    if plan.precision not in ("fp32", "bf16"):  # fp16's loss scaler under cp: not tested
         refuse(f"precision {plan.precision} with mesh cp {m.cp}: {later}", "precision", None,
-               "use precision fp32 with cp")
-    if plan.recompute.patterns:
-        refuse(f"recompute with mesh cp {m.cp}: {later}", "recompute.patterns[0]", plan.recompute,
-               "drop the `recompute` line with cp")
+               "use precision fp32 or bf16 with cp")
     if plan.compile != "none":
         refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
     if plan.tensor_parallel.rules or plan.tensor_parallel.sequence_parallel:
