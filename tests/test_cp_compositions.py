@@ -80,3 +80,35 @@ def test_nonfinite_flag_reduced_over_cp():
     from parc.runtime.launch import spawn
 
     assert spawn(2, _nonfinite_body) == [1.0, 1.0]
+
+
+# Resuming: the checkpoint holds whole tensors under the serial model's names, whatever the plan
+# (runtime/checkpoint/sharded.py), so what one plan saved another loads exactly; the step after differs only
+# by summation order (test_checkpoint.py's bounds).
+NEXT_LOSS_TOL, NEXT_PARAM_TOL = 1e-5, 1e-4
+
+
+def _rel(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).square().sum()) for k in a)
+    return (num / sum(float(b[k].double().square().sum()) for k in a)) ** 0.5
+
+
+def test_checkpoint_resumes_under_another_cp(tmp_path):
+    import torch
+
+    from helpers import checkpoint_sessions
+    from parc.runtime.launch import spawn
+
+    plans = {"cp_zero2": _plan("cp=2", "zero stage=2\n"), "dp": _plan("dp=2").replace("context_parallel ring\n", ""),
+             "cp_alltoall": _plan("cp=2", method="alltoall")}
+    compiled = {n: str(compile_text(t, tmp_path / n).root) for n, t in plans.items()}
+    # cp 2 with ZeRO-2 saves; dp 2 (cp 1) resumes from it; cp 2 all-to-all resumes from dp's checkpoint
+    out = spawn(2, checkpoint_sessions, [("cp_zero2", None), ("dp", "cp_zero2"), ("cp_alltoall", "dp")], compiled,
+                str(tmp_path / "ck"))[0]
+    for src, dst in zip(out, out[1:]):
+        assert dst["first"] == 2
+        assert src["saved"].keys() == dst["saved"].keys()
+        bad = [k for k in src["saved"] if not torch.equal(src["saved"][k], dst["saved"][k])]
+        assert not bad, bad  # loaded exactly what was saved
+        assert abs(dst["loss"] - src["loss"]) / abs(src["loss"]) < NEXT_LOSS_TOL, (src["loss"], dst["loss"])
+        assert _rel(dst["after"], src["after"]) < NEXT_PARAM_TOL
