@@ -3,7 +3,7 @@ recompute, bf16, checkpoints resumed under another cp; each trained against the 
 
 import pytest
 
-from helpers import compile_text, parallel_vs_serial
+from helpers import ROOT, compile_text, parallel_vs_serial
 from parc.errors import ParcError
 
 # fp32: as tests/test_context_parallel.py — ring attention and the cp-summed loss add the same numbers in
@@ -112,3 +112,17 @@ def test_checkpoint_resumes_under_another_cp(tmp_path):
         assert not bad, bad  # loaded exactly what was saved
         assert abs(dst["loss"] - src["loss"]) / abs(src["loss"]) < NEXT_LOSS_TOL, (src["loss"], dst["loss"])
         assert _rel(dst["after"], src["after"]) < NEXT_PARAM_TOL
+
+
+LLAMA = ROOT / "tests" / "models" / "llama_tiny.py"
+
+
+@pytest.mark.parametrize("mesh,method", [("cp=2", "ring"), ("dp=2 cp=2", "alltoall")])
+def test_hf_llama_matches_serial(tmp_path, mesh, method):
+    # HF LlamaForCausalLM from a tiny config: rotary position ids from `arange` (made global), RMSNorm
+    # written out (`pow(2).mean(-1)`), GQA by repeat_kv (2 kv heads for 4), and the causal mask HF builds
+    # from positions, folded into is_causal so the ring masks by global positions
+    art = compile_text(_plan(mesh, method=method), tmp_path / "c", model=LLAMA)
+    note = art.plan["context_parallel"]
+    assert note["attentions"] == 2 and note["masks_folded"] == 2 and note["positions"] == 1, note
+    _check(parallel_vs_serial(art.root, steps=3))
