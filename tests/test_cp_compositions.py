@@ -126,3 +126,10 @@ def test_hf_llama_matches_serial(tmp_path, mesh, method):
     note = art.plan["context_parallel"]
     assert note["attentions"] == 2 and note["masks_folded"] == 2 and note["positions"] == 1, note
     _check(parallel_vs_serial(art.root, steps=3))
+
+
+def test_gqa_enable_gqa_not_causal_matches_serial(tmp_path):
+    art = compile_text(_plan("cp=2"), tmp_path / "c", model=ROOT / "tests" / "models" / "cp_gqa.py")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count("aten.repeat_interleave") == 8  # k and v of each of the 4 layers
+    _check(parallel_vs_serial(art.root, steps=3))
