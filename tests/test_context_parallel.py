@@ -206,11 +206,21 @@ def test_dropout_refused(tmp_path):
     assert any("dropout under context parallelism" in d.message for d in e.value.diagnostics)
 
 
-def test_report_refuses_cp_rather_than_price_it_as_dp(tmp_path):
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_report_prices_cp(tmp_path, method):
     from parc.analysis import report
 
-    compile_text(_plan("dp=2 cp=2"), tmp_path / "c")
-    with pytest.raises(ParcError) as e:
-        report.build(tmp_path / "c", preset="h100")
-    assert "parc report does not model context parallelism yet (mesh cp 2)" in e.value.message
-    assert e.value.span.line == 1
+    dp2 = report.build(compile_text("mesh dp=2\nbatch global=4 micro=2\n", tmp_path / "dp").root, preset="h100")
+    text = _plan("dp=2 cp=2").replace("context_parallel ring", f"context_parallel {method}")
+    rep = report.build(compile_text(text, tmp_path / "c").root, preset="h100")
+    mem, mem2 = rep["memory"]["per_pp_rank"][0], dp2["memory"]["per_pp_rank"][0]
+    assert mem["activations_bytes"] * 2 == mem2["activations_bytes"]  # the same micro-batch, T / cp tokens a rank
+    rows = {(c["axis"], c["collective"]): c for c in rep["communication"]["rows"]}
+    assert rows[("dp×cp", "all-reduce")]["group"] == 4  # gradients over dp 2 × cp 2
+    # examples/gpt.py, micro 2: 4 attentions of b·h = 2·4 heads, T 32, hs 16; one local K block is
+    # 8 · 16 · 16 = 2048 elements
+    if method == "ring":  # fwd (cp−1)·2 blocks, bwd (cp−1)·4 + 2 blocks, fp32: 8 blocks · 2048 · 4 B · 4 layers
+        assert rows[("cp", "send/recv")]["bytes_per_rank"] == 8 * 2048 * 4 * 4
+    else:  # 4 + 7 all-to-alls of a block, (cp−1)/cp of it sent, fp32
+        assert rows[("cp", "all-to-all")]["bytes_per_rank"] == 11 * 2048 * 4 * 4 // 2
+    assert rep["plan"]["cp"] == 2 and any("context parallelism cp 2" in n for n in rep["notes"])
