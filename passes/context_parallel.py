@@ -12,6 +12,9 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
 - each `scaled_dot_product_attention` becomes `parc.ring_attention` (K/V blocks around the cp ring,
   exact log-sum-exp merging, causal masks from global positions), or with `context_parallel alltoall`
   `parc.ulysses_attention` (runtime/parallel/ulysses.py: heads scattered, sequence gathered, whole SDPA);
+- an SDPA `attn_mask` computed from no input (HF's causal mask from `arange` positions) is evaluated here
+  on the serial graph first; exactly causal, it becomes `is_causal=True` (all-keep: no mask) and its ops go
+  (`_fold_constant_masks`); `enable_gqa` with fewer kv heads repeats each kv head before the ring;
 - view / reshape / expand sizes along the sequence become local;
 - a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum,
   summed over cp by `parc.cp_sum` (all-reduce forward, identity backward), divided by the whole
@@ -19,8 +22,8 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
   `ignore_index` masks.
 
 Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
-(pointwise, linear, layer norm, embedding lookups, views that keep the sequence a dimension, softmax
-along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
+(pointwise, linear, layer norm, reductions / cat / slices along other dims, embedding lookups, views that
+keep the sequence a dimension, softmax along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
 sequence's length, slicing along the sequence, dropout — is refused at its line in the model file, the
 op and the module named, all such errors at once.
 
@@ -407,8 +410,9 @@ class _Walk:
             if lay != Seq(len(_shape(t)) - 2):
                 raise _Refused(f"attention's {name} is not split along its sequence dim -2 ({lay})")
         if a.get("attn_mask") is not None:
-            raise _Refused("attention with an explicit attn_mask: context parallelism builds only causal masks "
-                           "(from global positions); pass is_causal=True or no mask")
+            raise _Refused("attention with an attn_mask that reads an input or is not exactly the causal triangle "
+                           "(or all-keep): context parallelism builds only causal masks (from global positions); "
+                           "pass is_causal=True or no mask")
         if a.get("dropout_p", 0.0):
             raise _Refused("attention dropout under context parallelism is not proven yet")
         if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:

@@ -103,7 +103,7 @@ def test_program_shards_sequence_and_rings_attention(tmp_path):
     assert plan["groups"]["cp"] == [[0, 1], [2, 3]] and plan["groups"]["dp"] == [[0, 2], [1, 3]]
     assert plan["groups"]["dp_cp"] == [[0, 1, 2, 3]]
     assert plan["context_parallel"] == {"method": "ring", "cp": 2, "seq_len": 32, "inputs": ["batch_0", "batch_1"],
-                                        "attentions": 4, "positions": 1}
+                                        "attentions": 4, "positions": 1, "masks_folded": 0}
 
 
 def test_plan_language_round_trips():

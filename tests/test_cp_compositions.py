@@ -133,3 +133,16 @@ def test_gqa_enable_gqa_not_causal_matches_serial(tmp_path):
     src = (art.root / "programs" / "stage0_tp0.py").read_text()
     assert src.count("aten.repeat_interleave") == 8  # k and v of each of the 4 layers
     _check(parallel_vs_serial(art.root, steps=3))
+
+
+def test_constant_mask_not_causal_refused_at_its_line(tmp_path):
+    # a sliding window from `arange`: evaluated at compile time it is not the causal triangle, so it is not
+    # folded; the walk then meets query positions against key positions (a (T, T) value of two sequence
+    # dims) and refuses it where the mask is built
+    model = ROOT / "tests" / "models" / "cp_window.py"
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=2"), tmp_path / "c", model=model)
+    d = e.value.diagnostics[0]
+    assert "split along different dims" in d.message and "blocks.0.attn" in d.message, d.message
+    assert d.span.file.endswith("cp_window.py")
+    assert "gap = pos[:, None] - pos[None, :]" in model.read_text().splitlines()[d.span.line - 1]

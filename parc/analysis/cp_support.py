@@ -1,8 +1,8 @@
 """What context parallelism (mesh cp > 1) composes with so far, checked on the plan alone.
 
-Start here when `parc compile` refuses a plan with `mesh … cp=N`. The first slice of issue 28 is proven
-for cp × dp, ring and all-to-all attention, fp32, with plain data-parallel gradient buckets
-(tests/test_context_parallel.py);
+Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so far (tests/test_context_parallel.py,
+tests/test_cp_compositions.py): cp × dp, ring and all-to-all attention, fp32 and bf16, ZeRO 1–3 sharded over
+dp × cp, recompute, checkpoints;
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
 all at once, rather than run without a test proving it equals the serial model. What needs the model
 (the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
