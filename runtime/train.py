@@ -165,8 +165,11 @@ class Trainer:
                                                        low, precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
-            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"],
-                                                 edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))))
+            cp = ctx.degree.get("cp", 1)  # context parallelism: summed over dp × cp, divided by dp (as below)
+            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp_cp" if cp > 1 else "dp"],
+                                                 ctx.degree["dp"] * cp,
+                                                 edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))),
+                                                 divisor=ctx.degree["dp"])
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
             # mesh cp: the cp ranks of a sample hold parts of its gradient: summed over dp × cp, divided by dp

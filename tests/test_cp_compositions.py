@@ -175,3 +175,15 @@ def test_report_activations_at_cp4_held_to_measured(tmp_path, method):
         predicted = row["activations_kept_bytes"]
         print(method, "measured", r["activations"], "report", predicted)
         assert abs(predicted - r["activations"]) <= 0.10 * r["activations"], (r["activations"], predicted)
+
+
+@pytest.mark.parametrize("extra", ["pipeline schedule=1f1b\n", "pipeline schedule=gpipe\nzero stage=1\n"])
+def test_pp_matches_serial(tmp_path, extra):
+    # each pp stage's ranks run its layers' rings over their own cp group (same pp coordinate); the values
+    # crossing a cut are the local T/cp tokens; the stage's gradients are summed over dp × cp (ZeRO: cut
+    # over the dp × cp ranks of the stage)
+    art = compile_text(_plan("pp=2 cp=2", extra), tmp_path / "c")
+    for stage in (0, 1):
+        src = (art.root / "programs" / f"stage{stage}_tp0.py").read_text()
+        assert src.count("torch.ops.parc.ring_attention") == 2, stage  # 2 of the 4 layers per stage
+    _check(parallel_vs_serial(art.root, steps=3))

@@ -57,34 +57,34 @@ def _stage(d: dict, cp: int) -> dict:
 
 
 def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
-    """The cp rows (module docstring), per rank per step, from the serial statistics' attention rows."""
+    """The cp rows (module docstring), per rank per step, of the pp stage with the most attention traffic
+    (one stage a rank: cp_support.py refuses virtual stages with cp), from the serial statistics."""
     m, cp = plan.mesh, plan.mesh.cp
-    groups = meshlib.groups(m, "cp")
+    ring = plan.context_parallel.method == "ring"
     act_b = 4 if plan.precision == "fp32" else 2
     acc = plan.accumulation
-    hops_f = hops_b = volume = 0.0
-    calls = 0
-    for d in stats["stages"][::max(m.pp, 1)][:1] or stats["stages"][:1]:  # pp is refused with cp: one stage
+    per_stage = []
+    for d in stats["stages"]:
+        volume, calls = 0.0, 0
         for bh, t, hs, causal, split, rec, count in (d.get("ops") or {}).get("attn", ()):
             block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
-            if plan.context_parallel.method == "ring":
-                fwd = (cp - 1) * 2 * block * RING_BYTES
-                bwd = ((cp - 1) * 4 + 2) * block * RING_BYTES
-                hops_f += count * acc * fwd * (2 if rec else 1)
-                hops_b += count * acc * bwd
-                calls += count * acc * ((cp - 1) * (2 if rec else 1) + cp)
-            else:
-                volume += count * acc * (4 * (2 if rec else 1) + 7) * block * act_b
-                calls += count * acc * (4 * (2 if rec else 1) + 7)
-    if plan.context_parallel.method == "ring":
-        if not calls:
-            return []
-        size = hops_f + hops_b
-        return [cost._collective("cp", "send/recv", 2, size, groups, hw, allreduce, latency_steps=calls, calls=calls)]
+            again = 2 if rec else 1  # a recomputed layer runs its forward communication again
+            if ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 + 2 (dK, dV home); fp32
+                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4 + 2) * block * RING_BYTES
+                calls += count * acc * ((cp - 1) * again + cp)
+            else:  # 4 all-to-alls forward, 7 backward, each sending (cp−1)/cp of a block
+                volume += count * acc * (4 * again + 7) * block * act_b
+                calls += count * acc * (4 * again + 7)
+        per_stage.append((volume, calls))
+    volume, calls = max(per_stage, default=(0.0, 0))
     if not calls:
         return []
+    groups = meshlib.groups(m, "cp")
+    if ring:
+        return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
+                                 calls=calls)]
     row = cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce, latency_steps=calls * (cp - 1),
-                           calls=calls)
+                           calls=calls)  # all-gather's (cp−1)/cp of the volume: what an all-to-all sends
     return [replace(row, collective="all-to-all")]
 
 
