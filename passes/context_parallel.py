@@ -12,6 +12,9 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
 - each `scaled_dot_product_attention` becomes `parc.ring_attention` (K/V blocks around the cp ring,
   exact log-sum-exp merging, causal masks from global positions), or with `context_parallel alltoall`
   `parc.ulysses_attention` (runtime/parallel/ulysses.py: heads scattered, sequence gathered, whole SDPA);
+- an SDPA `attn_mask` computed from no input (HF's causal mask from `arange` positions) is evaluated here
+  on the serial graph first; exactly causal, it becomes `is_causal=True` (all-keep: no mask) and its ops go
+  (`_fold_constant_masks`); `enable_gqa` with fewer kv heads repeats each kv head before the ring;
 - view / reshape / expand sizes along the sequence become local;
 - a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum,
   summed over cp by `parc.cp_sum` (all-reduce forward, identity backward), divided by the whole
@@ -19,8 +22,8 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
   `ignore_index` masks.
 
 Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
-(pointwise, linear, layer norm, embedding lookups, views that keep the sequence a dimension, softmax
-along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
+(pointwise, linear, layer norm, reductions / cat / slices along other dims, embedding lookups, views that
+keep the sequence a dimension, softmax along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
 sequence's length, slicing along the sequence, dropout — is refused at its line in the model file, the
 op and the module named, all such errors at once.
 
@@ -63,12 +66,15 @@ POINTWISE = {
     aten.relu.default, aten.silu.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
     aten.dropout.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-    aten._log_softmax.default,
+    aten._log_softmax.default, aten.cos.default, aten.sin.default,
 }
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 NORMS = {aten.layer_norm.default, *((aten.rms_norm.default,) if hasattr(aten, "rms_norm") else ())}
 SDPA = aten.scaled_dot_product_attention.default
+# reductions along a dim list that keep the others: local when the sequence is not reduced
+DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
+ASSERT_META = aten._assert_tensor_metadata.default
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -88,7 +94,9 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     cp = plan.mesh.cp
     if cp == 1:
         return gm
+    folded = _fold_constant_masks(gm)
     walk = _Walk(gm, plan, ctx, cp)
+    walk.masks = folded
     walk.run()
     if walk.errors:
         raise ParcError(diagnostics=walk.errors)
@@ -109,6 +117,7 @@ class _Walk:
         self.sharded_inputs: list[str] = []
         self.attentions = 0
         self.positions = 0
+        self.masks = 0  # attention masks folded into is_causal (`_fold_constant_masks`)
         self.seq_len = self._sequence_length()
         self.local = self.seq_len // cp if self.seq_len else 0
 
@@ -163,6 +172,18 @@ class _Walk:
             return self.unsqueeze(node)
         if t is SDPA:
             return self.attention(node)
+        if t is aten.expand.default:
+            return self.expand(node)
+        if t is aten.cat.default:
+            return self.cat(node)
+        if t is aten.slice.Tensor:
+            return self.slice(node)
+        if t in DIM_REDUCTIONS:
+            return self.reduce_dims(node)
+        if t is ASSERT_META:  # export's check of a `.to()`'s dtype/device/layout: no shape, nothing to localize
+            if node.kwargs.get("size") is not None or node.kwargs.get("stride") is not None:
+                raise _Refused("`_assert_tensor_metadata` of a size along the sequence")
+            return None
         if t is aten.cross_entropy_loss.default:
             return self.cross_entropy(node)
         if t in (aten.mean.default, aten.sum.default):
@@ -318,6 +339,50 @@ class _Walk:
         lay = x if node.target is not aten.unbind.int else Seq(x.dim - (dim % n < x.dim), x.merged)
         return tuple(lay for _ in range(parts))
 
+    def expand(self, node: fx.Node):
+        """`expand(sizes)`: new dims in front, size-1 dims broadcast; the sequence's size becomes local."""
+        x, src, sizes = self.lay[node.args[0]], _shape(node.args[0]), list(node.args[1])
+        d = x.dim + len(sizes) - len(src)
+        if sizes[d] not in (-1, src[x.dim]) or x.merged != 1:
+            raise _Refused(f"`{_op(node)}` {tuple(src)} → {tuple(sizes)} of the sequence dim {x.dim} (folded with "
+                           f"{x.merged} outer elements)")
+        if sizes[d] != -1:
+            sizes[d] = self.local
+        node.args = (node.args[0], sizes, *node.args[2:])
+        return Seq(d, x.merged)
+
+    def cat(self, node: fx.Node):
+        """`cat` along another dim of values split alike (rotary's `cat((-x2, x1), -1)`)."""
+        parts = node.args[0]
+        lays = {self.lay.get(a) for a in parts}
+        if len(lays) != 1:
+            raise _Refused(f"`{_op(node)}` of values split and not split along the sequence")
+        (x,) = lays
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim % len(_shape(node)) == x.dim:
+            raise _Refused(f"`{_op(node)}` along the sequence dim")
+        return x
+
+    def slice(self, node: fx.Node):
+        """`x[..., a:b]` along another dim keeps the split (rotary's halves); along the sequence it is refused."""
+        x = self.lay[node.args[0]]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if dim % len(_shape(node.args[0])) == x.dim:
+            raise _Refused(f"`{_op(node)}` slices along the sequence dim")
+        return x
+
+    def reduce_dims(self, node: fx.Node):
+        """`mean(dims)` / `sum(dims)` / `amax(dims)` over other dims (RMSNorm written out: `pow(2).mean(-1)`)."""
+        x, n = self.lay[node.args[0]], len(_shape(node.args[0]))
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if dims is None or len(dims) == 0:
+            raise _Refused(f"`{_op(node)}` over every dim, the sequence's included")
+        dims = [d % n for d in dims]
+        if x.dim in dims:
+            raise _Refused(f"`{_op(node)}` reduces over the sequence dim")
+        return x if keep else Seq(x.dim - sum(d < x.dim for d in dims), x.merged)
+
     def view(self, node: fx.Node):
         """A reshape keeps the sequence a dimension (alone or with outer dims folded in) or is refused;
         its size becomes local."""
@@ -345,12 +410,13 @@ class _Walk:
             if lay != Seq(len(_shape(t)) - 2):
                 raise _Refused(f"attention's {name} is not split along its sequence dim -2 ({lay})")
         if a.get("attn_mask") is not None:
-            raise _Refused("attention with an explicit attn_mask: context parallelism builds only causal masks "
-                           "(from global positions); pass is_causal=True or no mask")
+            raise _Refused("attention with an attn_mask that reads an input or is not exactly the causal triangle "
+                           "(or all-keep): context parallelism builds only causal masks (from global positions); "
+                           "pass is_causal=True or no mask")
         if a.get("dropout_p", 0.0):
             raise _Refused("attention dropout under context parallelism is not proven yet")
         if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:
-            raise _Refused("grouped-query attention (enable_gqa) under context parallelism is not proven yet")
+            k, v = (self.repeat_heads(node, t, _shape(q)[-3] // _shape(t)[-3]) for t in (k, v))
         scale = a.get("scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(_shape(q)[-1])
         args = (q, k, v, AXIS, bool(a.get("is_causal", False)), scale, self.cp)
@@ -373,6 +439,15 @@ class _Walk:
         self.ctx.count(NAME)
         self.lay[out] = Seq(len(_shape(q)) - 2)
         return None
+
+    def repeat_heads(self, node: fx.Node, t: fx.Node, groups: int) -> fx.Node:
+        """`enable_gqa`: each kv head repeated for its `groups` query heads (dim −3), what SDPA does with
+        enable_gqa; the ring then carries whole heads (its volume is H/Hkv times the kv heads')."""
+        with self.gm.graph.inserting_before(node):
+            out = self.gm.graph.call_function(aten.repeat_interleave.self_int, (t, groups, -3))
+        out.meta["val"] = t.meta["val"].repeat_interleave(groups, -3)
+        self.lay[out] = self.lay[t]
+        return out
 
     def cross_entropy(self, node: fx.Node):
         """`F.cross_entropy(logits, targets)` with reduction mean: this rank's sum, summed over cp, over the
@@ -443,7 +518,71 @@ class _Walk:
 
     def summary(self) -> dict:
         return {"method": self.method, "cp": self.cp, "seq_len": self.seq_len, "inputs": self.sharded_inputs,
-                "attentions": self.attentions, "positions": self.positions}
+                "attentions": self.attentions, "positions": self.positions, "masks_folded": self.masks}
+
+
+def _fold_constant_masks(gm: fx.GraphModule) -> int:
+    """An SDPA `attn_mask` computed from no input (HF's `create_causal_mask` builds one from `arange`
+    positions) is a constant of the program: computed here on the serial graph, and when it is exactly the
+    causal triangle (or keeps every key), the attention gets `is_causal=True` (or no mask) in its place and
+    the mask's ops are removed, so the ring builds its masks from global positions. Any other mask is left
+    for `attention` to refuse. Returns how many masks were folded."""
+    folded, dead = 0, set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        a = _sdpa_args(node)
+        mask = a.get("attn_mask")
+        if not isinstance(mask, fx.Node) or a.get("is_causal", False):
+            continue
+        chain = _ancestors(mask)
+        if any(n.op != "call_function" for n in chain):
+            continue  # it reads an input or a parameter: not a constant
+        value = _evaluate(gm, chain, mask)
+        tq, tk = _shape(a["query"])[-2], _shape(a["key"])[-2]
+        allowed = value if value.dtype == torch.bool else value == 0
+        if value.dtype != torch.bool and not bool(((value == 0) | (value == float("-inf")) |
+                                                    (value == torch.finfo(value.dtype).min)).all()):
+            continue  # a bias, not a mask
+        causal = torch.ones(tq, tk, dtype=torch.bool).tril()
+        if bool((allowed == causal).all()):
+            is_causal = True
+        elif bool(allowed.all()):
+            is_causal = False
+        else:
+            continue
+        kwargs = {k: v for k, v in a.items() if k not in ("query", "key", "value", "attn_mask")}
+        kwargs["is_causal"] = is_causal
+        node.args, node.kwargs = (a["query"], a["key"], a["value"]), kwargs
+        dead |= chain
+        folded += 1
+    for n in list(gm.graph.nodes):  # export's dtype checks of the mask's `.to()`s would keep it alive
+        if n.op == "call_function" and n.target is ASSERT_META and n.args and n.args[0] in dead:
+            gm.graph.erase_node(n)
+    if folded:
+        gm.graph.eliminate_dead_code()
+    return folded
+
+
+def _ancestors(node: fx.Node) -> set:
+    out, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += n.all_input_nodes
+    return out
+
+
+def _evaluate(gm: fx.GraphModule, chain: set, target: fx.Node) -> torch.Tensor:
+    """The value of `target`, computed by the nodes of `chain` (none reads an input) on the CPU."""
+    g = fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        if n in chain:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[target])
+    return fx.GraphModule(gm, g)()
 
 
 def _op(node: fx.Node) -> str:

@@ -25,6 +25,9 @@ group (`parc.mesh.zero_groups`): shard = padded / K, and the ranks of a shard
 group own [r·shard, (r+1)·shard) by their index r in it; the dp / K shard groups
 hold the same ranges (replicas). `table["dp"]` stays the whole dp (the mean's
 divisor); `table["shard_size"]` is K.
+
+Context parallelism (mesh cp > 1): the table is cut for the dp × cp ranks of the `dp_cp` group (they hold the
+same parameters); `table["dp"]` stays dp, the mean's divisor (`shard_size` dp·cp).
 """
 
 from __future__ import annotations
@@ -66,13 +69,15 @@ def unit_of(fqn: str) -> str:
 
 
 def shard_size(plan) -> int:
-    """The ranks one copy of ZeRO's state is cut over: `zero shard=K`, else all of dp."""
-    return plan.zero.shard or plan.mesh.dp
+    """The ranks one copy of ZeRO's state is cut over: `zero shard=K`, else all of dp, times cp under context
+    parallelism (the dp × cp ranks hold the same parameters and reduce their gradients together, so ZeRO
+    shards over all of them, as Megatron-Core's distributed optimizer does)."""
+    return plan.zero.shard or plan.mesh.dp * plan.mesh.cp
 
 
 def hsdp(plan) -> bool:
     """Whether the plan shards ZeRO's state over groups smaller than dp (and so replicates it across them)."""
-    return plan.zero.stage >= 1 and shard_size(plan) < plan.mesh.dp
+    return plan.zero.stage >= 1 and shard_size(plan) < plan.mesh.dp * plan.mesh.cp
 
 
 def partition(gm: fx.GraphModule, state_specs: list, shards: dict, stage: int, dp: int, align: int = ALIGN,

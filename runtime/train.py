@@ -101,6 +101,9 @@ def zero_groups(table: dict, ctx: ParallelContext) -> tuple[object, int, int, tu
     all of dp and (None, 0), or under HSDP (`zero shard=K`) the shard and replicate groups (parc/mesh.py
     `zero_groups`: consecutive dp coordinates shard, every K-th replicates)."""
     dp, i, k = ctx.degree["dp"], ctx.coord["dp"], shard_ranks(table)
+    cp = ctx.degree.get("cp", 1)
+    if cp > 1:  # context parallelism: cut over the dp × cp ranks that reduce gradients together (passes/zero.py)
+        return ctx.groups["dp_cp"], k, ctx.group_ranks["dp_cp"].index(ctx.rank), (None, 0)
     if k == dp:
         return ctx.groups["dp"], dp, i, (None, 0)
     return ctx.groups.get("zero_shard"), k, i % k, (ctx.groups.get("zero_replicate"), i // k)
@@ -163,8 +166,11 @@ class Trainer:
                                                        low, precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
-            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp"], ctx.degree["dp"],
-                                                 edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))))
+            cp = ctx.degree.get("cp", 1)  # context parallelism: summed over dp × cp, divided by dp (as below)
+            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp_cp" if cp > 1 else "dp"],
+                                                 ctx.degree["dp"] * cp,
+                                                 edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))),
+                                                 divisor=ctx.degree["dp"])
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
             # mesh cp: the cp ranks of a sample hold parts of its gradient: summed over dp × cp, divided by dp
@@ -373,7 +379,9 @@ class Trainer:
             ranges = self.zero.grad_ranges()
             # HSDP: the replicas of a shard hold the same ranges; the first counts them (the sum runs over dp)
             owned = [ranges[n][0] for n in sorted(names) if n in ranges] if self.zero.counts_in_norm() else []
-            return owned, self.zero.master_grads(), ("dp", "tp", "pp")
+            # context parallelism: the ranges are cut over dp × cp (passes/zero.py), so summed over both
+            return owned, self.zero.master_grads(), ("dp", "cp", "tp", "pp") if "cp" in self.ctx.degree else \
+                ("dp", "tp", "pp")
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         experts = set(self.entry.get("experts") or ())
         owned = grad_norm.owned_pieces(self.params, names - experts)

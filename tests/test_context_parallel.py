@@ -103,7 +103,7 @@ def test_program_shards_sequence_and_rings_attention(tmp_path):
     assert plan["groups"]["cp"] == [[0, 1], [2, 3]] and plan["groups"]["dp"] == [[0, 2], [1, 3]]
     assert plan["groups"]["dp_cp"] == [[0, 1, 2, 3]]
     assert plan["context_parallel"] == {"method": "ring", "cp": 2, "seq_len": 32, "inputs": ["batch_0", "batch_1"],
-                                        "attentions": 4, "positions": 1}
+                                        "attentions": 4, "positions": 1, "masks_folded": 0}
 
 
 def test_plan_language_round_trips():
@@ -137,16 +137,17 @@ def test_sequence_not_divisible_by_two_cp(tmp_path):
 
 
 def test_compositions_refused_all_at_once(tmp_path):
-    text = ("mesh dp=1 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1\nprecision bf16\n"
-            'recompute "blocks.*"\ncontext_parallel ring\n')
+    text = ("mesh dp=2 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1 shard=1 offload=cpu\n"
+            "precision fp16\ncontext_parallel ring\npipeline schedule=zb_h1\n")
     with pytest.raises(ParcError) as e:
         compile_text(text, tmp_path / "c")
-    said = {d.span.line: d.message for d in e.value.diagnostics}
-    assert "mesh cp 2 with tp 2" in said[1] or any("with tp 2" in d.message for d in e.value.diagnostics)
-    assert any("with pp 2" in d.message for d in e.value.diagnostics)
-    assert "zero stage=1 with mesh cp 2" in said[3]
-    assert "precision bf16 with mesh cp 2" in said[4]
-    assert "recompute with mesh cp 2" in said[5]
+    said = [(d.span.line, d.message) for d in e.value.diagnostics]
+    assert any(line == 1 and "with tp 2" in m for line, m in said), said
+    assert any(line == 6 and "pipeline schedule=zb_h1 (virtual 1) with mesh cp 2" in m for line, m in said), said
+    assert any(line == 3 and "zero stage=1 shard=1 with mesh cp 2" in m and "dp 2 × cp 2 = 4" in m
+               for line, m in said), said
+    assert any(line == 3 and "zero offload=cpu with mesh cp 2" in m for line, m in said), said
+    assert any(line == 4 and "precision fp16 with mesh cp 2" in m for line, m in said), said
 
 
 def test_unknown_method(tmp_path):
@@ -205,11 +206,21 @@ def test_dropout_refused(tmp_path):
     assert any("dropout under context parallelism" in d.message for d in e.value.diagnostics)
 
 
-def test_report_refuses_cp_rather_than_price_it_as_dp(tmp_path):
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_report_prices_cp(tmp_path, method):
     from parc.analysis import report
 
-    compile_text(_plan("dp=2 cp=2"), tmp_path / "c")
-    with pytest.raises(ParcError) as e:
-        report.build(tmp_path / "c", preset="h100")
-    assert "parc report does not model context parallelism yet (mesh cp 2)" in e.value.message
-    assert e.value.span.line == 1
+    dp2 = report.build(compile_text("mesh dp=2\nbatch global=4 micro=2\n", tmp_path / "dp").root, preset="h100")
+    text = _plan("dp=2 cp=2").replace("context_parallel ring", f"context_parallel {method}")
+    rep = report.build(compile_text(text, tmp_path / "c").root, preset="h100")
+    mem, mem2 = rep["memory"]["per_pp_rank"][0], dp2["memory"]["per_pp_rank"][0]
+    assert mem["activations_bytes"] * 2 == mem2["activations_bytes"]  # the same micro-batch, T / cp tokens a rank
+    rows = {(c["axis"], c["collective"]): c for c in rep["communication"]["rows"]}
+    assert rows[("dp×cp", "all-reduce")]["group"] == 4  # gradients over dp 2 × cp 2
+    # examples/gpt.py, micro 2: 4 attentions of b·h = 2·4 heads, T 32, hs 16; one local K block is
+    # 8 · 16 · 16 = 2048 elements
+    if method == "ring":  # fwd (cp−1)·2 blocks, bwd (cp−1)·4 + 2 blocks, fp32: 8 blocks · 2048 · 4 B · 4 layers
+        assert rows[("cp", "send/recv")]["bytes_per_rank"] == 8 * 2048 * 4 * 4
+    else:  # 4 + 7 all-to-alls of a block, (cp−1)/cp of it sent, fp32
+        assert rows[("cp", "all-to-all")]["bytes_per_rank"] == 11 * 2048 * 4 * 4 // 2
+    assert rep["plan"]["cp"] == 2 and any("context parallelism cp 2" in n for n in rep["notes"])

@@ -354,6 +354,7 @@ class Estimate:
     p2p_exposed_seconds: float = 0.0    # what P2P time adds to the pipeline over free communication
     tp_seconds: float = 0.0             # tp collectives on the busiest rank's critical path
     ep_seconds: float = 0.0             # the experts' all-to-alls (parc/analysis/experts.py), never overlapped
+    cp_seconds: float = 0.0             # context parallelism's ring or all-to-alls (parc/analysis/cp_cost.py)
     stage_seconds: list = field(default_factory=list)  # per stage: (F, B) of one micro-batch, tp on the path
 
     @property
@@ -365,8 +366,8 @@ class Estimate:
     def exposed_comm_seconds(self) -> float:
         """The part of the step communication takes: tp on the critical path, P2P beyond the schedule's
         own bubble, dp not hidden behind backward. A part of the step, so at most the step."""
-        return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds + self.ep_seconds,
-                   self.step_seconds)
+        return min(self.tp_seconds + self.p2p_exposed_seconds + self.dp_exposed_seconds + self.ep_seconds
+                   + self.cp_seconds, self.step_seconds)
 
 
 def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int, int]:

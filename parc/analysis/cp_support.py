@@ -1,8 +1,8 @@
 """What context parallelism (mesh cp > 1) composes with so far, checked on the plan alone.
 
-Start here when `parc compile` refuses a plan with `mesh … cp=N`. The first slice of issue 28 is proven
-for cp × dp, ring and all-to-all attention, fp32, with plain data-parallel gradient buckets
-(tests/test_context_parallel.py);
+Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so far (tests/test_context_parallel.py,
+tests/test_cp_compositions.py): cp × dp, × pp (1F1B, GPipe), ring and all-to-all attention, fp32 and bf16, ZeRO 1–3 sharded over
+dp × cp, recompute, checkpoints;
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
 all at once, rather than run without a test proving it equals the serial model. What needs the model
 (the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
@@ -42,19 +42,27 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
                    plan.context_parallel, "add cp=N to the mesh, or drop the line")
         return out
     later = "not yet proven with context parallelism (docs/context-parallel.md lists what is)"
-    for axis, key in (("tp", "mesh.tp"), ("pp", "mesh.pp"), ("ep", "mesh.ep")):
+    for axis, key in (("tp", "mesh.tp"), ("ep", "mesh.ep")):
         if m.degree(axis) > 1:
             refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
                    f"use {axis}=1 with cp, or cp=1")
-    if plan.zero.stage > 0:
-        refuse(f"zero stage={plan.zero.stage} with mesh cp {m.cp}: ZeRO would shard over dp only, not dp × cp; "
-               f"{later}", "zero.stage", plan.zero, "drop the `zero` line with cp")
-    if plan.precision != "fp32":
+    # pp: each stage's layers ring over that stage's cp group; proven for 1F1B and GPipe, one stage a rank
+    pipe = plan.pipeline
+    if m.pp > 1 and pipe is not None and (pipe.schedule not in ("1f1b", "gpipe") or pipe.virtual > 1):
+        refuse(f"pipeline schedule={pipe.schedule} (virtual {pipe.virtual}) with mesh cp {m.cp}: only 1f1b and "
+               f"gpipe with one stage a rank are proven; {later}", "pipeline.schedule", pipe,
+               "use schedule=1f1b or gpipe with cp")
+    # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
+    if plan.zero.stage > 0 and plan.zero.shard:
+        refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
+               f"dp {m.dp} × cp {m.cp} = {m.dp * m.cp} ranks; HSDP's shard groups are {later}", "zero.shard",
+               plan.zero, "drop `shard=` with cp")
+    if plan.zero.stage > 0 and plan.zero.offload:
+        refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
+               "drop `offload=` with cp")
+    if plan.precision not in ("fp32", "bf16"):  # fp16's loss scaler under cp: not tested
         refuse(f"precision {plan.precision} with mesh cp {m.cp}: {later}", "precision", None,
-               "use precision fp32 with cp")
-    if plan.recompute.patterns:
-        refuse(f"recompute with mesh cp {m.cp}: {later}", "recompute.patterns[0]", plan.recompute,
-               "drop the `recompute` line with cp")
+               "use precision fp32 or bf16 with cp")
     if plan.compile != "none":
         refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
     if plan.tensor_parallel.rules or plan.tensor_parallel.sequence_parallel:

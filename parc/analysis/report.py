@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from parc.analysis import cost, experts, tp_grad_sums
+from parc.analysis import cost, cp_cost, experts, tp_grad_sums
 from parc.analysis.preset_file import implausible, resolve
 from parc.errors import ParcError, PlanError
 
@@ -138,11 +138,6 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     --nics; default: parc's own)."""
     system = system or cost.System()
     plan_obj, stats, notes, pj = _inputs(compiled, model, plan)
-    if plan_obj.mesh.cp > 1:  # its volumes and activations would be priced as dp's: wrong, so not said
-        raise PlanError(f"parc report does not model context parallelism yet (mesh cp {plan_obj.mesh.cp}): its "
-                        "ring traffic, its dp × cp gradient reduction and activations ÷ cp are not priced",
-                        plan_obj.spans.get("mesh.cp") or plan_obj.mesh.span,
-                        "docs/context-parallel.md lists what cp has so far (issue 28)", source=plan_obj.source or None)
     art_params = _artifact_params(pj) if pj is not None else None
     topo = plan_obj.topology
     embedded = (pj or {}).get("costs", {}).get("preset_file") if preset is None else None
@@ -157,8 +152,12 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
     ep_info = stats.get("experts")
     held = art_params if art_params is not None or ep_info is None else experts.params_per_rank(ep_info, plan_obj.mesh.ep)
-    est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
-                        **system.estimate_options())
+    if plan_obj.mesh.cp > 1:  # dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py)
+        est = cp_cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
+                               **system.estimate_options())
+    else:
+        est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
+                            **system.estimate_options())
     notes += system.notes()
     ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
     if ep is not None:
@@ -214,10 +213,10 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
                      "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
                      "gpus_per_node": hw.gpus_per_node, "cores": hw.cores, "allreduce": allreduce or "ring"},
-        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "world_size": m.world_size,
+        "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "cp": m.cp, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
                  "accumulation": plan_obj.accumulation, "precision": plan_obj.precision,
-                 "zero": plan_obj.zero.stage, "zero_shard": plan_obj.zero.shard or m.dp,
+                 "zero": plan_obj.zero.stage, "zero_shard": plan_obj.zero.shard or m.dp * m.cp,
                  "zero_offload": plan_obj.zero.offload, "recompute": list(plan_obj.recompute.patterns),
                  "schedule": (plan_obj.pipeline.schedule if plan_obj.pipeline else "1f1b") if m.pp > 1 else None},
         "memory": {"per_pp_rank": rows, "capacity_bytes": hw.memory, "fits": over <= 0,
@@ -258,7 +257,8 @@ def mfu_warning(est) -> str:
 def _exposed_parts(est) -> dict[str, float]:
     """What each axis adds to the step (the exposed seconds, before their cap at the step), so the
     report can say where the exposed communication comes from."""
-    return {"tp": est.tp_seconds, "pp": est.p2p_exposed_seconds, "dp": est.dp_exposed_seconds, "ep": est.ep_seconds}
+    return {"tp": est.tp_seconds, "pp": est.p2p_exposed_seconds, "dp": est.dp_exposed_seconds, "ep": est.ep_seconds,
+            "cp": est.cp_seconds}
 
 
 def _rank_words(hw: dict) -> tuple[str, str]:

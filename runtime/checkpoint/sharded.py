@@ -9,7 +9,8 @@ tensor (Adam's exp_avg, exp_avg_sq) is stored WHOLE-shaped under its model FQN
 mesh: Replicate over pp (only the ranks of the stage holding the tensor write
 it; a tied copy on two stages is written once, DCP dedups equal chunks) and
 Shard(0) over the dp·tp ranks of that stage (rank (d, t) writes rows
-[(d·tp + t)·⌈d0/(dp·tp)⌉, …)). Before writing, ZeRO ranges are gathered over
+[(d·tp + t)·⌈d0/(dp·tp)⌉, …); under context parallelism dp·cp·tp, rank (d, c, t)
+the rows of shard (d·cp + c)·tp + t). Before writing, ZeRO ranges are gathered over
 dp and tp shards over tp (with their shard spec, fused qkv blocks included),
 so the stored layout depends only on the tensor — never on the plan — and
 DCP reshards on load: each rank reads whole exactly the tensors its programs
@@ -79,16 +80,16 @@ __all__ = ["LATEST", "SaveFailed", "Saver", "load", "read", "resolve", "resume",
 
 
 def _mesh(trainer):
-    """A (pp, dp·tp) device mesh: row j holds the ranks of pp coordinate j, the ranks that hold stage j's
+    """A (pp, dp·cp·tp) device mesh: row j holds the ranks of pp coordinate j, the ranks that hold stage j's
     parameters. Checkpoint tensors are DTensors Replicate over pp (a rank writes only what it holds) and
-    Shard(0) over dp·tp. Built once per trainer: DeviceMesh creates process groups (collective)."""
+    Shard(0) over dp·cp·tp (cp 1 without context parallelism). Built once per trainer: DeviceMesh creates process groups (collective)."""
     mesh = getattr(trainer, "_checkpoint_mesh", None)
     if mesh is None:
         ctx = trainer.ctx
-        d = ctx.degree
-        ranks = torch.empty(d["pp"], d["dp"] * d["tp"], dtype=torch.int64)
+        d, cp = ctx.degree, ctx.degree.get("cp", 1)
+        ranks = torch.empty(d["pp"], d["dp"] * cp * d["tp"], dtype=torch.int64)
         for r, me in enumerate(trainer.art.plan["ranks"]):
-            ranks[me["pp"], me["dp"] * d["tp"] + me["tp"]] = r
+            ranks[me["pp"], _shard_index(me, d)] = r
         mesh = trainer._checkpoint_mesh = DeviceMesh(ctx.device.type, ranks, mesh_dim_names=("pp", "shard"))
     return mesh
 
@@ -112,11 +113,19 @@ def _expert_mesh(trainer):
     return mesh
 
 
+def _shard_index(coord: dict, d: dict) -> int:
+    """A rank's place on the shard dim of `_mesh`: (dp, cp, tp) coordinates, tp innermost. Under context
+    parallelism the cp ranks of a sample group hold the same parameters, so each writes its own rows of them
+    (every rank sits on the mesh once)."""
+    cp = d.get("cp", 1)
+    return (coord["dp"] * cp + coord.get("cp", 0)) * d["tp"] + coord["tp"]
+
+
 def _layouts(trainer) -> tuple[tuple, tuple | None]:
     """(mesh, placements, shards, this rank's shard) for dense tensors, and for expert slots (None without ep)."""
     ctx = trainer.ctx
     d, c = ctx.degree, ctx.coord
-    dense = (_mesh(trainer), [Replicate(), Shard(0)], d["dp"] * d["tp"], c["dp"] * d["tp"] + c["tp"])
+    dense = (_mesh(trainer), [Replicate(), Shard(0)], d["dp"] * d.get("cp", 1) * d["tp"], _shard_index(c, d))
     if not trainer.entry.get("experts"):
         return dense, None
     ep = trainer.art.plan["mesh"]["ep"]

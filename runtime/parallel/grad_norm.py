@@ -12,6 +12,7 @@ along which ownership is split:
   a pipeline stage's params              its pp rank                   pp
   tied param (embedding = lm head)       the first pp rank holding it  —
   ZeRO range of a flat bucket            its dp rank                   dp
+  ZeRO range under context parallelism   its dp × cp rank              dp, cp
   plain dp replica (no ZeRO)             every dp rank, identically    — (not summed)
 
 `owned_pieces` and `ZeroOptimizer.grad_ranges` say what a rank owns;
@@ -63,8 +64,10 @@ def nonfinite(loss: torch.Tensor, grads: list[torch.Tensor], ctx) -> torch.Tenso
     bad = (~torch.isfinite(loss.detach())).float().sum()
     for g in grads:
         bad = bad + (~torch.isfinite(g)).any().float()
-    for axis in ("dp", "tp", "pp"):
-        if ctx.degree[axis] > 1:
+    # cp (context parallelism): under ZeRO each dp × cp rank holds its own gradient ranges, so the flag is
+    # summed over cp too (without ZeRO the cp ranks' reduced gradients are equal: it costs one scalar)
+    for axis in ("dp", "cp", "tp", "pp"):
+        if ctx.degree.get(axis, 1) > 1:
             bad = ops.all_reduce(bad, axis, "step")
     return (bad > 0).float()
 

@@ -334,15 +334,17 @@ class StageBuckets:
     coordinates (parc/mesh.py expert_groups), so they run the same stage in the same order."""
 
     def __init__(self, plan_json: dict, rank: int, params: dict[str, torch.Tensor], group, dp: int,
-                 edp: tuple | None = None):
+                 edp: tuple | None = None, divisor: int | None = None):
+        """`group`, `dp`: the ranks a dense gradient is summed over and their count; `divisor` (default dp):
+        what the sum is divided by (context parallelism: summed over dp × cp, divided by dp)."""
         from parc.runtime.parallel.data_parallel import GradBuckets
         from parc.runtime.precision import reduce_dtype
 
         self.by_stage: dict[int, list] = {}
         for name in rank_programs(plan_json, rank):
             prog = plan_json["programs"][name]
-            self.by_stage[prog["stage"]] = [GradBuckets(params, prog["buckets"], group, dp,
-                                                        reduce_dtype(plan_json["plan"]))]
+            self.by_stage[prog["stage"]] = [GradBuckets(params, prog["buckets"], group, dp, divisor=divisor,
+                                                        reduce_dtype=reduce_dtype(plan_json["plan"]))]
             if prog.get("expert_buckets"):
                 self.by_stage[prog["stage"]].append(GradBuckets(params, prog["expert_buckets"], edp[0], edp[1],
                                                                 divisor=dp))

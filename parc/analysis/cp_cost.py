@@ -1,0 +1,111 @@
+"""Context parallelism (mesh cp > 1) in the cost model: what `parc report` prices for a cp plan.
+
+Start at `estimate`. A cp rank runs every op of the serial micro-batch on its T / cp tokens (the causal
+load balancing of runtime/parallel/ring_attention.py gives each rank 1/cp of a causal attention's work
+too), and holds the same parameters as the other cp ranks of its sample group. So the plan is priced as
+
+- the same model on a mesh whose dp is dp × cp (`localize`): gradients are reduced over the dp × cp
+  ranks (the `dp_cp` groups, with their real ranks, so intra/inter-node pricing sees where they sit) and
+  ZeRO's state is cut over them (passes/zero.py), and
+- one micro-batch's statistics divided by cp: FLOPs, activations kept, transient and recomputed bytes,
+  matmul rows (their token dim m), attention rows (their batch × heads: T²/cp of the work at length T)
+  and memory-bound traffic — activations / cp;
+
+plus the cp traffic itself (`comms`), per rank per step, each attention of each micro-batch:
+
+  ring:        forward  (cp−1) hops × K, V blocks                          b·h·(T/cp)·hs fp32 each
+               backward (cp−1) hops × K, V, dK, dV blocks + 1 hop home of dK, dV
+               (recomputed layers run the forward ring again in their backward)
+  all-to-all:  forward 4 (q, k, v scattered by head, the output back), backward 7 (q, k, v and the output's
+               gradient again, dQ, dK, dV back), each moving (cp−1)/cp of a b·h·(T/cp)·hs tensor
+
+charged to the step, not overlapped: exact for the backward ring and the all-to-alls (they wait), an upper
+bound for the forward ring, whose next hop is posted before the block computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parc import mesh as meshlib
+from parc.analysis import cost
+
+RING_BYTES = 4  # the ring sends its K/V blocks and dK/dV accumulators in fp32 (ring_attention.py)
+# statistics of one micro-batch that scale with its tokens (the rest: parameters, counts of tensors)
+PER_TOKEN = ("flops", "act", "kept_bytes", "recompute_peak_bytes", "logits_elements", "tp_bytes")
+
+
+def localize(plan, stats: dict) -> tuple[object, dict]:
+    """(the plan as dp × cp data-parallel ranks, one cp rank's statistics): see the module docstring."""
+    m, cp = plan.mesh, plan.mesh.cp
+    batch = replace(plan.batch, accumulation=plan.accumulation)  # kept: the dp it was derived from is not dp'
+    priced = replace(plan, mesh=replace(m, dp=m.dp * cp, cp=1), batch=batch)
+    stages = [_stage(d, cp) for d in stats["stages"]]
+    return priced, dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
+
+
+def _stage(d: dict, cp: int) -> dict:
+    out = {k: (v / cp if k.startswith(PER_TOKEN) and isinstance(v, (int, float)) else v) for k, v in d.items()}
+    ops = d.get("ops")
+    if ops:
+        ops = dict(ops)
+        ops["mm"] = [[b, mm / cp, *rest] for b, mm, *rest in ops.get("mm", ())]
+        ops["attn"] = [[bh / cp, *rest] for bh, *rest in ops.get("attn", ())]
+        ops["mem"] = [[kind, nbytes / cp, *rest] for kind, nbytes, *rest in ops.get("mem", ())]
+        out["ops"] = ops
+    return out
+
+
+def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
+    """The cp rows (module docstring), per rank per step, of the pp stage with the most attention traffic
+    (one stage a rank: cp_support.py refuses virtual stages with cp), from the serial statistics."""
+    m, cp = plan.mesh, plan.mesh.cp
+    ring = plan.context_parallel.method == "ring"
+    act_b = 4 if plan.precision == "fp32" else 2
+    acc = plan.accumulation
+    per_stage = []
+    for d in stats["stages"]:
+        volume, calls = 0.0, 0
+        for bh, t, hs, causal, split, rec, count in (d.get("ops") or {}).get("attn", ()):
+            block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
+            again = 2 if rec else 1  # a recomputed layer runs its forward communication again
+            if ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 + 2 (dK, dV home); fp32
+                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4 + 2) * block * RING_BYTES
+                calls += count * acc * ((cp - 1) * again + cp)
+            else:  # 4 all-to-alls forward, 7 backward, each sending (cp−1)/cp of a block
+                volume += count * acc * (4 * again + 7) * block * act_b
+                calls += count * acc * (4 * again + 7)
+        per_stage.append((volume, calls))
+    volume, calls = max(per_stage, default=(0.0, 0))
+    if not calls:
+        return []
+    groups = meshlib.groups(m, "cp")
+    if ring:
+        return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
+                                 calls=calls)]
+    row = cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce, latency_steps=calls * (cp - 1),
+                           calls=calls)  # all-gather's (cp−1)/cp of the volume: what an all-to-all sends
+    return [replace(row, collective="all-to-all")]
+
+
+def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
+    """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
+    `options`: cost.estimate's own (another system's run: `report.System.estimate_options`)."""
+    priced, local = localize(plan, stats)
+    m = plan.mesh
+    groups = {"dp": meshlib.dp_cp_groups(m), "pp": meshlib.groups(m, "pp"), "tp": meshlib.groups(m, "tp")}
+    est = cost.estimate(priced, local, hw, allreduce=allreduce, groups=groups, params_per_rank=params_per_rank,
+                        **options)
+    est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
+    rows = comms(plan, stats, hw, allreduce)
+    est = cost.on_step(est, rows, "cp_seconds") if rows else est
+    ring = plan.context_parallel.method == "ring"
+    est.notes.append(
+        f"context parallelism cp {m.cp} ({plan.context_parallel.method}): each rank computes and keeps the "
+        f"activations of T/{m.cp} tokens of every sample; gradients reduce over dp {m.dp} × cp {m.cp} = "
+        f"{m.dp * m.cp} ranks (ZeRO shards over them); "
+        + ("the ring's K/V blocks ((cp−1) hops forward, (cp−1) and one home hop of dK/dV backward, fp32)"
+           if ring else "4 all-to-alls per attention forward and 7 backward")
+        + " are charged to the step, not overlapped"
+        + (" (an upper bound for the forward ring, whose hops are posted before each block computes)" if ring else ""))
+    return est
