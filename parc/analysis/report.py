@@ -79,7 +79,6 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None):
     plan = load_plan(plan_path)
     from parc.analysis.review import preset_error
     if (bad := preset_error(plan)) is not None:   # located at the plan's `preset=`, before the trace
-        from parc.errors import PlanError
         raise PlanError(diagnostics=[bad])
     notes.append("analytic: traced the model under the plan; no compile pass ran")
     return plan, _trace_stats(model, plan), notes, None
