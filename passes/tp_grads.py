@@ -42,7 +42,8 @@ aten = torch.ops.aten
 parc_ops = torch.ops.parc
 
 # a view or cast of a parameter is still that parameter: its uses are the parameter's uses
-PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
+PARAM_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default, aten.mT.default,
+               aten._to_copy.default, aten.to.dtype,
                aten.view.default, aten.reshape.default, aten.alias.default, aten.expand.default,
                aten.unsqueeze.default}
 # ops through which no gradient flows (their output does not depend differentiably on the input)

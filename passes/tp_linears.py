@@ -20,7 +20,8 @@ aten = torch.ops.aten
 NAME = "tensor_parallel"
 
 
-TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+# `w.t()`, `w.transpose(0, 1)`, `w.permute(1, 0)`, and on a 2-D weight `w.T` / `w.mT` (Falcon's `x @ w.T`)
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default, aten.mT.default}
 MATMULS = {aten.matmul.default, aten.mm.default, aten.addmm.default}
 
 
@@ -32,7 +33,8 @@ def as_linears(gm: fx.GraphModule, rw) -> None:
         w, users = wt.args[0], list(wt.users)
         rule = rw.rule_for(wt)
         if rule is None or rule.style == "replicate" or len(users) != 1 or len(shape(w)) != 2 \
-                or (wt.target is aten.transpose.int and sorted(a % 2 for a in wt.args[1:3]) != [0, 1]):
+                or (wt.target is aten.transpose.int and sorted(a % 2 for a in wt.args[1:3]) != [0, 1]) \
+                or (wt.target is aten.permute.default and [a % 2 for a in wt.args[1]] != [1, 0]):  # not (0, 1)
             continue
         mm = users[0]
         if mm.target not in MATMULS or mm.args[-1] is not wt or len(mm.args) != (3 if mm.target is aten.addmm.default else 2) \

@@ -136,11 +136,11 @@ def tp_rules(traced) -> TPLayout:
 
 
 def _through_views(n):
-    """The inputs of `n`, looking through transposes and views of a parameter (x @ w.t())."""
+    """The inputs of `n`, looking through transposes and views of a parameter (x @ w.t(), x @ w.T)."""
     out = []
     for a in n.all_input_nodes:
-        while a.op == "call_function" and any(v in str(a.target) for v in ("aten.t.", "transpose", "permute",
-                                                                             "view", "aten.alias")):
+        while a.op == "call_function" and any(v in str(a.target) for v in ("aten.t.", "transpose", "permute", "numpy_T",
+                                                                             "aten.mT.", "view", "aten.alias")):
             a = a.all_input_nodes[0]
         out.append(a)
     return out
