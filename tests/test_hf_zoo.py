@@ -48,6 +48,8 @@ EXPECTED = {
     ("phimoe", "tp2", "hf"): "custom autograd.Function",  # its router's Function: refused, was silently wrong
     # Falcon (new decoder architecture): `x @ self.weight.T` (aten.numpy_T) linears, a grouped fused qkv cut by
     # `select`; its config declares no tp plan, so only the graph's rules exist
+    # Qwen3-Next: hybrid linear attention whose projections HF marks `colwise_gather_output` (kept whole)
+    ("qwen3_next", "tp2", "hf"): "PASS",
     ("falcon", "tp2", "graph"): "PASS",
     ("falcon", "tp2", "hf"): "declares no base_model_tp_plan",
 }

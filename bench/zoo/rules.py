@@ -22,7 +22,10 @@ STYLES = {
     "colwise": "column", "local_colwise": "column", "packed_colwise": "column",
     "rowwise": "row", "local_rowwise": "row", "rowwise_split_input": "row", "packed_rowwise": "row",
     "embedding_rowwise": "vocab",        # the table's rows (the vocabulary) split: parc's vocab embedding
-    "colwise_gather_output": "column",   # on the head: `vocab` (see _style)
+    # a column layer whose output is all-gathered back whole: parc has no such style (a `column` output stays
+    # sharded, and Qwen3-Next's linear attention then concatenates and convolves along the sharded features,
+    # which is refused); on the head it is `vocab` (see _style), elsewhere the module stays whole
+    "colwise_gather_output": None,
     "replicate": "replicate", "replicated_with_grad_allreduce": "replicate",
     "embedding_colwise": None,           # parc shards an embedding only along the vocabulary
     "moe_tp_experts": None, "moe_identity_expert": None, "mla_kv_a_proj": None, "local_params": None,
@@ -38,9 +41,12 @@ class Rules:
     dropped: list[str] = field(default_factory=list)  # "glob: style" entries parc has no style for
 
 
+HEADS = ("lm_head", "embed_out", "output", "decoder")
+
+
 def _style(path: str, hf_style: str) -> str | None:
     style = STYLES.get(hf_style)
-    if style == "column" and path.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output", "decoder"):
+    if (style == "column" or hf_style == "colwise_gather_output") and path.rsplit(".", 1)[-1] in HEADS:
         return "vocab"  # a head as wide as the vocabulary feeds parc's vocab-parallel cross-entropy
     return style
 
