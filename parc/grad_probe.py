@@ -13,9 +13,11 @@ fp32 on the same values.
 When it runs (`--grad-probe`, on by default in `parc compile` and `parc check --model`):
 - the model has at most MAX_PROBE_PARAMS parameters (its fp32 weights, gradients and one forward fit in a
   few GiB of host memory); a larger one is not probed;
-- the traced graph has no random op (dropout, `rand*`, `bernoulli`): eager and the program would draw
-  different masks, and the probe must never refuse a correct model. Such a model is not probed: run it with
-  its dropout set to 0 in `build_model` for the probe, or rely on `--verify` at run time;
+- its random ops are dropouts parc keys: the program's copy goes through passes/dropout.py, as compile's does,
+  and eager runs under runtime/dropout.py's `serial_keys`, so both draw the same masks (a pure function of
+  seed, step, call site and element, as `--verify`'s serial reference draws them). A random op parc does not
+  key (`rand*`, `bernoulli`, feature/alpha dropout) would draw different values in the two runs, and the probe
+  must never refuse a correct model: such a model is not probed (rely on `--verify` at run time);
 - one step of it runs on CPU (a model written for an accelerator only is not probed).
 
 Tolerance, and why it cannot refuse a correct model for rounding: per parameter, max |g_traced − g_eager|
@@ -39,13 +41,13 @@ MAX_PROBE_PARAMS = 50_000_000  # 200 MB of fp32 weights, as much again of gradie
 RTOL = 1e-3
 
 
-def skip_reason(traced: Traced) -> str | None:
-    """Why the probe does not run on this model, or None."""
+def skip_reason(traced: Traced, program: torch.fx.GraphModule) -> str | None:
+    """Why the probe does not run on this model (`program`: its runnable copy, `_runnable`), or None."""
     if traced.param_count > MAX_PROBE_PARAMS:
         return f"{traced.param_count:,} parameters > {MAX_PROBE_PARAMS:,}"
-    random = [n for n in traced.gm.graph.nodes if _draws(n)]
+    random = [n for n in program.graph.nodes if _draws(n)]
     if random:
-        return f"the program draws random numbers (`{random[0].target}` in `{random[0].name}`)"
+        return f"the program draws random numbers parc does not key (`{random[0].target}` in `{random[0].name}`)"
     return None
 
 
@@ -72,11 +74,14 @@ def _arg(node, name: str, absent):
 def probe(user, traced: Traced, micro_batch: int, seed: int = 0) -> str | None:
     """Raise a TraceError if the traced program's gradients differ from eager's; return why it was skipped,
     or None when it ran and they agree."""
-    why = skip_reason(traced)
+    if traced.param_count > MAX_PROBE_PARAMS:  # (before copying a graph that large)
+        return skip_reason(traced, traced.gm)
+    program, sites = _runnable(traced, micro_batch)
+    why = skip_reason(traced, program)
     if why is not None:
         return why
     try:
-        named, eager, program = _gradients(user, traced, micro_batch, seed)
+        named, eager, program = _gradients(user, traced, program, sites, micro_batch, seed)
     except Exception as e:  # noqa: BLE001 — a model that runs only on an accelerator: not probed, never refused
         return f"one step on CPU failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     top = max([g.abs().max().item() for g in (*eager, *program) if g is not None] + [0.0])
@@ -90,22 +95,34 @@ def probe(user, traced: Traced, micro_batch: int, seed: int = 0) -> str | None:
     return None
 
 
-def _gradients(user, traced: Traced, micro_batch: int, seed: int):
-    """(name, parameter) pairs, eager's gradients and the traced program's, from one build and one batch."""
+def _gradients(user, traced: Traced, program: torch.fx.GraphModule, sites: list[dict], micro_batch: int, seed: int):
+    """(name, parameter) pairs, eager's gradients and the program's, from one build and one batch; every dropout
+    in `sites` keyed alike in both."""
+    from parc.runtime.dropout import key_scope, serial_keys
+
     torch.manual_seed(seed)
     model = user.build_model().train()
     batch = tuple(user.get_batch(0, micro_batch))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    eager = torch.autograd.grad(user.loss_fn(model, *batch), [p for _, p in named], allow_unused=True)
-    (loss,) = _runnable(traced)(*state_values(traced, model), *batch)
-    return named, eager, torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    # step 0, the micro-batch's first sample is sample 0: both runs key every dropout alike
+    with key_scope(seed, 0, 0), serial_keys(model, sites, micro_batch, micro_batch):
+        eager = torch.autograd.grad(user.loss_fn(model, *batch), [p for _, p in named], allow_unused=True)
+    with key_scope(seed, 0, 0):
+        (loss,) = program(*state_values(traced, model), *batch)
+        return named, eager, torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
 
 
-def _runnable(traced: Traced) -> torch.fx.GraphModule:
+def _runnable(traced: Traced, micro_batch: int) -> tuple[torch.fx.GraphModule, list[dict]]:
     """A copy of the traced graph with the rewrites compile makes before any pass reads values (passes/portable.py:
-    HF's MoE takes a branch on meta, `histc` of int ids, that CPU kernels lack); the graph itself is unchanged."""
-    from parc.passes import PassCtx, portable
-    return portable.run(copy.deepcopy(traced.gm), None, PassCtx(traced))
+    HF's MoE takes a branch on meta, `histc` of int ids, that CPU kernels lack) and compile's keyed dropout
+    (passes/dropout.py), with the dropout sites it keyed; the traced graph itself is unchanged."""
+    from types import SimpleNamespace
+
+    from parc.passes import PassCtx, dropout, portable
+    ctx = PassCtx(traced)
+    gm = portable.run(copy.deepcopy(traced.gm), None, ctx)
+    gm = dropout.run(gm, SimpleNamespace(micro_batch=micro_batch), ctx)
+    return gm, ctx.notes["dropout"]["sites"]
 
 
 def _rel(a: torch.Tensor | None, b: torch.Tensor | None, top: float) -> float:
