@@ -22,10 +22,11 @@ STYLES = {
     "colwise": "column", "local_colwise": "column", "packed_colwise": "column",
     "rowwise": "row", "local_rowwise": "row", "rowwise_split_input": "row", "packed_rowwise": "row",
     "embedding_rowwise": "vocab",        # the table's rows (the vocabulary) split: parc's vocab embedding
-    # a column layer whose output is all-gathered back whole: parc has no such style (a `column` output stays
-    # sharded, and Qwen3-Next's linear attention then concatenates and convolves along the sharded features,
-    # which is refused); on the head it is `vocab` (see _style), elsewhere the module stays whole
-    "colwise_gather_output": None,
+    # a column layer whose output is all-gathered back whole: parc has no such style. Paired in its module with
+    # a `rowwise_split_input` (which splits that whole output again: Phi-3, OLMo-2) it is Megatron's column → row,
+    # so `column`; on the head `vocab`; alone (Qwen3-Next's linear attention, which concatenates and convolves
+    # along those features) the module stays whole (see _style)
+    "colwise_gather_output": "column",
     "replicate": "replicate", "replicated_with_grad_allreduce": "replicate",
     "embedding_colwise": None,           # parc shards an embedding only along the vocabulary
     "moe_tp_experts": None, "moe_identity_expert": None, "mla_kv_a_proj": None, "local_params": None,
@@ -44,10 +45,14 @@ class Rules:
 HEADS = ("lm_head", "embed_out", "output", "decoder")
 
 
-def _style(path: str, hf_style: str) -> str | None:
+def _style(path: str, hf_style: str, plan: dict[str, str]) -> str | None:
     style = STYLES.get(hf_style)
-    if (style == "column" or hf_style == "colwise_gather_output") and path.rsplit(".", 1)[-1] in HEADS:
+    if style == "column" and path.rsplit(".", 1)[-1] in HEADS:
         return "vocab"  # a head as wide as the vocabulary feeds parc's vocab-parallel cross-entropy
+    if hf_style == "colwise_gather_output":
+        parent = path.rsplit(".", 1)[0]
+        paired = any(s in ("rowwise_split_input", "rowwise") and g.rsplit(".", 1)[0] == parent for g, s in plan.items())
+        return "column" if paired else None
     return style
 
 
@@ -61,7 +66,7 @@ def hf_rules(family: str) -> Rules:
     plan.update(getattr(fam.model_class, "_tp_plan", None) or {})
     lines, dropped = [], []
     for glob, hf_style in plan.items():
-        style = _style(glob, hf_style)
+        style = _style(glob, hf_style, plan)
         if style is None:
             dropped.append(f"{glob}: {hf_style}")
         else:
