@@ -1,0 +1,36 @@
+#!/bin/bash
+# The zoo sweep in family chunks, for a shared machine: each chunk is one `python -m bench.zoo.sweep` run
+# (under nice, each family × plan holding the flock $LOCK while it computes), started from a snapshot of this
+# checkout's HEAD taken at the chunk's start, so fixes committed meanwhile apply to the later chunks and edits
+# in progress never do. Results merge into bench/results/zoo.json (--resume: entries already there are kept).
+#
+#   PLANS=tp2_sp,pp2,dp2_zero3,tp2_bf16,3d FIRST="olmo2 phi3" bash bench/zoo/sweep_chunked.sh
+#
+# PLANS, SOURCES (hf), CHUNK (families per chunk, 4), LOCK (/work/cpu.lock), FIRST (families swept first, e.g.
+# one per attention / norm / MLP variant; then the rest in transformers' order). Families whose tiny config
+# is UNBUILT in the results file are skipped (they fail in plain PyTorch under every plan). Then
+# `python -m bench.zoo.sweep --docs --plans none` writes the table.
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+PLANS=${PLANS:-tp2_sp,pp2,dp2_zero3,tp2_bf16,3d}
+SOURCES=${SOURCES:-hf}
+CHUNK=${CHUNK:-4}
+LOCK=${LOCK:-/work/cpu.lock}
+FIRST=${FIRST:-}
+SNAP=$(mktemp -d /tmp/zoo_snapshot_XXXX)
+FAMS=$(cd "$ROOT" && "$PY" -c "
+import json
+from bench.zoo import families, sweep
+unbuilt = {r['family'] for r in sweep.load()['results'] if r['status'] == 'UNBUILT'}
+print(' '.join(dict.fromkeys(f for f in '''$FIRST'''.split() + list(families.families()) if f not in unbuilt)))")
+set -- $FAMS
+while [ $# -gt 0 ]; do
+  chunk=$(echo "${@:1:$CHUNK}" | tr ' ' ','); shift $(( $# < CHUNK ? $# : CHUNK ))
+  rm -rf "$SNAP" && mkdir -p "$SNAP" && git -C "$ROOT" archive HEAD | tar -x -C "$SNAP"
+  echo "=== chunk $chunk at $(git -C "$ROOT" rev-parse --short HEAD) $(date -u +%T)"
+  (cd "$SNAP" && OMP_NUM_THREADS=1 PYTHONPATH="$SNAP" nice -n 10 "$PY" -m bench.zoo.sweep --plans "$PLANS" \
+     --sources "$SOURCES" --families "$chunk" --lock "$LOCK" --resume --out "$ROOT/bench/results/zoo.json")
+done
+rm -rf "$SNAP"
+echo "=== done $(date -u +%T)"
