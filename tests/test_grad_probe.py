@@ -43,6 +43,17 @@ def test_dropout_is_probed_with_the_same_masks():
     assert grad_probe.probe(user, trace(user, micro_batch=2), micro_batch=2) is None  # ran, and agreed
 
 
+def test_hf_attention_dropout_is_probed(tmp_path):
+    """HF Qwen3 with attention dropout 0.2: its SDPA's dropout is keyed in both runs (two sites), and they agree."""
+    text = (MODELS / "qwen3_tiny.py").read_text().replace("attention_dropout=0.0", "attention_dropout=0.2")
+    assert "attention_dropout=0.2" in text
+    (tmp_path / "qwen3_dropout.py").write_text(text)
+    user = load_user_module(tmp_path / "qwen3_dropout.py")
+    traced = trace(user, micro_batch=2)
+    assert len(grad_probe._runnable(traced, 2)[1]) == 2  # one keyed attention per layer
+    assert grad_probe.probe(user, traced, micro_batch=2) is None
+
+
 STE = MODELS / "ste_tiny.py"
 
 
