@@ -29,6 +29,9 @@ aten = torch.ops.aten
 RESHAPES = VIEWS | {aten.flatten.using_ints, aten.unflatten.int}  # regroup dims; only VIEWS carry all sizes
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+# `torch.tensor_split(x, [i, …], dim)` / `(x, n, dim)`: pieces at indices, not sizes (Qwen3.5's linear
+# attention cuts its sequence into chunks and a remainder); followed only along a dim that is not sharded
+TENSOR_SPLITS = {aten.tensor_split.indices, aten.tensor_split.sections}
 SDPA = {aten.scaled_dot_product_attention.default}
 NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
@@ -118,6 +121,8 @@ class Layouts:
             return self._view(node)
         if t in SPLITS:
             return self._split(node)
+        if t in TENSOR_SPLITS:
+            return self._tensor_split(node)
         if t in SDPA:
             return self._sdpa(node)
         handler = {aten.transpose.int: self._transpose, aten.permute.default: self._permute,
@@ -350,6 +355,15 @@ class Layouts:
             local = arg
         node.args = (node.args[0], local, *node.args[2:])
         return [Shard(dim, 1, s.seq, s.rule)] * len(pieces)
+
+    def _tensor_split(self, node):
+        """Pieces cut along a dim that is not sharded keep the input's shard (their indices are along that dim);
+        along the sharded dim each rank's cut would fall elsewhere in its slice: refused."""
+        s = self.get(node.args[0])
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(shape(node.args[0]))
+        if dim == s.dim:
+            self.fail(node, f"it cuts sharded dim {dim} at indices of the full tensor", s)
+        return [s] * len(node.meta["val"])
 
     # --- compute ops ---------------------------------------------------------------
 

@@ -50,6 +50,8 @@ EXPECTED = {
     # `select`; its config declares no tp plan, so only the graph's rules exist
     # Qwen3-Next: hybrid linear attention whose projections HF marks `colwise_gather_output` (kept whole)
     ("qwen3_next", "tp2", "hf"): "PASS",
+    # Qwen3.5 with graph rules: its linear attention sharded, cutting tokens with `tensor_split`
+    ("qwen3_5_text", "tp2", "graph"): "PASS",
     ("falcon", "tp2", "graph"): "PASS",
     ("falcon", "tp2", "hf"): "declares no base_model_tp_plan",
 }

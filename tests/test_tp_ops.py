@@ -135,3 +135,45 @@ def test_a_split_of_the_heads_that_is_not_per_head_norms_is_refused(tmp_path):
     assert "split" in e.value.message and "splits sharded dim 1 into [1, 1, 1, 1]" in e.value.message
     assert "layers.0" in e.value.message
     assert '"layers.*.q" : column' in _plan(OPS_RULES, False).splitlines()[e.value.span.line - 1]
+
+
+TENSOR_SPLIT = '''
+import sys
+import torch
+sys.path.insert(0, {models!r})
+import tp_norms
+from tp_norms import get_batch, loss_fn  # noqa: F401
+
+
+class Cut(tp_norms.Block):
+    def forward(self, x):  # q cut in two by torch.tensor_split along dim {dim}, the second piece scaled
+        B, T, _ = x.shape
+        q = self.q(self.ln(x)).view(B, T, -1, tp_norms.HD).transpose(1, 2)  # (B, nh, T, hd)
+        a, b = torch.tensor_split(q, [{cut}], dim={dim})
+        q = torch.cat([a, 2 * b], dim={dim})
+        return x + self.o(q.transpose(1, 2).reshape(B, T, -1))
+
+
+def build_model():
+    model = tp_norms.Model()
+    model.layers = torch.nn.ModuleList(Cut() for _ in model.layers)
+    return model
+'''
+
+
+def test_tensor_split_along_an_unsharded_dim_keeps_the_shard_and_along_the_sharded_one_is_refused(tmp_path):
+    """Qwen3.5's linear attention cuts q, k, v along the sequence with `torch.tensor_split` (passes/tp_layouts.py
+    `_tensor_split`): along the tokens (dim 2) of head-sharded q the pieces stay head-sharded and compile; along
+    the heads (dim 1) each rank's cut would fall elsewhere in its slice, refused at the rule that sharded q.
+    (Trained against serial in the zoo: tests/test_hf_zoo.py's qwen3_5_text with graph rules.)"""
+    from parc.errors import ParcError
+
+    along_tokens = tmp_path / "tokens.py"
+    along_tokens.write_text(TENSOR_SPLIT.format(models=str(MODELS), dim=2, cut=5))
+    compile_text(_plan(OPS_RULES, False), tmp_path / "c1", along_tokens)
+    along_heads = tmp_path / "heads.py"
+    along_heads.write_text(TENSOR_SPLIT.format(models=str(MODELS), dim=1, cut=1))
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan(OPS_RULES, False), tmp_path / "c2", along_heads)
+    assert "tensor_split" in e.value.message and "cuts sharded dim 1" in e.value.message, e.value.message
+    assert '"layers.*.q" : column' in _plan(OPS_RULES, False).splitlines()[e.value.span.line - 1]
