@@ -6,7 +6,7 @@
 #
 #   PLANS=tp2_sp,pp2,dp2_zero3,tp2_bf16,3d FIRST="olmo2 phi3" bash bench/zoo/sweep_chunked.sh
 #
-# PLANS, SOURCES (hf), CHUNK (families per chunk, 4), LOCK (/work/cpu.lock), FIRST (families swept first, e.g.
+# PLANS, SOURCES (hf), CHUNK (families per chunk, 4), LOCK (a flock file, default $TMPDIR/parc-zoo.lock: share it with other heavy jobs), FIRST (families swept first, e.g.
 # one per attention / norm / MLP variant; then the rest in transformers' order). Families whose tiny config
 # is UNBUILT in the results file are skipped (they fail in plain PyTorch under every plan). Then
 # `python -m bench.zoo.sweep --docs --plans none` writes the table.
@@ -16,7 +16,7 @@ PY=${PY:-$ROOT/.venv/bin/python}
 PLANS=${PLANS:-tp2_sp,pp2,dp2_zero3,tp2_bf16,3d}
 SOURCES=${SOURCES:-hf}
 CHUNK=${CHUNK:-4}
-LOCK=${LOCK:-/work/cpu.lock}
+LOCK=${LOCK:-${TMPDIR:-/tmp}/parc-zoo.lock}
 FIRST=${FIRST:-}
 SNAP=$(mktemp -d /tmp/zoo_snapshot_XXXX)
 FAMS=$(cd "$ROOT" && "$PY" -c "
