@@ -81,7 +81,8 @@ def _snapshot(tr) -> list[torch.Tensor]:
     opt = tr.zero.optimizer if tr.zero else tr.optimizer
     ts += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     if tr.zero:
-        ts += tr.zero.master + tr.zero.grad_flat + tr.zero.grad_acc
+        # ZeRO-2/3 hold a gradient range only within a step (None between): a range left behind changes the count
+        ts += tr.zero.master + tr.zero.grad_flat + [g for g in tr.zero.grad_acc if g is not None]
         ts += [m.grad for m in tr.zero.master if m.grad is not None]
     if isinstance(tr.buckets, GradBuckets):
         ts += tr.buckets.flat
