@@ -14,14 +14,14 @@ Python reads only at start-up, such as PYTHONHASHSEED (`env` is applied later,
 inside the rank, for all ranks alike).
 
 Ranks start from a fork server that has imported torch once (multiprocessing's
-"forkserver", torch, torch.distributed and torch._dynamo preloaded): a fresh interpreter importing
+"forkserver", torch, torch.distributed, torch._dynamo and transformers preloaded): a fresh interpreter importing
 torch costs seconds per rank, which on a small machine was most of a distributed
 test's time (4 ranks: 7–16 s to start with "spawn", under 1 s forked). A forked rank
 sees what a spawned one would: the caller's environment as of the call (applied
 first thing in the rank, since the server's is older), the caller's sys.path and
-main module, and modules imported fresh (only torch comes from the server; parc is
-imported in the rank, so a module reading the environment at import reads the
-caller's). Its stdout and stderr are the server's (the caller's at the first
+main module, and modules imported fresh (only torch and transformers come from the
+server, so they read the environment of the first spawn at import; parc is imported
+in the rank, so a module reading the environment at import reads the caller's). Its stdout and stderr are the server's (the caller's at the first
 spawn); a failing rank's traceback comes back through the result queue as before.
 `start_env` needs a fresh interpreter, so it, and `PARC_START_METHOD=spawn`, use
 "spawn".
@@ -107,7 +107,9 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple, env: d
 # what the fork server imports once (module docstring); torch._dynamo because every rank imports it anyway:
 # a parameter initialised on meta (`Trainer.load`'s skeleton) goes through torch._refs, whose wrappers import
 # it (1.3 s a rank measured here)
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# transformers too, where it is installed (the server skips a module it cannot import): a rank of an HF model
+# imports it anyway (2.6 s a rank measured here), and a rank of any other model pays nothing for it in a fork
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils"]
 
 
 def _context(fresh_interpreter: bool):
