@@ -27,6 +27,12 @@ class ParallelContext:
     device: torch.device
     backend: str
 
+    def gradient_group(self) -> tuple[object, int]:
+        """(group, size) a dense gradient is summed over: dp, or dp × cp under context parallelism, whose cp
+        ranks hold parts of each sample's gradient (the mean still divides by dp)."""
+        cp = self.degree.get("cp", 1)
+        return self.groups["dp_cp" if cp > 1 else "dp"], self.degree["dp"] * cp
+
     @classmethod
     def create(cls, plan_json: dict) -> "ParallelContext":
         mesh = plan_json["mesh"]

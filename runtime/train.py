@@ -166,18 +166,13 @@ class Trainer:
                                                        low, precision.reduce_dtype(plan["plan"]))
             self.buckets = self.optimizer = self.zero
         elif self.pp > 1:  # per stage: each arms its dp sync on its own last micro-batch
-            cp = ctx.degree.get("cp", 1)  # context parallelism: summed over dp × cp, divided by dp (as below)
-            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, ctx.groups["dp_cp" if cp > 1 else "dp"],
-                                                 ctx.degree["dp"] * cp,
+            self.buckets = pipeline.StageBuckets(plan, ctx.rank, self.params, *ctx.gradient_group(),
                                                  edp=(ctx.groups.get("edp"), len(ctx.group_ranks.get("edp", [0]))),
                                                  divisor=ctx.degree["dp"])
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         else:
-            # mesh cp: the cp ranks of a sample hold parts of its gradient: summed over dp × cp, divided by dp
-            cp = ctx.degree.get("cp", 1)
-            self.buckets = GradBuckets(self.params, self.entry["buckets"], ctx.groups["dp_cp" if cp > 1 else "dp"],
-                                       ctx.degree["dp"] * cp, divisor=ctx.degree["dp"],
-                                       reduce_dtype=precision.reduce_dtype(plan["plan"]))
+            self.buckets = GradBuckets(self.params, self.entry["buckets"], *ctx.gradient_group(),
+                                       divisor=ctx.degree["dp"], reduce_dtype=precision.reduce_dtype(plan["plan"]))
             self.optimizer = make_optimizer(self._groups(), self.opt_cfg)
         if self.entry.get("experts") and self.pp == 1 and not self.zero:  # expert gradients: summed over edp, averaged over dp
             self.buckets = expert_parallel.ExpertBuckets(self.buckets, self.params, self.entry["expert_buckets"], ctx)
@@ -380,8 +375,7 @@ class Trainer:
             # HSDP: the replicas of a shard hold the same ranges; the first counts them (the sum runs over dp)
             owned = [ranges[n][0] for n in sorted(names) if n in ranges] if self.zero.counts_in_norm() else []
             # context parallelism: the ranges are cut over dp × cp (passes/zero.py), so summed over both
-            return owned, self.zero.master_grads(), ("dp", "cp", "tp", "pp") if "cp" in self.ctx.degree else \
-                ("dp", "tp", "pp")
+            return owned, self.zero.master_grads(), ("dp", "cp", "tp", "pp")
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         experts = set(self.entry.get("experts") or ())
         owned = grad_norm.owned_pieces(self.params, names - experts)

@@ -37,7 +37,7 @@ def global_norm(owned: list[torch.Tensor], ctx, axes: tuple[str, ...]) -> torch.
     # keeps a many-tensor sum exact, and fp32 keeps the total to ~1e-7 relative
     sq = local.float()
     for axis in axes:
-        if ctx.degree[axis] > 1:  # through runtime/parallel/ops.py: recorded (`ops.record`) like every collective
+        if ctx.degree.get(axis, 1) > 1:  # through runtime/parallel/ops.py: recorded (`ops.record`) like every collective
             sq = ops.all_reduce(sq, axis, "step")
     return sq.sqrt()
 
