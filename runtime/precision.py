@@ -38,7 +38,7 @@
   before backward, the fp32 master gradients unscaled before clipping, and a step
   whose gradients overflowed is skipped, decided on the device. `reduce=` stays
   fp32 (validate refuses reduce=bf16 under fp16). The overflow flag is all-reduced
-  over dp, tp and pp (runtime/parallel/grad_norm.py `nonfinite`; ep and edp groups
+  over dp, cp, tp and pp (runtime/parallel/grad_norm.py `nonfinite`; ep and edp groups
   lie inside dp), so every rank skips the same steps. Under expert parallelism an
   expert's weight gradient is one fp16 output over the tokens of several ranks, so
   near the threshold whether a step overflows can differ from the serial run's
