@@ -8,6 +8,7 @@ and priced, not this machine's figures, which docs/cost-model.md reports."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,11 +27,12 @@ def test_probe_is_measured_in_place_and_priced(tmp_path):
         assert all(got[k] > 0 and want[k] > 0 for k in ("forward", "backward", "optimizer"))
         # the step holds its parts (and the runtime's own work besides)
         assert got["step"] >= got["forward"] + got["backward"] + got["optimizer"]
-    # four micro-batches of 2 dispatch four times the ops of one of 8: priced and measured, more time
-    (got1, want1), (got4, want4) = pairs[(8, 8)], pairs[(8, 2)]
-    assert want4["forward"] > want1["forward"] and got4["forward"] > got1["forward"]
-    f, b, o = fields["in_step"]
-    assert all(0.2 < x < 20 for x in (f, b, o))   # measured over priced: the same order, whatever the machine
+    # four micro-batches of 2 dispatch four times the ops of one of 8: priced as more time. What the clock
+    # measured is not compared: on a busy machine (or beside another test) it can order either way, and the
+    # measured-over-priced ratios are this machine's figures (docs/cost-model.md), not behaviour to assert
+    (_, want1), (_, want4) = pairs[(8, 8)], pairs[(8, 2)]
+    assert want4["forward"] > want1["forward"]
+    assert all(math.isfinite(x) and x > 0 for x in fields["in_step"])
     assert all(x >= 0 for x in fields["step_overhead"])
     # a preset file holding them is read back as tuples (parc.analysis.preset_file.read_preset)
     path = tmp_path / "p.json"
