@@ -157,9 +157,9 @@ class Trainer:
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]),
                                       accumulate_dtype=precision.accumulate_dtype(plan["plan"]),
                                       divisor=ctx.degree["dp"], replicate=replicas[0], replica=replicas[1],
-                                      # eager programs wait for each layer's post-step gather themselves;
-                                      # compiled ones are not ordered against it: `step` waits for them
-                                      lazy_gather=mode == "none" and self.entry["zero"].get("gather_waits", False))
+                                      # programs wait for each layer's post-step gather themselves, compiled
+                                      # ones too (the wait op writes the weights: a real data dependency)
+                                      lazy_gather=self.entry["zero"].get("gather_waits", False))
             if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/parallel/expert_parallel.py)
                 self.zero = expert_parallel.ExpertZero(self.zero, self.params, self.entry, ctx,
                                                        lambda shards: make_optimizer(shards, self.opt_cfg), self.decay_of,
