@@ -155,7 +155,9 @@ def _insert_waits(gm: fx.GraphModule, table: dict, compiled: bool = False) -> No
         with gm.graph.inserting_before(first):
             wait = gm.graph.call_function(op, (params, b))
         wait.meta.update({k: v for k, v in first.meta.items() if k in _PLACE_META})
-    table["gather_waits"] = True  # the runtime may leave the gathers to these ops (runtime/train.py)
+    # the runtime may leave the gathers to these ops (runtime/train.py): "declared" says a compiled program's
+    # waits order its reads (a program compiled before they did says True, and its runtime waits in `step`)
+    table["gather_waits"] = "declared" if compiled else True
 
 
 def _insert_unshard(gm: fx.GraphModule, table: dict) -> None:
