@@ -125,7 +125,7 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     if plan.zero.stage == 3:
         _insert_unshard(gm, ctx.notes["zero"])
     else:
-        _insert_waits(gm, ctx.notes["zero"])
+        _insert_waits(gm, ctx.notes["zero"], compiled=getattr(plan, "compile", "none") != "none")
     gm.recompile()
     return gm
 
@@ -142,18 +142,22 @@ def _first_uses(gm: fx.GraphModule, table: dict):
             yield b, bucket, params, min(users, key=order.__getitem__)
 
 
-def _insert_waits(gm: fx.GraphModule, table: dict) -> None:
+def _insert_waits(gm: fx.GraphModule, table: dict, compiled: bool = False) -> None:
     """Stages 1–2: a `zero_wait_gather` before each bucket's first use, so the next forward waits for
     each layer's post-step all-gather just before that layer (runtime/parallel/zero.py, "Overlap").
+    `compiled` (the plan's `compile` is not none): `zero_wait_gather_into`, the form that declares it writes
+    the weights, so a compiled graph cannot read them before it.
 
     The wait takes the first user's module path and stage, so the recompute pass keeps it inside that
     user's region, still before it (a region is cut out whole and moved as one)."""
-    op = torch.ops.parc.zero_wait_gather.default
+    op = (torch.ops.parc.zero_wait_gather_into if compiled else torch.ops.parc.zero_wait_gather).default
     for b, bucket, params, first in _first_uses(gm, table):
         with gm.graph.inserting_before(first):
             wait = gm.graph.call_function(op, (params, b))
         wait.meta.update({k: v for k, v in first.meta.items() if k in _PLACE_META})
-    table["gather_waits"] = True  # the runtime may leave the gathers to these ops (runtime/train.py)
+    # the runtime may leave the gathers to these ops (runtime/train.py): "declared" says a compiled program's
+    # waits order its reads (a program compiled before they did says True, and its runtime waits in `step`)
+    table["gather_waits"] = "declared" if compiled else True
 
 
 def _insert_unshard(gm: fx.GraphModule, table: dict) -> None:

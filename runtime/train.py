@@ -157,9 +157,9 @@ class Trainer:
                                       compute_dtype=low, reduce_dtype=precision.reduce_dtype(plan["plan"]),
                                       accumulate_dtype=precision.accumulate_dtype(plan["plan"]),
                                       divisor=ctx.degree["dp"], replicate=replicas[0], replica=replicas[1],
-                                      # eager programs wait for each layer's post-step gather themselves;
-                                      # compiled ones are not ordered against it: `step` waits for them
-                                      lazy_gather=mode == "none" and self.entry["zero"].get("gather_waits", False))
+                                      # programs wait for each layer's post-step gather themselves, compiled
+                                      # ones where their wait op declares it writes the weights (passes/zero.py)
+                                      lazy_gather=self._gathers_wait_in_forward(mode))
             if self.entry.get("expert_zero"):  # the experts partitioned over edp (runtime/parallel/expert_parallel.py)
                 self.zero = expert_parallel.ExpertZero(self.zero, self.params, self.entry, ctx,
                                                        lambda shards: make_optimizer(shards, self.opt_cfg), self.decay_of,
@@ -215,6 +215,13 @@ class Trainer:
         entry = pipeline.merged_entry(plan, rank) if self.pp > 1 else plan["programs"][plan["ranks"][rank]["program"]]
         # an ep rank's expert entries name its own experts (runtime/parallel/expert_parallel.py)
         return expert_parallel.localize(entry, plan["ranks"][rank].get("ep", 0))
+
+    def _gathers_wait_in_forward(self, mode: str) -> bool:
+        """ZeRO-1/2: whether the program's own ops wait for each layer's post-step all-gather (runtime/parallel/
+        zero.py "Overlap"): eager ones run in program order; a compiled graph only where its waits declare that
+        they write the weights (`gather_waits` "declared"), else `step` waits for every gather itself."""
+        waits = self.entry["zero"].get("gather_waits", False)
+        return waits == "declared" or (bool(waits) and mode == "none")
 
     def _groups(self) -> list[dict]:
         return param_groups.torch_groups([(p, self.decay_of[n]) for n, p in self.params.items()])

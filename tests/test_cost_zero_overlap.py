@@ -70,15 +70,15 @@ def test_zero_exposed_seconds_by_hand(stage, flops):
     assert est.step_seconds == pytest.approx(acc * (f + b) + want + est.optimizer_seconds)
 
 
-def test_compiled_zero1_waits_for_its_gathers_in_the_step():
-    """Under `compile` the runtime waits for the post-step gathers in `step` (a compiled graph is not
-    ordered against the wait op): the report exposes all of them."""
+def test_compiled_zero1_overlaps_its_gathers_as_eager_does():
+    """Under `compile` the program waits for each post-step gather before its layer, as eager does (the wait op
+    declares that it writes the weights: runtime/parallel/zero.py `zero_wait_gather_into`): priced alike."""
     dp, psi, flops = 8, 2_000_000_000, 1e14
     eager = cost.estimate(parse(f"mesh dp={dp}\nbatch global={dp} micro=1\nzero stage=1\n"), _stats(flops, psi), H100)
     compiled = cost.estimate(parse(f"mesh dp={dp}\nbatch global={dp} micro=1\nzero stage=1\ncompile aot_eager\n"),
                              _stats(flops, psi), H100)
     ag = eager.comms[1].seconds
-    assert compiled.dp_exposed_seconds - eager.dp_exposed_seconds == pytest.approx(ag - _hide(ag, _windows(flops)[0]))
+    assert ag > 0 and compiled.dp_exposed_seconds == pytest.approx(eager.dp_exposed_seconds)
 
 
 def test_reduce_bf16_halves_the_reduce_scatter_only():

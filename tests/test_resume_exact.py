@@ -15,7 +15,7 @@ uninterrupted run saves after steps 2, 4 and 6; the interrupted one takes its st
 comparison is of every tensor the checkpoints hold (parameters, optimizer state, step, each rank's RNG)
 with `torch.equal`, and of their parc.json.
 
-All eight plans run in each world one after another (every plan has 2 ranks), so the test starts three
+All nine plans run in each world one after another (every plan has 2 ranks), so the test starts three
 worlds, not one per plan and leg: process start-up is most of the time on a small box.
 """
 
@@ -42,6 +42,9 @@ PLANS = {
     # gathers the fp32 ranges, and a resume refreshes the bf16 buffer from the loaded masters
     "zero1_bf16": "mesh dp=2\nzero stage=1\nprecision bf16\n",
     "zero2_bf16": "mesh dp=2\nzero stage=2\nprecision bf16 reduce=bf16\n",
+    # bf16 ZeRO-3 keeps only fp32 ranges and gathers bf16 copies of them: the checkpoint holds the ranges gathered
+    # in fp32, and a resume's first forward gathers bf16 from the loaded ranges
+    "zero3_bf16": "mesh dp=2\nzero stage=3\nprecision bf16\n",
     # fp16 (runtime/loss_scale.py): the checkpoint holds the loss scaler too; from 2**20 this model overflows
     # at steps 0-1 and the scale has moved by each save, so a resume that restarted the scaler would differ
     "zero2_fp16": "mesh dp=2\nzero stage=2\nprecision fp16 initial_scale_power=20 loss_scale_window=2\n",

@@ -41,6 +41,7 @@ def test_hsdp_checkpoint_resumes_under_zero3_and_dp_and_back(tmp_path):
 def test_kill_resume_is_bitwise_under_shard(tmp_path):
     plans = {f"zero{s}": f"mesh dp=4\nzero stage={s} shard=2\n" for s in (1, 2, 3)}
     plans["zero2_bf16"] = "mesh dp=4\nzero stage=2 shard=2\nprecision bf16 reduce=bf16\n"
+    plans["zero3_bf16"] = "mesh dp=4\nzero stage=3 shard=2\nprecision bf16\n"
     compiled = {n: str(compile_text(p + BATCH, tmp_path / "c" / n).root) for n, p in plans.items()}
     first = _order(1)
     other = str(next(s for s in range(2, 50) if _order(s) != first))

@@ -5,7 +5,10 @@ Checked by the order of events on 2 gloo ranks, never by time:
 - stages 1–2: the post-step all-gathers are launched in forward order and still in flight when `step`
   returns; the next forward waits for each bucket just before its layer (no aten op reads a weight
   whose gather is pending, recompute included) and computes between waits, so later layers' gathers
-  run under earlier layers' compute;
+  run under earlier layers' compute. Under `compile` (aot_eager) the program waits the same way, bucket by
+  bucket in forward order, none at the step's start; and here each gather's weights land only when its wait
+  runs (`_land_at_the_wait`), so a compiled graph that read a layer's weights before its wait would train
+  on the previous step's weights and part from serial;
 - stages 1–3: a bucket's reduce-scatter starts while backward still produces other buckets' gradients;
 - stages 2–3: at most `REDUCE_SCATTERS_IN_FLIGHT` reduce-scatters in flight; stage 3: at most two
   gathered layers alive in forward and in backward (the bound the report's memory states).
@@ -21,7 +24,7 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from helpers import GPT, _compile
 from parc import artifact
@@ -34,8 +37,9 @@ from parc.trace import load_user_module
 STEPS = 3
 PLAN = "mesh dp=2\nbatch global=8 micro=2\nzero stage={stage}\noptimizer adamw lr=1e-2\n{extra}"
 PLANS = {"zero1": (1, ""), "zero2": (2, ""), "zero3": (3, ""), "zero2_recompute": (2, 'recompute "blocks.*"\n'),
-         # compiled: the graph is not ordered against the waits, so `step` waits for its gathers itself
-         "zero2_compiled": (2, "compile aot_eager\n")}
+         # compiled: each layer reads its weights after its wait (the wait op writes them: a data dependency)
+         "zero1_compiled": (1, "compile aot_eager\n"), "zero2_compiled": (2, "compile aot_eager\n"),
+         "zero2_compiled_recompute": (2, 'recompute "blocks.*"\ncompile aot_eager\n')}
 
 
 class _Reads(TorchDispatchMode):
@@ -69,13 +73,42 @@ def _tensors(args, kwargs):
     return out
 
 
+class _Landing:
+    """A post-step all-gather whose weights are written into the flat buffer only when it is waited on."""
+
+    def __init__(self, full: torch.Tensor, gathered: torch.Tensor):
+        self.full, self.gathered = full, gathered
+
+    def wait(self):
+        self.full.copy_(self.gathered)
+
+
+def _land_at_the_wait(zero) -> None:
+    """Stages 1–2: after each `step`, hold every bucket's flat buffer at the previous step's weights until its
+    gather is waited on, then write the gathered ones. On gloo a gather is often done before anyone reads the
+    weights, which would hide a read that comes before its wait; this makes any such read train on stale
+    weights, which the comparison with serial sees (the update moves every weight: lr 1e-2)."""
+    step = zero.step
+
+    def landing_step(found=None):
+        before = [f.clone() for f in zero.full]
+        step(found)
+        with _disable_current_modes():  # the test's own copies are no reads of the program (`_Reads`)
+            for b, (work, mine) in list(zero._gathers.items()):
+                work.wait()
+                zero._gathers[b] = (_Landing(zero.full[b], zero.full[b].clone()), mine)
+                zero.full[b].copy_(before[b])
+
+    zero.step = landing_step
+
+
 def _instrument(zero, events: list) -> None:
     """Record waits, launches, gradient hooks and the in-flight counts on this rank's runtime."""
     wait_gather, reduce_scatter, launch_gather = zero.wait_gather, zero._reduce_scatter, zero._start_gather
 
-    def logged_wait(b):
-        events.append(("wait", b, b in zero._gathers))
-        wait_gather(b)
+    def logged_wait(b, into=()):
+        events.append(("wait", b, b in zero._gathers, len(zero._gathers)))
+        wait_gather(b, into)
 
     def logged_rs(b, flat):
         reduce_scatter(b, flat)
@@ -112,7 +145,11 @@ def _body(ctx, roots: dict[str, str]):
         launch_order = list(zero._gathers)  # dicts keep insertion order: the order `step` launched them
         events: list = []
         _instrument(zero, events)
-        with _Reads(zero, events) if zero.lazy_gather else contextlib.nullcontext():
+        if zero.stage < 3:
+            _land_at_the_wait(zero)
+        # a dispatch mode sees an eager program's aten ops; torch.compile refuses to run under one
+        eager = trainer.art.plan["plan"].get("compile", "none") == "none"
+        with _Reads(zero, events) if zero.lazy_gather and eager else contextlib.nullcontext():
             for s in range(1, STEPS):
                 local.append(trainer.step(s).loss)
         out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
@@ -160,9 +197,21 @@ def test_post_step_gathers_overlap_the_next_forward(runs, name):
     print(f"\n{name}: {len(between)} aten ops read gathered weights before the last bucket's wait")
 
 
-def test_compiled_program_gathers_in_the_step(runs):
-    run, _ = runs["zero2_compiled"]
-    assert not run["lazy"] and run["pending_after_step"] == []   # every gather done when `step` returned
+@pytest.mark.parametrize("name", ["zero1_compiled", "zero2_compiled", "zero2_compiled_recompute"])
+def test_compiled_program_waits_per_bucket(runs, name):
+    """Under `compile` the step leaves its gathers in flight and the compiled forward waits for each bucket in
+    forward order, the first with all others still pending: one wait per layer, none all at once at the
+    start. That it reads each layer's weights only after its wait is test_runs_match_serial's, with the
+    weights landing at the wait (`_land_at_the_wait`)."""
+    run, _ = runs[name]
+    n = run["buckets"]
+    assert run["lazy"] and run["pending_after_step"] == list(range(n))
+    waits = [e for e in run["events"] if e[0] == "wait" and e[2]]
+    assert len(waits) == n * STEPS, waits
+    for s in range(STEPS - 1):  # each later step's forward (the last `settle` is gathered_state's)
+        forward = waits[s * n:(s + 1) * n]
+        assert [e[1] for e in forward] == list(reversed(range(n))), forward
+        assert [e[3] for e in forward] == list(range(n, 0, -1)), forward  # pending at each wait: n, n−1, …, 1
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])

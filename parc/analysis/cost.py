@@ -673,11 +673,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     elif z >= 1 and dp > 1 and overlap_dp:
         fwd = sum(times[big_rank + k * pp][0] for k in range(virtual))   # one micro-batch of the rank
         bwd = sum(times[big_rank + k * pp][1] for k in range(virtual))
-        lazy = getattr(plan, "compile", "none") == "none"   # compiled programs wait for the gathers in `step`
         rs_s, ag_s, replicas_s = (sum(c.seconds for c in comms if c.axis == "dp" and c.collective == name)
                                   for name in ("reduce-scatter", "all-gather", "all-reduce"))
         # HSDP's all-reduce over the replicas runs in `finish`, after the last reduce-scatter: not overlapped
-        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd, lazy) + replicas_s
+        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd) + replicas_s
     else:
         dp_exposed = dp_time
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
@@ -703,7 +702,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
     overlap = "plain dp's bucket all-reduces overlap the last micro-batch's backward, all but the last " \
         "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
-        if z == 0 else _zero_overlap_note(z, getattr(plan, "compile", "none") == "none", units) if overlap_dp \
+        if z == 0 else _zero_overlap_note(z, units) if overlap_dp \
         else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
@@ -788,8 +787,7 @@ def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_byte
     return out
 
 
-def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: float, bwd: float,
-                 lazy: bool = True) -> float:
+def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: float, bwd: float) -> float:
     """Seconds of ZeRO's dp collectives compute does not hide, as runtime/parallel/zero.py overlaps them
     ("Overlap"): `rs`, `ag` the step's reduce-scatter and all-gather seconds, `fwd`, `bwd` one micro-batch's
     forward and backward on the rank, `units` its buckets.
@@ -798,8 +796,8 @@ def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: fl
     less than one bucket's share (1/units, buckets taken equal), which waits alone: the first layer's
     gather before any compute, the last bucket's reduce-scatter after the backward (plain dp's rule for
     its last bucket). Stage 1: one reduce-scatter under the last backward; stage 2: one per micro-batch,
-    each under its backward; stages 1–2: the post-step gather under the next step's first forward (under
-    `compile`, `lazy` False: waited in the step, all exposed). Stage 3, every micro-batch: half the gathers
+    each under its backward; stages 1–2: the post-step gather under the next step's first forward (compiled
+    programs too). Stage 3, every micro-batch: half the gathers
     under its forward, the other half with its reduce-scatter under its backward (one link for both)."""
     def exposed(seconds: float, window: float) -> float:
         return max(seconds - window, seconds / units) if seconds > 0 else 0.0
@@ -808,7 +806,7 @@ def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: fl
         gather = ag / (2 * acc)
         return acc * (exposed(gather, fwd) + exposed(gather + rs / acc, bwd))
     reduced = acc * exposed(rs / acc, bwd) if stage == 2 else exposed(rs, bwd)
-    return reduced + (exposed(ag, fwd) if lazy else ag)
+    return reduced + exposed(ag, fwd)
 
 
 def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wire_b: int) -> float:
@@ -824,15 +822,13 @@ def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wi
     return largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
 
 
-def _zero_overlap_note(stage: int, lazy: bool, units: int) -> str:
+def _zero_overlap_note(stage: int, units: int) -> str:
     """The report's line on how ZeRO's collectives are priced (`zero_exposed`)."""
     rs = "in each micro-batch's backward" if stage >= 2 else "in the last micro-batch's backward"
     if stage == 3:
         ag = "its all-gathers overlap each micro-batch's forward and backward, prefetching one layer ahead"
-    elif lazy:
-        ag = "its post-step all-gathers overlap the next step's forward, each layer waiting for its own bucket"
     else:
-        ag = "its post-step all-gathers are waited on in the step (compiled programs), not overlapped"
+        ag = "its post-step all-gathers overlap the next step's forward, each layer waiting for its own bucket"
     return (f"ZeRO-{stage}'s reduce-scatters overlap the compute after them {rs}; {ag}; what compute cannot "
             f"hide is exposed, at least one of {units} buckets' share of each")
 

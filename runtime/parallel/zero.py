@@ -73,8 +73,8 @@ same, parc/analysis/cost.py `zero_exposed`):
                   a layer's own bucket just before the layer, and later layers' gathers run under
                   earlier layers' compute. Anything else that reads or writes the weights first
                   calls `settle` (checkpoints, `held`, `load_full`, the next `step`, the end of
-                  `active`). Under `compile` the gathers are waited on in `step`: the wait returns
-                  nothing the layer reads, so a compiled graph may run the layer before it.
+                  `active`). Under `compile` too: its wait op declares that it writes the bucket's
+                  weights (`zero_wait_gather_into`), so the compiled graph reads them after it.
   all-gather, 3   forward: `unshard(b)` waits for b and starts b−1's (the next layer's) before b
                   computes; backward: the first unpack of b gathers it and starts the next bucket
                   backward needs. At most two gathered layers are alive at once in either pass (the
@@ -168,7 +168,7 @@ class ZeroOptimizer:
         `replicate`, `replica` (HSDP, `zero shard=K`): the process group of the ranks holding this rank's
         ranges (None: no other copy), and this rank's index in it; `group`, `dp`, `dp_rank` are then the
         shard group's, and `divisor` all of dp.
-        `lazy_gather` (stages 1–2, a program with `zero_wait_gather` ops run eagerly): the post-step
+        `lazy_gather` (stages 1–2, a program with `zero_wait_gather` ops, eager or compiled): the post-step
         all-gathers are waited on per bucket by the next forward, not by `step` (see "Overlap" above).
         `accumulate_dtype` (stages 1–2, `precision bf16 reduce=bf16 accumulate=bf16`): the dtype of the
         gradient accumulators, stage 1's whole flat buffer and stage 2's range (see "bf16 accumulation")."""
@@ -455,11 +455,22 @@ class ZeroOptimizer:
         else:
             self.settle()
 
-    def wait_gather(self, b: int) -> None:
-        """Stages 1–2: bucket b's weights are whole again (its post-step all-gather is done)."""
+    def wait_gather(self, b: int, into: list[torch.Tensor] = ()) -> None:
+        """Stages 1–2: bucket b's weights are whole again (its post-step all-gather is done).
+
+        `into` (from `zero_wait_gather`): the tensors the program hands the wait as the bucket's parameters,
+        in the bucket's order. They are the parameters themselves (views of the flat buffer the gather
+        wrote), except in a compiled graph that functionalizes the op without writing it back in place
+        (`aot_eager`): there they are copies taken before the wait, and the op's contract (it writes them)
+        is kept by copying the gathered weights in."""
         pending = self._gathers.pop(b, None)
         if pending is not None:
             pending[0].wait()
+            full = self.full[b]
+            with torch.no_grad():
+                for spec, p in zip(self.buckets[b]["params"], into):
+                    if p.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                        p.copy_(full[spec["offset"]:spec["offset"] + spec["numel"]].view_as(p))
         if not self._gathers and self in _GATHERING:
             _GATHERING.remove(self)
 
@@ -812,11 +823,30 @@ def zero_wait_gather(params: list[torch.Tensor], bucket: int) -> None:
 
     The step launches every bucket's gather and returns; the next forward then waits for each layer's
     own bucket just before that layer computes, so the gathers of later layers overlap the earlier
-    layers' compute. A no-op when nothing is pending (a compiled program: its runtime waits in `step`;
-    a recomputed region run again in backward).
+    layers' compute. A no-op when nothing is pending (a recomputed region run again in backward).
+    The form of eager programs: a compiled one waits with `zero_wait_gather_into`.
     """
     for z in list(_GATHERING):
         z.wait_gather(bucket)
 
 
 zero_wait_gather.register_fake(lambda params, bucket: None)
+
+
+@torch.library.custom_op("parc::zero_wait_gather_into", mutates_args=("params",))
+def zero_wait_gather_into(params: list[torch.Tensor], bucket: int) -> None:
+    """`zero_wait_gather` for a compiled program (`compile` ≠ none): the same wait, declared as writing
+    `params`, which is what it means (the gather writes the updated weights into them, whole once it returns).
+
+    That declaration is the data dependency a compiled program needs: AOTAutograd's functionalization makes
+    every later read of `params` read this op's result, so no compiled graph can run the layer before its
+    wait (inductor writes the op back in place, on the same storage: no copy; `aot_eager` hands it copies,
+    which `wait_gather` fills). Eager programs keep the undeclared form: autograd counts a declared write as
+    a change of the weights (their version), and a recomputed region that saved them before its wait would
+    then refuse to run again in backward.
+    """
+    for z in list(_GATHERING):
+        z.wait_gather(bucket, params)
+
+
+zero_wait_gather_into.register_fake(lambda params, bucket: None)
