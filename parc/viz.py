@@ -3,9 +3,11 @@
 Start at `draw_all`. It writes three drawings, each from plan.json alone:
 
 - `mesh`: the ranks placed on nodes (rank // gpus_per_node), each box naming its
-  rank and (dp, pp, tp) coordinates, coloured by pp rank; a dashed frame around
-  every tp group that shares a node. Nodes sit side by side, 8 to a row; meshes
-  over 256 ranks draw their first 256.
+  rank and (dp, pp, tp) coordinates (and cp under context parallelism), coloured by
+  pp rank; a dashed frame around every tp group that shares a node, and each cp
+  group drawn as its ring (rank r sends K/V blocks to r+1, the last back to the
+  first). Nodes sit side by side, 8 to a row; meshes over 256 ranks draw their
+  first 256.
 - `schedule`: the pipeline schedule as a timeline from the simulator
   (`parc.passes.simulate`, F = 1, B = 2 units): one row per pp rank, one cell per
   compute action, numbered by micro-batch and coloured by it (backward darker);
@@ -73,18 +75,23 @@ def _render(g: graphviz.Digraph, out: Path, name: str, fmt: str) -> list[Path]:
 
 # ---------------------------------------------------------------- mesh
 
-GROUPS_DRAWN = 32  # up to this many ranks every dp/pp/tp group is drawn; above, rank 0's (the title says so)
+GROUPS_DRAWN = 32  # up to this many ranks every dp/pp/tp/cp group is drawn; above, rank 0's (the title says so)
+CP_INK = "#1f5fbf"  # the cp rings' colour: the one axis drawn in colour, as box fills already mean pp rank
 EDGE = {"pp": {"style": "solid", "color": "#333333", "dir": "forward", "arrowsize": "0.6"},
         "dp": {"style": "dotted", "color": "#333333", "dir": "none", "penwidth": "1.6"},
         "tp": {"style": "dashed", "color": "#333333", "dir": "none"},
-        "ep": {"style": "bold", "color": "#333333", "dir": "none"}}
+        "ep": {"style": "bold", "color": "#333333", "dir": "none"},
+        "cp": {"style": "solid", "color": CP_INK, "fontcolor": CP_INK, "dir": "forward", "arrowsize": "0.6",
+               "penwidth": "1.4"}}
 
 
 def mesh_graph(pj: dict) -> graphviz.Digraph:
-    """Nodes side by side, NODES_PER_ROW to a row; in a node, one line per tp group (or per rank). The
-    groups are drawn: a dashed frame around a tp group on one node, and edges (styled per axis, each
-    labelled with its axis) joining the ranks of every dp, pp (in stage order) and tp group."""
+    """Nodes side by side, NODES_PER_ROW to a row; in a node, one line per tp group (with tp 1, per cp group;
+    else per rank). The groups are drawn: a dashed frame around a tp group on one node, edges (styled per
+    axis, each labelled with its axis) joining the ranks of every dp, pp (in stage order) and tp group, and
+    each cp group as its ring: r → r+1 → … → back to the first, the way ring attention passes K/V blocks."""
     mesh, ranks = pj["mesh"], pj["ranks"][:MAX_RANKS]
+    cp = mesh.get("cp", 1)  # plan.json names cp only for a plan with context parallelism
     stated = _gpus_per_node(pj)
     per_box = stated or NODES_PER_ROW  # without a topology: boxes of consecutive ranks, not nodes
     shown = {r["rank"] for r in ranks}
@@ -92,36 +99,44 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
     where = (f"{stated} ranks per node (the plan's topology)" if stated else
              "no topology in the plan: ranks are not placed on nodes, boxes hold consecutive ranks")
     key = ("groups: ─▶ pp (stage order), ····· dp, - - - tp (a dashed frame on one node)"
-           + (", ━━ ep (all-to-all)" if mesh.get("ep", 1) > 1 else "") if every else
+           + (", ━━ ep (all-to-all)" if mesh.get("ep", 1) > 1 else "")
+           + (f"\\nblue ─▶ (labelled cp) {_cp_method(pj)}; gradients summed over dp × cp" if cp > 1 else "")
+           if every else
            "groups of rank 0 (each group alike, shifted): thick outline = its pp group, thick dashed outline = its "
-           "dp group, dashed frame = its tp group on one node")
+           "dp group, dashed frame = its tp group on one node" + (", blue outline = its cp ring" if cp > 1 else ""))
+    degrees = f"dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']}" + (f" × cp {cp}" if cp > 1 else "")
     g = graphviz.Digraph("mesh", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "nodesep": "0.15",
-                         "label": f"mesh dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']} = {mesh['world_size']} "
+                         "label": f"mesh {degrees} = {mesh['world_size']} "
                          f"ranks, order {','.join(mesh['order'])} (inner → outer); {where}\\n"
                          f"box colour: pp rank (as the rows of schedule.png); {key}"
                          + (f"; first {MAX_RANKS} ranks" if mesh["world_size"] > MAX_RANKS else ""), "labelloc": "t"},
                          node_attr={"shape": "box", "style": "filled", "fontname": "Helvetica", "fontsize": "10"},
                          edge_attr={"fontname": "Helvetica", "fontsize": "9"})
     # a large mesh: rank 0's groups are marked on the boxes (edges would cross every node and reorder them)
-    of_0 = {a: set(next((grp for grp in pj["groups"].get(a, []) if 0 in grp), [0])) for a in ("pp", "dp")}
+    of_0 = {a: set(next((grp for grp in pj["groups"].get(a, []) if 0 in grp), [0])) for a in ("pp", "dp", "cp")}
     by_node: dict[int, list[dict]] = {}
     for r in ranks:
         by_node.setdefault(r["rank"] // per_box, []).append(r)
     tp_of = {r: i for i, grp in enumerate(pj["groups"]["tp"]) for r in grp}
+    cp_of = {r: i for i, grp in enumerate(pj["groups"].get("cp", [])) for r in grp}
     first_last: dict[int, tuple[str, str]] = {}
     framed_groups: set[int] = set()
     for node, members in sorted(by_node.items()):
-        lines: dict[int, list[dict]] = {}  # a tp group's ranks share a line; with tp 1 every rank has its own
+        # a tp group's ranks share a line; with tp 1 a cp group's, its ring drawn along it (a mesh whose groups
+        # are drawn; a large one keeps a rank a line, so its nodes stay columns); else each rank its own
+        lines: dict[tuple[str, int], list[dict]] = {}
         for r in members:
-            lines.setdefault(tp_of[r["rank"]] if mesh["tp"] > 1 else r["rank"], []).append(r)
+            line = (("tp", tp_of[r["rank"]]) if mesh["tp"] > 1 else ("cp", cp_of[r["rank"]]) if cp > 1 and every
+                    else ("rank", r["rank"]))
+            lines.setdefault(line, []).append(r)
         with g.subgraph(name=f"cluster_node{node}") as c:
             if stated:
                 c.attr(label=f"node {node}", style="rounded", color="#555555")
             else:
                 c.attr(label=f"ranks {members[0]['rank']}–{members[-1]['rank']}", style="dotted", color="#999999")
             heads = []
-            for gi, rs in lines.items():
-                framed = mesh["tp"] > 1 and len(rs) == mesh["tp"]  # the whole group in this box
+            for (kind, gi), rs in lines.items():
+                framed = kind == "tp" and len(rs) == mesh["tp"]  # the whole group in this box
                 if framed:
                     framed_groups.add(gi)
                 with (c.subgraph(name=f"cluster_tp{gi}_n{node}") if framed else contextlib.nullcontext(c)) as t:
@@ -131,7 +146,9 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
                         same.attr(rank="same")
                         for r in rs:
                             ep = f" ep {r['ep']}" if "ep" in r else ""  # mesh ep > 1: which experts it holds
-                            same.node(f"r{r['rank']}", f"r{r['rank']}\ndp {r['dp']} pp {r['pp']} tp {r['tp']}{ep}",
+                            at = f" cp {r['cp']}" if cp > 1 else ""  # cp c: sequence chunks c and 2·cp−1−c
+                            same.node(f"r{r['rank']}",
+                                      f"r{r['rank']}\ndp {r['dp']} pp {r['pp']} tp {r['tp']}{at}{ep}",
                                       fillcolor=_colour(r["pp"]), **({} if every else _outline(r["rank"], of_0)))
                         for x, y in zip(rs, rs[1:]):  # an edge within a rank orders it left to right
                             same.edge(f"r{x['rank']}", f"r{y['rank']}", style="invis")
@@ -143,7 +160,7 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
         below = first_last.get(node + NODES_PER_ROW)
         if below:
             g.edge(last, below[0], style="invis")
-    for axis in ("pp", "dp", "tp", "ep") if every else ():
+    for axis in ("pp", "dp", "tp", "ep", "cp") if every else ():
         drawn = [grp for grp in pj["groups"].get(axis, []) if len(grp) > 1]
         if axis == "tp":  # a framed tp group is drawn already
             drawn = [grp for grp in drawn if tp_of[grp[0]] not in framed_groups]
@@ -151,22 +168,34 @@ def mesh_graph(pj: dict) -> graphviz.Digraph:
     return g
 
 
+def _cp_method(pj: dict) -> str:
+    """How the cp ranks exchange, for the mesh's key: ring attention's P2P hops, or Ulysses' all-to-alls."""
+    if pj.get("context_parallel", {}).get("method", "ring") == "ring":
+        return "cp ring: ring attention sends K/V blocks to the next rank"
+    return "cp group: all-to-all attention (Ulysses) among its ranks"
+
+
 def _outline(rank: int, of_0: dict[str, set[int]]) -> dict[str, str]:
-    """The box of a rank in rank 0's pp group (thick), dp group (thick dashed), or both (rank 0: doubled)."""
-    pp, dp = rank in of_0["pp"], rank in of_0["dp"]
+    """The box of a rank in rank 0's pp group (thick), dp group (thick dashed), or both (rank 0: doubled);
+    in rank 0's cp ring (a plan with cp > 1), thick and blue."""
+    pp, dp, cp = rank in of_0["pp"], rank in of_0["dp"], len(of_0["cp"]) > 1 and rank in of_0["cp"]
+    ink = {"color": CP_INK} if cp else {}
     if pp and dp:
-        return {"penwidth": "3", "peripheries": "2"}
+        return {"penwidth": "3", "peripheries": "2", **ink}
     if pp:
-        return {"penwidth": "3"}
-    return {"penwidth": "3", "style": "filled,dashed"} if dp else {}
+        return {"penwidth": "3", **ink}
+    return {"penwidth": "3", "style": "filled,dashed", **ink} if dp else {"penwidth": "3", **ink} if cp else {}
 
 
 def _group_edges(g: graphviz.Digraph, axis: str, groups: list[list[int]], shown: set[int]) -> None:
     """Edges joining each group's ranks in order (for pp, stage 0 → 1 → …), styled and labelled by `axis`;
-    they do not move the layout."""
+    they do not move the layout. A cp group is closed into its ring (the last rank sends to the first)."""
     for grp in groups:
         members = [r for r in grp if r in shown]
-        for a, b in zip(members, members[1:]):
+        pairs = list(zip(members, members[1:]))
+        if axis == "cp" and len(members) == len(grp):
+            pairs.append((members[-1], members[0]))
+        for a, b in pairs:
             g.edge(f"r{a}", f"r{b}", label=axis, constraint="false", **EDGE[axis])
 
 
@@ -386,18 +415,35 @@ def schedule_graph(pj: dict, trace: Path | None = None, priced: tuple[str, float
 COLLECTIVE = re.compile(r"torch\.ops\.parc\.([A-Za-z_0-9]+)")
 
 
-def _runtime_collectives(dp: int, prog: dict) -> list[str]:
+def _runtime_collectives(mesh: dict, prog: dict) -> list[str]:
     """The data-parallel collectives the runtime issues for a program's gradient buckets (they are not
-    calls in the program's text, which holds one micro-batch's forward and loss)."""
-    if dp == 1:
+    calls in the program's text, which holds one micro-batch's forward and loss). Under context
+    parallelism a gradient is summed over dp × cp (runtime/context.py `gradient_group`), even at dp 1."""
+    cp = mesh.get("cp", 1)
+    over, size = ("dp×cp", mesh["dp"] * cp) if cp > 1 else ("dp", mesh["dp"])
+    if size == 1:
         return []
     z = prog.get("zero")
     if z is None:
-        return [f"dp all-reduce × {_count(len(prog.get('buckets', [])), 'bucket')} (runtime)"]
+        return [f"{over} all-reduce × {_count(len(prog.get('buckets', [])), 'bucket')} (runtime)"]
     n = len(z["buckets"])
     if z["stage"] == 3:  # its parameter all-gathers are zero_unshard calls in the program itself
-        return [f"dp reduce-scatter × {_count(n, 'bucket')} (runtime, ZeRO-3)"]
-    return [f"dp reduce-scatter × {_count(n, 'bucket')}, all-gather × {n} (runtime, ZeRO-{z['stage']})"]
+        return [f"{over} reduce-scatter × {_count(n, 'bucket')} (runtime, ZeRO-3)"]
+    return [f"{over} reduce-scatter × {_count(n, 'bucket')}, all-gather × {n} (runtime, ZeRO-{z['stage']})"]
+
+
+def _cp_backward(mesh: dict, calls: dict[str, int]) -> list[str]:
+    """What the backward of a program's cp attentions sends (autograd runs it: no line of the program
+    names it), per attention: the ring's hops, or Ulysses' all-to-alls (docs/context-parallel.md)."""
+    cp = mesh.get("cp", 1)
+    lines = []
+    if calls.get("ring_attention"):
+        lines.append(f"backward: bwd_ring_attention × {calls['ring_attention']} (autograd): K, V, dK, dV "
+                     f"{_count(cp - 1, 'hop')} round the cp ring, dK, dV 1 home")
+    if calls.get("ulysses_attention"):
+        lines.append(f"backward: bwd_ulysses_attention × {calls['ulysses_attention']} (autograd): 7 all-to-alls "
+                     "over cp each")
+    return lines
 
 
 def _count(n: int, noun: str) -> str:
@@ -449,7 +495,8 @@ def _program_lines(pj: dict, programs: dict[str, str], name: str) -> list[str]:
     for op in COLLECTIVE.findall(programs.get(name, "")):
         calls[op] = calls.get(op, 0) + 1
     lines = [f"{op} × {n}" for op, n in sorted(calls.items())]
-    lines += _runtime_collectives(pj["mesh"]["dp"], pj["programs"][name])
+    lines += _cp_backward(pj["mesh"], calls)
+    lines += _runtime_collectives(pj["mesh"], pj["programs"][name])
     if not lines:
         lines.append("(no collectives)")
     recomputed = pj["programs"][name].get("recompute") or []
@@ -461,8 +508,11 @@ def _program_lines(pj: dict, programs: dict[str, str], name: str) -> list[str]:
 
 def _value_label(d: dict) -> str:
     """A value sent to the next stage, by the module that made it (plan.json `module`: `blocks.1 (2, 16, 64)`);
-    a value of the model's own forward, or an artifact from before `module` was recorded, by its node name."""
+    a value of the model's own forward, or an artifact from before `module` was recorded, by its node name; a
+    batch input that context parallelism cut (`cp_shard` node, e.g. the targets the last stage's loss reads) as such."""
     shape = tuple(d["shape"])
+    if d["name"].startswith("cp_shard"):  # a batch input cut for this cp rank (its targets, for the last stage)
+        return f"a batch input, this cp rank's tokens {shape}"
     if d.get("module"):
         return f"{d['module']} {shape}"
     return f"{d['name']} {shape} (the model's own forward)" if "module" in d else f"{d['name']} {shape}"

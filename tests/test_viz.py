@@ -225,3 +225,50 @@ def test_timeline_to_scale_with_a_time_axis():
     assert [r.count(f'WIDTH="{viz.SLOT_PX}"') for r in rows] == [15, 15, 15]  # the axis, pp 0, pp 1
     ticks = re.findall(r'SIDES="L" ALIGN="LEFT"><FONT POINT-SIZE="\d+">(\d+)<', rows[0])
     assert ">units<" in rows[0] and ticks == ["0", "5", "10"]
+
+
+CP_PLAN = """mesh pp=2 cp=2
+batch global=4 micro=2
+context_parallel ring
+pipeline schedule=1f1b
+"""
+
+
+def test_cp_plan_draws_its_rings(tmp_path):
+    """A compiled cp plan (pp 2 × cp 2, dp 1): every drawing is written; the mesh names each rank's cp
+    coordinate and draws every cp group as its ring (r → r+1, the last back to the first); the stages say
+    what the ring's backward sends and that gradients are summed over dp × cp even at dp 1."""
+    out = tmp_path / "c"
+    compile_text(CP_PLAN, out)
+    assert main(["viz", str(out), "-o", str(tmp_path / "v")]) == 0
+    for name in ("mesh", "schedule", "stages"):
+        assert (tmp_path / "v" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pj = json.loads((out / "plan.json").read_text())
+    source = viz.mesh_graph(pj).source
+    rings = {(a, b) for grp in pj["groups"]["cp"] for a, b in zip(grp, grp[1:] + grp[:1])}
+    assert pj["groups"]["cp"] == [[0, 1], [2, 3]] and _edges(source, "cp") == rings
+    for r in pj["ranks"]:
+        assert f'r{r["rank"]} [label="r{r["rank"]}\ndp 0 pp {r["pp"]} tp 0 cp {r["cp"]}"' in source
+    assert "mesh dp 1 × pp 2 × tp 1 × cp 2 = 4 ranks" in source and "cp ring" in source
+    mesh = _texts(tmp_path / "v" / "mesh.svg")
+    assert sum(t == "cp" for t in mesh) == len(rings)  # each ring edge labelled with its axis
+    stages = " ".join(_texts(tmp_path / "v" / "stages.svg"))
+    assert stages.count("ring_attention × 2") == 4  # 2 layers a stage; the forward op and its backward line
+    assert "backward: bwd_ring_attention × 2 (autograd): K, V, dK, dV 1 hop round the cp ring" in stages
+    assert stages.count("dp×cp all-reduce × 1 bucket (runtime)") == 2
+    assert "a batch input, this cp rank's tokens (2, 16)" in stages  # the targets, cut for the last stage
+
+
+def test_large_cp_mesh_outlines_rank_0s_ring():
+    """64 ranks (dp 8 × cp 8): no edges; rank 0's cp ring is outlined in the cp colour, the others are not."""
+    from parc import mesh as meshlib
+
+    m = Mesh(dp=8, cp=8, order=("tp", "cp", "pp", "dp"))
+    pj = _pj_of(m, "mesh dp=8 cp=8\n")
+    pj["mesh"]["cp"], pj["mesh"]["order"] = 8, list(m.order)
+    pj["groups"]["cp"] = meshlib.groups(m, "cp")
+    source = viz.mesh_graph(pj).source
+    assert _edges(source, "cp") == set() and "blue outline = its cp ring" in source
+    attrs = {r: source.split(f"\tr{r} [label=")[1].split("]")[0] for r in range(64)}
+    assert all(f"color=\"{viz.CP_INK}\"" in attrs[r] for r in range(8))  # cp coordinates 0..7 of dp 0
+    assert all("color=" not in attrs[r].replace("fillcolor=", "") for r in range(8, 64))
