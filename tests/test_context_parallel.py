@@ -25,14 +25,17 @@ UNFUSED = ROOT / "tests" / "models" / "cp_unfused.py"
 POSBIAS = ROOT / "tests" / "models" / "cp_posbias.py"
 
 
-def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring"):
+def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring", fused: bool = True):
     """Each rank: ring attention on its load-balanced chunks of one (q, k, v), forward and backward,
-    against F.scaled_dot_product_attention on the whole sequence (computed on every rank)."""
+    against F.scaled_dot_product_attention on the whole sequence (computed on every rank). `fused`: its
+    blocks as torch's CPU flash kernel (False: written out, the path off CPU)."""
     import torch.distributed as dist
 
-    from parc.runtime.parallel import ops
+    from parc.runtime.parallel import ops, ring_attention
     import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
     from parc.runtime.parallel.ring_attention import local_positions
+
+    ring_attention.FUSED_ON_CPU = fused
 
     ops.bind_groups(SimpleNamespace(groups={"cp": dist.group.WORLD}))
     g = torch.Generator().manual_seed(0)
@@ -54,9 +57,10 @@ def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring"):
     return diffs
 
 
-@pytest.mark.parametrize("cp,causal", [(2, True), (4, True), (2, False)])
-def test_ring_attention_equals_sdpa(cp, causal):
-    for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 3, 8 * cp, 4))):
+@pytest.mark.parametrize("cp,causal,fused", [(2, True, True), (4, True, True), (2, False, True), (2, True, False),
+                                             (2, False, False)])
+def test_ring_attention_equals_sdpa(cp, causal, fused):
+    for rank, diffs in enumerate(spawn(cp, _ring_body, causal, (2, 3, 8 * cp, 4), "ring", fused)):
         assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
 
 

@@ -13,11 +13,17 @@ sends to r+1, receives from r−1), cp−1 hops, the next hop posted before the 
 so the two overlap. Each (query chunk, key chunk) pair is skipped when the key chunk lies wholly after
 the query chunk (causal), computed without a mask when wholly before, with a triangle on the diagonal:
 masks from global positions. The partial results of one query row are merged exactly with the
-log-sum-exp of its scores (the online softmax). The backward is a ring too: the blocks travel the
-same way with their dK/dV accumulators, which take one more hop home at the end.
+log-sum-exp of its scores (the online softmax). The backward is a ring too: K and V travel the same
+way, and each block's dK/dV sum travels one hop behind them, gathering every rank's share, then one more
+hop home to its owner; both transfers overlap a block's compute.
 
 Everything here computes in fp32 (a bf16 input is cast up and the outputs cast back), as SDPA's math
-path does on CPU.
+path does on CPU. A block (one chunk pair) runs on CPU as torch's fused flash-attention kernel, which returns
+the block's log-sum-exp with its output, and its backward as that kernel's backward given the merged output
+and log-sum-exp (FlashAttention's backward needs nothing else). Elsewhere (CUDA, which no test here has run)
+it is written out: scores, log-sum-exp, exp, two matmuls. The two are the same arithmetic; the fused one
+keeps each tile in cache instead of making five passes over a (c, c) score matrix in memory (profiled on
+bench/cp_vs_torch.py at T = 2048, cp 2: the written-out blocks were 95% of a step).
 """
 
 from __future__ import annotations
@@ -133,8 +139,21 @@ def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
     return x.chunk(2, dim=-2)
 
 
+FUSED_ON_CPU = True  # tests turn it off to hold the written-out blocks (the CUDA path) to SDPA as well
+
+
+def _fused(q: Tensor) -> bool:
+    """Whether a block runs as torch's fused CPU flash-attention kernel: on CPU, for (B, H, T, hs) blocks."""
+    return FUSED_ON_CPU and q.device.type == "cpu" and q.dim() == 4
+
+
 def _block_forward(q, k, v, scale, kind):
-    """Scores, log-sum-exp per row and the softmax-weighted values of one chunk pair (fp32)."""
+    """Log-sum-exp per row and the softmax-weighted values of one chunk pair (fp32); "diag": causal
+    within the pair (a square block: query i sees keys 0..i)."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kind == "diag",
+                                                                                scale=scale)
+        return lse, out  # lse (…, c) fp32, as the written-out form's
     s = (q @ k.transpose(-1, -2)) * scale
     if kind == "diag":
         n = s.shape[-1]
@@ -184,23 +203,34 @@ def _(q, k, v, axis, causal, scale, parts):
 @eager.custom_op("parc::bwd_ring_attention")
 def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, axis: str,
                        causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Ring attention's backward (FlashAttention's, block by block): K, V and their dK, dV accumulators go
-    round the ring; after the last block each accumulator takes one more hop, home to its owner."""
+    """Ring attention's backward (FlashAttention's, block by block). K, V go round the ring as in forward,
+    each hop posted before the block computes. The dK, dV of a block are accumulated on its way: at hop t
+    this rank adds its share for the block it holds to the sum the previous rank passed on, and passes it
+    on; after the last hop each sum arrives home, at its owner. A sum is awaited only after the next
+    block's compute (torch's ring backward does the same), so neither transfer waits on an idle rank."""
     ring = _Ring(axis, "bwd")
     cp = ring.size
-    g32, q32 = grad.float(), q.float()
-    delta = (g32 * out.float()).sum(-1)  # (…, 2c): rowsum(dO ∘ O)
-    qh, gh, lh, dh = _halves(q32), _halves(g32), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
+    g32, q32, o32 = grad.float(), q.float(), out.float()
+    delta = (g32 * o32).sum(-1)  # (…, 2c): rowsum(dO ∘ O)
+    qh, gh, lh, dh, oh = _halves(q32), _halves(g32), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1), _halves(o32)
     dq = [torch.zeros_like(h) for h in qh]
     mine = chunk_ids(ring.rank, cp)
-    blocks = [k.float().contiguous(), v.float().contiguous(),
-              torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-              torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    kv = [k.float().contiguous(), v.float().contiguous()]
+    passed = None  # (the dK, dV sums in flight to this rank, their requests)
     for t in range(cp):
-        src = (ring.rank - t) % cp
-        kh, vh = _halves(blocks[0]), _halves(blocks[1])
-        dkh, dvh = _halves(blocks[2]), _halves(blocks[3])
+        src = (ring.rank - t) % cp  # whose K, V this rank holds at hop t
+        next_kv = ring.start(kv) if t < cp - 1 else None
+        kh, vh = _halves(kv[0]), _halves(kv[1])
+        dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # this rank's share of block src's dK, dV
+        dkh, dvh = _halves(dkv[0]), _halves(dkv[1])
         for a, b, kind in _pairs(causal, mine, chunk_ids(src, cp)):
+            if _fused(q32):  # the fused kernel's backward, given the merged output and log-sum-exp
+                dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gh[a], qh[a], kh[b], vh[b], oh[a], lh[a], 0.0, kind == "diag", scale=scale)
+                dq[a].add_(dq_b)
+                dkh[b].add_(dk_b)
+                dvh[b].add_(dv_b)
+                continue
             s = (qh[a] @ kh[b].transpose(-1, -2)) * scale
             p = torch.exp(s - lh[a].unsqueeze(-1))
             if kind == "diag":
@@ -210,14 +240,21 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             ds = p * (gh[a] @ vh[b].transpose(-1, -2) - dh[a].unsqueeze(-1)) * scale
             dq[a].add_(ds @ kh[b])
             dkh[b].add_(ds.transpose(-1, -2) @ qh[a])
-        if t < cp - 1:  # k, v and their accumulators to the next rank
-            blocks, reqs = ring.start(blocks)
+        if passed is not None:  # the ranks before this one have summed their shares of block src
+            sums, reqs = passed
             _Ring.finish(reqs)
-    if cp > 1:  # the accumulators held now are rank r+1's: send them home
-        (dk, dv), reqs = ring.start(blocks[2:])
+            dkv[0].add_(sums[0])
+            dkv[1].add_(sums[1])
+        if cp > 1:  # on to the next rank, which holds block src at hop t + 1 (after the last hop: its owner)
+            passed = ring.start(dkv)
+        if next_kv is not None:
+            kv, reqs = next_kv
+            _Ring.finish(reqs)
+    if cp > 1:  # block r's sum, round the whole ring
+        (dk, dv), reqs = passed
         _Ring.finish(reqs)
     else:
-        dk, dv = blocks[2], blocks[3]
+        dk, dv = dkv
     return torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
