@@ -174,6 +174,9 @@ class _Rewriter:
             return self.lay.fail(node, "a random op on a sharded value: parc keys only dropout and attention "
                                  "dropout by the global position of each element", self.lay.get(node.args[0]))
         s = self.lay.get(node.args[0])
+        if isinstance(s, Shard) and s.parts:
+            return self.lay.fail(node, "dropout on a kv subset (fewer kv heads than tp): parc keys dropout masks "
+                                 "by tp chunks", s, "mark the k and v projections `replicate`")
         if isinstance(s, Shard) and isinstance(s.blocks, tuple):
             return self.lay.fail(node, f"dropout on a fused output of unequal blocks {list(s.blocks)}, before it is "
                                  "split", s)
@@ -293,6 +296,8 @@ class _Rewriter:
         b = rest[0] if rest else None
         blocks = _fused_blocks(node)
         heads = tp_gqa.heads_below_tp(node, self.tp) if rule.style == "column" and blocks == 1 else None
+        if heads is not None and self.tp % heads == 0 and w not in self.conv1d:
+            return self.kv_subset(node, rule, x, w, b, heads)
         if heads is not None:
             return self.auto_replicate(node, rule, w, heads)
         self.shard_weight(node, w, 0, rule, blocks)
@@ -302,19 +307,40 @@ class _Rewriter:
         self.lay.of[node] = Shard(len(shape(node)) - 1, blocks, False, rule)
         self.ctx.count(NAME)
 
+    def kv_subset(self, node: fx.Node, rule, x: fx.Node, w: fx.Node, b, heads: int) -> None:
+        """k/v with `heads` kv heads, fewer than tp and dividing it (Megatron's form, passes/tp_subset.py):
+        the weight (and bias) stays whole, and rank r computes only the rows of kv head r // (tp / heads),
+        the one its q heads use. The output is a kv subset; the weight's gradient, this rank's q heads'
+        share, is summed over tp once a step (passes/tp_grads.py), the input's by the column f."""
+        c, rows = self.rank // (self.tp // heads), shape(w)[0] // heads
+        for p in (w, b):
+            if isinstance(p, fx.Node):
+                part = self.call(node, aten.slice.Tensor, (p, 0, c * rows, (c + 1) * rows), p,
+                                 Shard(0, 1, False, rule, parts=heads))
+                node.replace_input_with(p, part)
+        node.replace_input_with(x, self.replicated_input(node, x, rule))
+        self.lay.of[node] = Shard(len(shape(node)) - 1, 1, False, rule, parts=heads)
+        self.note_kv(node, rule, w, heads, "kv_subset", 1)
+
+    def note_kv(self, node: fx.Node, rule, w: fx.Node, heads: int, form: str, per_rank: int) -> None:
+        """plan.json `tp_auto_replicated` (each k/v layer with fewer heads than tp, the kv heads each rank
+        computes) and one `parc check` warning per rule."""
+        path, w = module_path(node), self.conv1d.get(w, w)
+        notes = self.ctx.notes.setdefault("tp_auto_replicated", [])
+        notes.append({"module": path, "param": w.name, "rule": rule.pattern, "heads": heads, "tp": self.tp,
+                      "form": form, "heads_per_rank": per_rank, "numel": int(w.meta["val"].numel()),
+                      # the whole layer's forward and backward (data and weight gradients) matmuls per
+                      # micro-batch, 3 × 2·tokens·in·out; a rank runs heads_per_rank / heads of it
+                      "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
+        if sum(r["rule"] == rule.pattern for r in notes) == 1:  # one warning per rule: plan.json lists every layer
+            self.ctx.notes.setdefault("tp_warnings", []).append(
+                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None, form))
+
     def auto_replicate(self, node: fx.Node, rule, w: fx.Node, heads: int) -> None:
         """k/v with fewer heads than tp: the layer runs whole, as under `replicate` (passes/tp_gqa.py), and
         the plan says so (a warning for `parc check`, `tp_auto_replicated` in plan.json for the report)."""
         self.lay.of[node] = self.lay.propagate(node)
-        path, w = module_path(node), self.conv1d.get(w, w)
-        notes = self.ctx.notes.setdefault("tp_auto_replicated", [])
-        notes.append({"module": path, "param": w.name, "rule": rule.pattern, "heads": heads, "tp": self.tp,
-                      "numel": int(w.meta["val"].numel()),
-                      # forward and backward (data and weight gradients) matmuls per micro-batch: 3 × 2·tokens·in·out
-                      "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
-        if sum(r["rule"] == rule.pattern for r in notes) == 1:  # one warning per rule: plan.json lists every layer
-            self.ctx.notes.setdefault("tp_warnings", []).append(
-                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None))
+        self.note_kv(node, rule, w, heads, "whole", heads)
 
     def row(self, node: fx.Node, rule) -> None:
         x, w, *rest = node.args

@@ -69,14 +69,22 @@ def _split_heads(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
     return None
 
 
-def warning(path: str, rule, heads: int, tp: int, source: str | None):
-    """The `parc check` line for an automatically replicated k/v layer."""
+def warning(path: str, rule, heads: int, tp: int, source: str | None, form: str = "whole"):
+    """The `parc check` line for a k/v layer with fewer heads than tp: its kv-subset form (passes/tp_subset.py)
+    or kept whole on every rank."""
     from parc.errors import Diagnostic
 
-    return Diagnostic(f"`{rule.style}` on `{path}`: its output has {heads} head{'s' if heads > 1 else ''}, fewer "
-                      f"than tp {tp}; parc keeps it (and each layer of this rule with as few heads: plan.json "
-                      "`tp_auto_replicated`) whole on every tp rank, and each rank uses its q heads' share of the "
-                      "repeated heads (exact; costs the layer's full matmul per rank and an all-gather of its "
-                      "repeated output's gradient per micro-batch)", rule.span,
+    many = f"{heads} head{'s' if heads > 1 else ''}"
+    if form == "kv_subset":
+        what = (f"each tp rank computes only the kv head its q heads use (Megatron's form: {tp // heads} ranks a "
+                "head), with the weight stored whole and its gradient summed over tp once a step (plan.json "
+                "`tp_auto_replicated`, `tp_partial_grads`; costs one head's matmul per rank and the weight's "
+                "all-reduce per step)")
+    else:
+        what = ("parc keeps it (and each layer of this rule with as few heads: plan.json `tp_auto_replicated`) "
+                "whole on every tp rank, and each rank uses its q heads' share of the repeated heads (exact; costs "
+                "the layer's full matmul per rank and an all-gather of its repeated output's gradient per "
+                "micro-batch)")
+    return Diagnostic(f"`{rule.style}` on `{path}`: its output has {many}, fewer than tp {tp}; {what}", rule.span,
                       "mark these layers `replicate` to say so in the plan, or use a tp that divides the kv heads",
                       "warning", source)

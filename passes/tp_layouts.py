@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from parc.errors import ParcError
-from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_pointwise, tp_rows
+from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_pointwise, tp_rows, tp_subset
 from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, is_param, shape, slice_bounds  # noqa: F401 (re-exported)
 from parc.passes.tp_shard import dim_groups as _groups
 from parc.runtime.checkpoint.state import block_sizes
@@ -103,6 +103,13 @@ class Layouts:
             return None
         if any(isinstance(self.get(a), tp_rows.Rows) for a in ins):
             return tp_rows.propagate(self, node)  # a sharded dim merged under outer dims: row-wise ops only
+        if any(isinstance(self.get(a), Shard) and self.get(a).parts for a in ins):
+            return tp_subset.propagate(self, node, ins)  # a kv subset (fewer kv heads than tp): passes/tp_subset.py
+        return self.follow(node, ins)
+
+    def follow(self, node: fx.Node, ins: list[fx.Node]):
+        """The op's rule, for inputs that are whole tp shards (or a kv subset passes/tp_subset.py let through)."""
+        t = node.target
         if t is aten._assert_tensor_metadata.default:
             s = self.get(node.args[0])
             if node.kwargs.get("size") is not None or len(node.args) > 1:
@@ -178,6 +185,9 @@ class Layouts:
         """Replicated `a`, used by `node` beside a value sharded like `s`, keeps this rank's chunk along its
         dim `d` (`parc.split_allgather`: no communication forward; backward all-gathers the gradient, so a
         replicated parameter's gradient stays whole on every rank: a norm weight over a sharded hidden)."""
+        if s.parts:
+            self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a kv subset (tp {self.tp} ranks share "
+                      f"{s.parts} chunks of dim {d}); parc keeps a replicated operand's chunk only beside tp chunks", s)
         if shape(a)[d] % self.tp:
             self.fail(node, f"replicated input `{a.name}` {shape(a)} meets a value sharded on its dim {d}, whose "
                       f"size {shape(a)[d]} tp {self.tp} does not divide", s)
@@ -204,28 +214,30 @@ class Layouts:
                 if rows is not None:
                     return rows
                 self.fail(node, f"sharded dim {s.dim} is merged under outer dims {[a[k] for k in gi]}", s)
-            outs = [o for o in go if b[o] != 1]
+            # the outermost dim the sharded one becomes; a one-chunk kv subset (one kv head) may be the
+            # heads dim of size 1 (passes/tp_subset.py)
+            outs = [o for o in go if b[o] != 1 or s.parts == 1]
             if not outs:
                 self.fail(node, f"sharded dim {s.dim} disappears", s)
-            o = outs[0]
-            if b[o] % self.tp:  # reported, and the walk goes on (see `indivisible`)
+            o, parts = outs[0], s.parts or self.tp  # a kv subset (passes/tp_subset.py): `parts` chunks, not tp
+            if b[o] % parts:  # reported, and the walk goes on (see `indivisible`)
                 heads = " (grouped-query attention: kv heads at least tp must be a multiple of it; fewer than tp " \
                     "are kept whole by the pass, or mark the k and v projections `replicate`)" if len(go) > 1 else ""
                 try:
                     self.fail(node, f"it splits sharded dim {s.dim} of size {a[s.dim]} into {tuple(b[k] for k in go)}, "
-                              f"and {b[o]} is not divisible by tp {self.tp}{heads}", s,
+                              f"and {b[o]} is not divisible by {'tp' if not s.parts else 'its kv chunks'} {parts}{heads}", s,
                               f"use a tp that divides {b[o]}")
                 except ParcError as e:
                     self.indivisible(e)
             if node.target in VIEWS:  # the size constant of the sharded dim becomes the local one
                 sizes = list(node.args[1])
                 if sizes[o] != -1:
-                    sizes[o] = sizes[o] // self.tp
+                    sizes[o] = sizes[o] // parts
                     node.args = (node.args[0], sizes, *node.args[2:])
             elif node.target is aten.unflatten.int:  # unflatten(x, dim, sizes): sizes of the dims it makes
                 d, sizes = node.args[1] % len(a), list(node.args[2])
                 if sizes[o - d] != -1:
-                    sizes[o - d] = sizes[o - d] // self.tp
+                    sizes[o - d] = sizes[o - d] // parts
                     node.args = (node.args[0], node.args[1], sizes)
             return Shard(o, 1, s.seq, s.rule)
         self.fail(node, "cannot follow the sharded dim through this reshape", s)
@@ -257,7 +269,7 @@ class Layouts:
         lead = len(sizes) - len(shape(node.args[0]))
         o = s.dim + lead
         if sizes[o] != -1:
-            sizes[o] = sizes[o] // self.tp
+            sizes[o] = sizes[o] // (s.parts or self.tp)
             node.args = (node.args[0], sizes, *node.args[2:])
         return Shard(o, s.blocks, s.seq, s.rule)
 
@@ -372,6 +384,10 @@ class Layouts:
         kv heads than tp: k/v projections left whole, their heads repeated to q's count) keep this rank's
         heads (`localize`); k/v with fewer heads than q under `enable_gqa` must shard alike with q."""
         q, k, v = (self.get(a) for a in node.args[:3])
+        gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
+        if gqa and q is not None and not q.parts and q.dim == 1 and k == v and isinstance(k, Shard) and k.parts \
+                and k.dim == 1 and shape(node.args[1])[1] == k.parts:
+            return q  # one kv head per rank, the one its q heads use: `enable_gqa` maps them to it (tp_subset.py)
         if q is not None and q.dim == 1 and q.blocks == 1 and not q.seq:
             for a, s in zip(node.args[1:3], (k, v)):
                 if s is None and shape(a)[1] == shape(node.args[0])[1]:

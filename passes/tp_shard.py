@@ -13,12 +13,17 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Shard:
-    """Chunk `tp_rank` of each of `blocks` equal blocks along `dim` (dims counted from 0)."""
+    """Chunk `tp_rank` of each of `blocks` equal blocks along `dim` (dims counted from 0).
+
+    `parts` > 0 (a kv subset, passes/tp_gqa.py) cuts the dim into `parts` < tp chunks instead: tp rank r
+    holds chunk r // (tp / parts), the same one as the other tp / parts ranks of its group (Megatron's
+    grouped-query attention with fewer kv heads than tp: each rank holds the kv head its q heads use)."""
 
     dim: int
     blocks: int = 1
     seq: bool = False  # a sequence-parallel slice (of the token dim), not a slice of features/heads
     rule: object = field(default=None, compare=False)  # the plan rule it came from, for error spans
+    parts: int = 0  # 0: tp chunks, one per rank; else a kv subset's chunks, each held by tp / parts ranks
 
 
 # ops whose output is laid out like their (first) input

@@ -88,10 +88,10 @@ def test_indivisible_width_names_the_arithmetic(tmp_path):
     assert e.value.span.line == 4
 
 
-def test_gqa_kv_heads_below_tp_are_kept_whole_and_said(tmp_path):
-    """2 kv heads at tp 4 under `column` rules: the k/v projections run whole (passes/tp_gqa.py), and the
-    plan says so: a warning at the rule (what `parc check` prints), and plan.json's `tp_auto_replicated`,
-    which `parc report` prices. tests/test_tp_ops.py trains it against serial."""
+def test_gqa_kv_heads_below_tp_are_said(tmp_path):
+    """2 kv heads at tp 4 under `column` rules: each rank computes the kv head its q heads use
+    (passes/tp_subset.py), and the plan says so: a warning at the rule (what `parc check` prints), and
+    plan.json's `tp_auto_replicated`, which `parc report` prices. tests/test_tp_ops.py trains it against serial."""
     from parc.compiler import compile_model
     from parc.grammar.parser import parse
 
@@ -101,22 +101,43 @@ def test_gqa_kv_heads_below_tp_are_kept_whole_and_said(tmp_path):
     # one warning per rule (its first layer); plan.json lists every layer
     assert [w.message.split("`")[3] for w in said] == ["model.layers.0.self_attn.k_proj",
                                                        "model.layers.0.self_attn.v_proj"]
-    assert all("2 heads" in w.message and w.severity == "warning" for w in said)
+    assert all("2 heads" in w.message and "Megatron's form: 2 ranks a head" in w.message
+               and w.severity == "warning" for w in said)
     assert plan.splitlines()[said[0].span.line - 1].strip().startswith('"model.layers.*.self_attn.k_proj"')
     assert plan.splitlines()[said[1].span.line - 1].strip().startswith('"model.layers.*.self_attn.v_proj"')
     for r in range(4):
         prog = result.plan_json["programs"][f"stage0_tp{r}"]
         assert [(x["module"], x["heads"]) for x in prog["tp_auto_replicated"]] == \
             [(f"model.layers.{i}.self_attn.{p}_proj", 2) for i in (0, 1) for p in "kv"]
-        assert not any("k_proj" in s["fqn"] and s.get("shard") for s in prog["state"])
-        # each rank keeps its q head's share of the repeated k and v: their gradients are all-gathered
-        assert {g["module"] for g in prog["tp_grad_gathers"]} >= {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+        assert not any("k_proj" in s["fqn"] and s.get("shard") for s in prog["state"])  # stored whole
+    from parc.analysis import report
+
+    rep = report.build(tmp_path / "c", preset="h100")
+    assert not any(c["collective"] == "all-gather (partial gradients)" for c in rep["communication"]["rows"])
+    assert any(c["collective"] == "all-reduce (partial gradients)" and c["axis"] == "tp" for c in rep["communication"]["rows"])
+    note = next(n for n in rep["notes"] if "fewer kv heads than tp" in n)
+    assert "model.layers.1.self_attn.v_proj" in note and "ms to the step" in note
+
+
+def test_gqa_kv_heads_not_dividing_tp_are_kept_whole_and_said(tmp_path):
+    """2 kv heads at tp 3 (6 q heads): a rank's q heads straddle two kv heads' groups, so the pass keeps k and v
+    whole (passes/tp_gqa.py): said at the rule, listed, and the repeated k and v's gradients all-gathered."""
+    from parc.compiler import compile_model
+    from parc.grammar.parser import parse
+
+    plan = "mesh tp=3\nbatch global=4 micro=2\n" + LLAMA_RULES.replace(  # vocab 256: not divisible by 3
+        '    "model.embed_tokens"              : vocab\n', "").replace('    "lm_head"                         : vocab\n', "")
+    result = compile_model(ROOT / "tests" / "models" / "llama_gqa6.py", parse(plan, file=str(tmp_path / "t.par")),
+                           tmp_path / "c")
+    said = [w for w in result.warnings if "fewer than tp 3" in w.message]
+    assert len(said) == 2 and all("whole on every tp rank" in w.message for w in said)
+    prog = result.plan_json["programs"]["stage0_tp1"]
+    assert {(x["form"], x["heads_per_rank"]) for x in prog["tp_auto_replicated"]} == {("whole", 2)}
+    assert {g["module"] for g in prog["tp_grad_gathers"]} >= {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     from parc.analysis import report
 
     rep = report.build(tmp_path / "c", preset="h100")
     assert any(c["collective"] == "all-gather (partial gradients)" and c["axis"] == "tp" for c in rep["communication"]["rows"])
-    note = next(n for n in rep["notes"] if "fewer kv heads than tp" in n)
-    assert "model.layers.1.self_attn.v_proj" in note and "ms to the step" in note
 
 
 def test_unprovable_op_names_node_and_module(tmp_path):

@@ -3,8 +3,11 @@ program traced on meta that runs on CPU ranks (passes/portable.py).
 
 tests/models/tp_ops.py uses type_as, view_as, view_as_complex/real rotary, zeros_like, new_zeros,
 eager attention with a per-head ALiBi bias, SDPA with a per-head mask, stack/unbind: every one on
-head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Llama with one kv head keeps k and v whole at tp 2 (`replicate`), and
-at tp 4 with one and with two kv heads under `column` rules (passes/tp_gqa.py keeps them whole by itself).
+head-sharded values. HF Gemma 3 writes its q/k norms with type_as. HF Llama with one kv head keeps k and v whole at tp 2 (`replicate`).
+Under `column` rules with fewer kv heads than tp, each rank computes only the kv head its q heads use
+(passes/tp_subset.py): HF Llama with one kv head at tp 2 and 4, with two at tp 4 (with sequence parallelism),
+HF Qwen3 with one kv head, per-head k norm and eager attention at tp 2; with 2 kv heads at tp 3 (no rank's
+q heads within one kv head) the pass keeps k and v whole (passes/tp_gqa.py).
 tests/models/tp_norms.py normalizes over sharded widths (LayerNorm, RMSNorm) and per head through a split
 (as HF StableLM's `qk_layernorm` does, trained too); tests/models/tp_channels.py concatenates sharded q, k, v,
 convolves them depthwise and splits them back (Qwen3-Next's linear attention).
@@ -35,6 +38,9 @@ ATTN_RULES = """tensor_parallel {
 MQA_RULES = llama_tp_rules().replace('k_proj" : column', 'k_proj" : replicate').replace(
     'v_proj" : column', 'v_proj" : replicate')
 
+NO_VOCAB = llama_tp_rules().replace('    "model.embed_tokens"              : vocab\n', "").replace(
+    '    "lm_head"                         : vocab\n', "")
+
 PHI3_RULES = """tensor_parallel {
     "model.layers.*.self_attn.qkv_proj" : column
     "model.layers.*.self_attn.o_proj" : row
@@ -62,9 +68,14 @@ CASES = {
     "channels_tp2": (MODELS / "tp_channels.py", CHANNEL_RULES, False, "mesh tp=2"),
     "channels_tp2_sp": (MODELS / "tp_channels.py", CHANNEL_RULES, True, "mesh tp=2"),
     "llama_mqa_tp2": (MODELS / "llama_mqa.py", MQA_RULES, False, "mesh tp=2"),
-    # k/v `column` with fewer kv heads than tp: kept whole by the pass itself (passes/tp_gqa.py)
-    "llama_mqa_auto_tp4": (MODELS / "llama_mqa.py", llama_tp_rules(), False, "mesh tp=4"),
-    "llama_gqa2_auto_tp4_sp": (MODELS / "llama_tiny.py", llama_tp_rules(), True, "mesh tp=4"),
+    # k/v `column` with fewer kv heads than tp, dividing it: each rank computes the kv head its q heads use,
+    # the weights' gradients summed over tp once a step (Megatron's kv-subset form, passes/tp_subset.py)
+    "llama_mqa_subset_tp2": (MODELS / "llama_mqa.py", llama_tp_rules(), False, "mesh tp=2"),
+    "llama_mqa_subset_tp4": (MODELS / "llama_mqa.py", llama_tp_rules(), False, "mesh tp=4"),
+    "llama_gqa2_subset_tp4_sp": (MODELS / "llama_tiny.py", llama_tp_rules(), True, "mesh tp=4"),
+    "qwen3_mqa_eager_subset_tp2": (MODELS / "qwen3_mqa.py", llama_tp_rules(), False, "mesh tp=2"),
+    # fewer kv heads than tp, not dividing it (2 kv heads, tp 3): k/v kept whole by the pass (passes/tp_gqa.py)
+    "llama_gqa2_whole_tp3": (MODELS / "llama_gqa6.py", NO_VOCAB, False, "mesh tp=3"),  # vocab 256: not by 3
     "phi3_sliced_qkv_tp2": (MODELS / "phi3_tiny.py", PHI3_RULES, False, "mesh tp=2"),
     "phi3_gqa_sliced_qkv_tp2_sp": (MODELS / "phi3_gqa.py", PHI3_RULES, True, "mesh tp=2"),
     "gemma3_tp2": (MODELS / "gemma3_tiny.py", llama_tp_rules(), False, "mesh tp=2"),
@@ -177,3 +188,20 @@ def test_tensor_split_along_an_unsharded_dim_keeps_the_shard_and_along_the_shard
         compile_text(_plan(OPS_RULES, False), tmp_path / "c2", along_heads)
     assert "tensor_split" in e.value.message and "cuts sharded dim 1" in e.value.message, e.value.message
     assert '"layers.*.q" : column' in _plan(OPS_RULES, False).splitlines()[e.value.span.line - 1]
+
+
+def test_kv_subset_sums_the_kv_weights_gradients_once_a_step(tmp_path):
+    """The kv-subset form's gradients, as plan.json says them: each k/v weight (and Qwen3's per-head k norm)
+    is a per-step sum over tp (`tp_partial_grads`), no activation gradient is all-gathered for them, and rank
+    r computes kv head r // (tp / kv heads) (the slice of the weight rows). test_one_step_equals_serial_per_tensor
+    (lr 1 SGD, so each update is the gradient) proves those sums make every gradient the serial one."""
+    art = compile_text(_plan(llama_tp_rules(), False, "mesh tp=4"), tmp_path / "c", MODELS / "llama_tiny.py")
+    for r in range(4):
+        prog = art.plan["programs"][f"stage0_tp{r}"]
+        kv = {f"p_model_model_layers_{i}_self_attn_{p}_proj_weight" for i in (0, 1) for p in "kv"}
+        assert kv <= set(prog["tp_partial_grads"])
+        assert not prog["tp_grad_gathers"]
+        assert {(x["form"], x["heads"], x["heads_per_rank"]) for x in prog["tp_auto_replicated"]} == {("kv_subset", 2, 1)}
+        src = (art.root / prog["file"]).read_text()
+        head = r // 2  # 2 kv heads of 16 rows at tp 4: ranks 0, 1 use head 0; ranks 2, 3 head 1
+        assert f"slice.Tensor(p_model_model_layers_0_self_attn_k_proj_weight, 0, {16 * head}, {16 * head + 16})" in src

@@ -171,8 +171,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         extra, whole = tp_grad_sums.replicated_compute(pj, plan_obj, hw)
         if whole:
             est = tp_grad_sums.charge_compute(est, extra)
-            notes.append(f"kept whole on every tp rank for fewer kv heads than tp (plan.json tp_auto_replicated): "
-                         f"{', '.join(whole)}; their matmuls add {extra * 1e3:.3f} ms to the step")
+            notes.append(f"k/v layers with fewer kv heads than tp (plan.json tp_auto_replicated: one kv head a rank "
+                         f"in the kv-subset form, all when kept whole): {', '.join(whole)}; their matmuls beyond "
+                         f"1/tp add {extra * 1e3:.3f} ms to the step")
     elif plan_obj.mesh.tp > 1:
         notes.append("tp partial gradients (replicated values on sharded ones, passes/tp_grads.py) are priced "
                      "from a compiled/ directory only: this analytic report does not run the pass")

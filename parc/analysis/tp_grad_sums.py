@@ -16,9 +16,10 @@ the gradient on each tp rank; the compiler completes each such gradient and list
   kv heads): its gradient is all-gathered over tp in every micro-batch's backward
   (`programs.<name>.tp_grad_gathers`).
 
-A layer the pass kept whole because it has fewer kv heads than tp (`programs.<name>.tp_auto_replicated`,
-passes/tp_gqa.py) also runs its whole matmul on every rank: `replicated_compute` prices the (1 − 1/tp)
-of it the analytic model counts as split.
+A k/v layer with fewer kv heads than tp (`programs.<name>.tp_auto_replicated`) runs more than 1/tp of its
+matmul on every rank: one kv head of its K in Megatron's kv-subset form (passes/tp_subset.py; its weight's
+gradient is then a "per step" sum above), all K when kept whole (passes/tp_gqa.py). `replicated_compute`
+prices the (heads_per_rank / K − 1/tp) of it the analytic model counts as split.
 
 All are charged to the step, not overlapped. The numbers are those of the busiest pp rank's programs
 (all tp ranks of a stage insert the same sums). The analytic report (--model and --plan, no compile)
@@ -71,8 +72,9 @@ def section(pj: dict, plan, hw, allreduce: str):
 
 
 def replicated_compute(pj: dict, plan, hw) -> tuple[float, list[str]]:
-    """(seconds per step, names) of the layers kept whole for fewer kv heads than tp, on the busiest pp rank:
-    each rank runs the (1 − 1/tp) of their forward and backward matmuls that a split layer would not."""
+    """(seconds per step, names) of the k/v layers with fewer kv heads than tp, on the busiest pp rank: each
+    rank runs the (heads_per_rank / heads − 1/tp) of their forward and backward matmuls that a layer split by
+    tp would not (heads_per_rank: 1 in the kv-subset form, every head when kept whole)."""
     pp, tp = pj["mesh"]["pp"], plan.mesh.tp
     flops: dict[int, float] = {}
     names: list[str] = []
@@ -80,7 +82,8 @@ def replicated_compute(pj: dict, plan, hw) -> tuple[float, list[str]]:
         if prog.get("tp_rank", 0) != 0:
             continue
         for r in prog.get("tp_auto_replicated", []):
-            flops[prog["stage"] % pp] = flops.get(prog["stage"] % pp, 0.0) + r["flops"] * (1 - 1 / tp)
+            share = r.get("heads_per_rank", r["heads"]) / r["heads"] - 1 / tp
+            flops[prog["stage"] % pp] = flops.get(prog["stage"] % pp, 0.0) + r["flops"] * share
             names.append(r["module"])
     if not flops:
         return 0.0, []
