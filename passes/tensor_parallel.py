@@ -39,6 +39,7 @@ for a parameter, `ctx.notes["tp_partial_grads"]`, or by an f before the op).
 
 from __future__ import annotations
 
+import copy
 import operator
 from fnmatch import fnmatchcase
 
@@ -66,7 +67,27 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     tp, rules = plan.mesh.tp, plan.tensor_parallel.rules
     if tp == 1 or not rules:
         return gm
+    if not tp_gqa.subset_candidates(gm, plan, tp):
+        return _run(gm, plan, ctx, kv_subset=False)
+    # fewer kv heads than tp, dividing it: Megatron's kv-subset form (passes/tp_subset.py) first; where the kv
+    # head meets an op that form cannot follow (OLMo 2's norm over the whole k width), the layers stay whole
+    # (passes/tp_gqa.py), as before that form existed, and the warning says why
+    saved = copy.deepcopy(gm), dict(ctx.shards), dict(ctx.rewrites), \
+        {k: v if k == "tp_shape_cache" else copy.deepcopy(v) for k, v in ctx.notes.items()}
+    try:
+        return _run(gm, plan, ctx, kv_subset=True)
+    except ParcError as e:
+        why = e.diagnostics[0].message
+    gm, shards, rewrites, notes = saved
+    ctx.shards.clear(), ctx.shards.update(shards), ctx.rewrites.clear(), ctx.rewrites.update(rewrites)
+    ctx.notes.clear(), ctx.notes.update(notes)
+    ctx.notes["tp_kv_whole_because"] = why
+    return _run(gm, plan, ctx, kv_subset=False)
+
+
+def _run(gm: fx.GraphModule, plan, ctx, kv_subset: bool) -> fx.GraphModule:
     rw = _Rewriter(gm, plan, ctx)
+    rw.kv_subset_ok = kv_subset
     node = None
     try:
         as_linears(gm, rw)
@@ -104,6 +125,7 @@ class _Rewriter:
         self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
         self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by as_linears for an (in, out) weight → w
         self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
+        self.kv_subset_ok = True  # Megatron's kv-subset form for fewer kv heads than tp (`run` decides)
         self.errors: list[Diagnostic] = []  # sizes tp does not divide, one per rule, raised after the walk
         self.seen: set[tuple] = set()  # what those errors are about (see `collect`)
 
@@ -296,7 +318,7 @@ class _Rewriter:
         b = rest[0] if rest else None
         blocks = _fused_blocks(node)
         heads = tp_gqa.heads_below_tp(node, self.tp) if rule.style == "column" and blocks == 1 else None
-        if heads is not None and self.tp % heads == 0 and w not in self.conv1d:
+        if heads is not None and self.tp % heads == 0 and w not in self.conv1d and self.kv_subset_ok:
             return self.kv_subset(node, rule, x, w, b, heads)
         if heads is not None:
             return self.auto_replicate(node, rule, w, heads)
@@ -334,7 +356,8 @@ class _Rewriter:
                       "flops": 6 * int(node.meta["val"].numel()) * shape(node.args[0])[-1]})
         if sum(r["rule"] == rule.pattern for r in notes) == 1:  # one warning per rule: plan.json lists every layer
             self.ctx.notes.setdefault("tp_warnings", []).append(
-                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None, form))
+                tp_gqa.warning(path, rule, heads, self.tp, self.plan.source or None, form,
+                               self.ctx.notes.get("tp_kv_whole_because")))
 
     def auto_replicate(self, node: fx.Node, rule, w: fx.Node, heads: int) -> None:
         """k/v with fewer heads than tp: the layer runs whole, as under `replicate` (passes/tp_gqa.py), and

@@ -69,9 +69,32 @@ def _split_heads(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
     return None
 
 
-def warning(path: str, rule, heads: int, tp: int, source: str | None, form: str = "whole"):
+def subset_candidates(gm: fx.GraphModule, plan, tp: int) -> bool:
+    """Does a `column` rule name a layer (an `aten.linear`, or a matmul of a parameter that passes/tp_linears.py
+    will make one) whose output splits into fewer heads than tp, dividing it: the kv-subset form's layers?"""
+    from fnmatch import fnmatchcase
+
+    from parc.passes.tp_shard import is_param
+    from parc.traced import module_path
+
+    columns = [r.pattern for r in plan.tensor_parallel.rules if r.style == "column"]
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (aten.linear.default, aten.matmul.default, aten.mm.default,
+                                                       aten.addmm.default):
+            continue
+        if not any(is_param(a) or any(is_param(b) for b in a.all_input_nodes) for a in n.all_input_nodes):
+            continue
+        if any(fnmatchcase(module_path(n), c) for c in columns) and isinstance(n.meta.get("val"), torch.Tensor):
+            heads = heads_below_tp(n, tp)
+            if heads is not None and tp % heads == 0:
+                return True
+    return False
+
+
+def warning(path: str, rule, heads: int, tp: int, source: str | None, form: str = "whole",
+            because: str | None = None):
     """The `parc check` line for a k/v layer with fewer heads than tp: its kv-subset form (passes/tp_subset.py)
-    or kept whole on every rank."""
+    or kept whole on every rank (`because`: why the kv-subset form did not apply, when it was tried)."""
     from parc.errors import Diagnostic
 
     many = f"{heads} head{'s' if heads > 1 else ''}"
@@ -85,6 +108,8 @@ def warning(path: str, rule, heads: int, tp: int, source: str | None, form: str 
                 "whole on every tp rank, and each rank uses its q heads' share of the repeated heads (exact; costs "
                 "the layer's full matmul per rank and an all-gather of its repeated output's gradient per "
                 "micro-batch)")
+        if because:
+            what += f"; the kv-subset form (one kv head a rank) stopped at: {because}"
     return Diagnostic(f"`{rule.style}` on `{path}`: its output has {many}, fewer than tp {tp}; {what}", rule.span,
                       "mark these layers `replicate` to say so in the plan, or use a tp that divides the kv heads",
                       "warning", source)

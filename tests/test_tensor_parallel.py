@@ -140,6 +140,26 @@ def test_gqa_kv_heads_not_dividing_tp_are_kept_whole_and_said(tmp_path):
     assert any(c["collective"] == "all-gather (partial gradients)" and c["axis"] == "tp" for c in rep["communication"]["rows"])
 
 
+def test_kv_subset_falls_back_to_whole_where_it_cannot_follow(tmp_path):
+    """OLMo 2 normalizes k over its whole width (all kv heads): one kv head a rank cannot compute that norm, so
+    at tp 4 (2 kv heads) the pass keeps k and v whole, as without the kv-subset form, and says why.
+    bench/zoo's `olmo2 tp4` trains it against serial."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.zoo import families, plans, rules
+    from parc.compiler import compile_model
+    from parc.grammar.parser import parse
+
+    model = families.model_file("olmo2", tmp_path / "model")
+    text = plans.text(plans.PLANS["tp4"], rules.block(rules.derive("olmo2", "hf", model), False))
+    result = compile_model(model, parse(text, file=str(tmp_path / "t.par")), tmp_path / "c")
+    prog = result.plan_json["programs"]["stage0_tp2"]
+    assert {(x["form"], x["heads"]) for x in prog["tp_auto_replicated"]} == {("whole", 2)}
+    said = [w.message for w in result.warnings if "fewer than tp 4" in w.message]
+    assert said and all("kv-subset form (one kv head a rank) stopped at" in m and "kv subset" in m for m in said)
+
+
 def test_unprovable_op_names_node_and_module(tmp_path):
     # qkv column alone: its output reaches attention's view fine, but then the
     # attention output (sharded) meets proj, a plain linear, on its features

@@ -32,6 +32,10 @@ class Spec:
 PLANS = {
     "tp2": Spec("tp=2", "global=4 micro=2", tp=True),
     "tp2_sp": Spec("tp=2", "global=4 micro=2", tp=True, sequence_parallel=True),
+    # the tiny configs' 4 q heads and 2 kv heads at tp 4: fewer kv heads than tp, each rank computing the kv
+    # head its q head uses (Megatron's kv-subset form, passes/tp_subset.py) or, where that form cannot
+    # follow the family's ops, k and v kept whole (passes/tp_gqa.py)
+    "tp4": Spec("tp=4", "global=4 micro=2", tp=True),
     "pp2": Spec("pp=2", "global=4 micro=1", extra="pipeline schedule=1f1b stages=auto\n"),
     "dp2_zero3": Spec("dp=2", "global=4 micro=1", extra="zero stage=3\n"),
     "tp2_bf16": Spec("tp=2", "global=4 micro=2", tp=True, extra="precision bf16\n"),
