@@ -2,19 +2,22 @@
 
 Start at `heads_below_tp`. A `column` rule on k_proj / v_proj splits their output features by tp; with
 kv heads < tp a rank would hold a fraction of one head, which no later op can use exactly (RoPE
-rotates pairs across the head, the repeat to q's heads needs whole heads). Megatron keeps each kv
-head whole on the tp/kv ranks whose q heads use it and sums its gradient over exactly those ranks;
-parc has no process group for such a subset, so it takes the other exact answer, the one a
-`replicate` rule on the k/v projections gives: the layer stays whole on every rank, its heads are
-repeated to q's count as the model writes, and each rank keeps its own q heads' share of the
-repeated k and v at attention (passes/tp_layouts.py `_sdpa`, `parc.split_allgather`, whose backward
-all-gathers the gradient so the whole layer's gradient is complete on every rank).
+rotates pairs across the head, the repeat to q's heads needs whole heads). Two exact answers:
 
-The pass applies it by itself, so a plan written for many kv heads (or derived from a family's own
+- when tp is a multiple of the kv heads, Megatron's: each rank computes only the kv head its q heads use
+  (passes/tp_subset.py), the weight stored whole and its gradient summed over tp once a step;
+- otherwise (or where the kv-subset form cannot follow the kv head: a norm over all kv heads' width), the
+  one a `replicate` rule on the k/v projections gives: the layer stays whole on every rank, its heads are
+  repeated to q's count as the model writes, and each rank keeps its own q heads' share of the repeated k
+  and v at attention (passes/tp_layouts.py `_sdpa`, `parc.split_allgather`, whose backward all-gathers the
+  gradient so the whole layer's gradient is complete on every rank).
+
+The pass applies them by itself, so a plan written for many kv heads (or derived from a family's own
 tp plan) also runs on a model with few. It says so: `parc check` prints a warning at the rule,
-plan.json lists the layers (`programs.*.tp_auto_replicated`), and `parc report` prices what it costs
-(parc/analysis/tp_grad_sums.py): the layer's whole matmul on every rank, and the all-gather of the
-repeated k or v's gradient per micro-batch.
+plan.json lists the layers (`programs.*.tp_auto_replicated`, with the form), and `parc report` prices
+what it costs (parc/analysis/tp_grad_sums.py): the layer's matmul beyond 1/tp on every rank, and the
+per-step sum of the weight's gradient (kv subset) or the all-gather of the repeated k or v's gradient
+per micro-batch (whole).
 """
 
 from __future__ import annotations
