@@ -108,7 +108,7 @@ def repeat_interleave(lay, node: fx.Node):
     if s.blocks != 1:
         lay.fail(node, f"repeat_interleave of a fused output of {s.blocks} blocks along its sharded dim", s)
     if node.kwargs.get("output_size") is not None:
-        node.kwargs = {**node.kwargs, "output_size": node.kwargs["output_size"] // lay.tp}
+        node.kwargs = {**node.kwargs, "output_size": node.kwargs["output_size"] // (s.parts or lay.tp)}
     return s
 
 

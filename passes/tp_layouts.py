@@ -210,6 +210,8 @@ class Layouts:
             if s.dim not in gi:
                 continue
             if any(a[k] != 1 for k in gi if k < s.dim):
+                if s.parts:  # rows are tp chunks under each outer position: no kv subset's
+                    self.fail(node, f"it merges a kv subset's dim {s.dim} under outer dims {[a[k] for k in gi]}", s)
                 rows = tp_rows.merge(self, node, s, gi, go)  # (B, T, H, d) → (B·T·H, d): rows (passes/tp_rows.py)
                 if rows is not None:
                     return rows

@@ -46,6 +46,7 @@ MOVES = VIEWS | SAME_LAYOUT | LIKE | {
     aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
     aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.view_as_complex.default, aten.view_as_real.default, aten._assert_tensor_metadata.default,
+    aten.repeat_interleave.self_int,
     aten.softmax.int, aten._softmax.default}
 CUTS = {aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2, aten.cat.default: 1,
         aten.slice.Tensor: 1}  # where each takes its dim
@@ -89,7 +90,7 @@ def propagate(lay, node: fx.Node, ins: list[fx.Node]):
         dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
         if isinstance(dim, int) and dim % len(shape(node if t is aten.cat.default else node.args[0])) == s.dim:
             lay.fail(node, f"it cuts or joins dim {s.dim}, along which tp ranks hold a kv subset", s, HINT)
-    return _retag(lay.follow(node, ins), s.parts)
+    return _retag(lay, node, lay.follow(node, ins), s)
 
 
 def refine(lay, node: fx.Node, a: fx.Node, ref: fx.Node) -> fx.Node:
@@ -127,8 +128,11 @@ def _along(lay, node: fx.Node, s: Shard) -> None:
         lay.fail(node, f"it reduces over dim {s.dim}, along which tp ranks hold a kv subset", s, HINT)
 
 
-def _retag(out, parts: int):
-    """A rule's result, its shards marked as `parts` chunks (rules build tp shards)."""
+def _retag(lay, node: fx.Node, out, s: Shard):
+    """A rule's result, its shards marked as `s.parts` chunks (rules build tp shards); any other layout (a
+    partial sum, rows) would be a tp one, and is refused."""
     if isinstance(out, list):
-        return [_retag(o, parts) for o in out]
-    return dataclasses.replace(out, parts=parts) if isinstance(out, Shard) else out
+        return [_retag(lay, node, o, s) for o in out]
+    if out is not None and not isinstance(out, Shard):
+        lay.fail(node, f"its rule makes a {type(out).__name__} layout from a kv subset", s, HINT)
+    return dataclasses.replace(out, parts=s.parts) if isinstance(out, Shard) else out

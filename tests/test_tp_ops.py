@@ -41,6 +41,14 @@ MQA_RULES = llama_tp_rules().replace('k_proj" : column', 'k_proj" : replicate').
 NO_VOCAB = llama_tp_rules().replace('    "model.embed_tokens"              : vocab\n', "").replace(
     '    "lm_head"                         : vocab\n', "")
 
+GQA_RULES = """tensor_parallel {
+    "layers.*.q" : column
+    "layers.*.k" : column
+    "layers.*.v" : column
+    "layers.*.o" : row
+}
+"""
+
 PHI3_RULES = """tensor_parallel {
     "model.layers.*.self_attn.qkv_proj" : column
     "model.layers.*.self_attn.o_proj" : row
@@ -74,6 +82,9 @@ CASES = {
     "llama_mqa_subset_tp4": (MODELS / "llama_mqa.py", llama_tp_rules(), False, "mesh tp=4"),
     "llama_gqa2_subset_tp4_sp": (MODELS / "llama_tiny.py", llama_tp_rules(), True, "mesh tp=4"),
     "qwen3_mqa_eager_subset_tp2": (MODELS / "qwen3_mqa.py", llama_tp_rules(), False, "mesh tp=2"),
+    # kv heads repeated by repeat_interleave and by HF's repeat_kv (kv-subset form); tiled (kept whole)
+    "gqa_forms_subset_tp4": (MODELS / "gqa_forms.py", GQA_RULES, False, "mesh tp=4"),
+    "gqa_tiled_whole_tp4": (MODELS / "gqa_tiled.py", GQA_RULES, False, "mesh tp=4"),
     # fewer kv heads than tp, not dividing it (2 kv heads, tp 3): k/v kept whole by the pass (passes/tp_gqa.py)
     "llama_gqa2_whole_tp3": (MODELS / "llama_gqa6.py", NO_VOCAB, False, "mesh tp=3"),  # vocab 256: not by 3
     "phi3_sliced_qkv_tp2": (MODELS / "phi3_tiny.py", PHI3_RULES, False, "mesh tp=2"),
