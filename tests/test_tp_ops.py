@@ -41,6 +41,12 @@ MQA_RULES = llama_tp_rules().replace('k_proj" : column', 'k_proj" : replicate').
 NO_VOCAB = llama_tp_rules().replace('    "model.embed_tokens"              : vocab\n', "").replace(
     '    "lm_head"                         : vocab\n', "")
 
+INDEX_RULES = """tensor_parallel {
+    "layers.*.up" : column
+    "layers.*.down" : row
+}
+"""
+
 GQA_RULES = """tensor_parallel {
     "layers.*.q" : column
     "layers.*.k" : column
@@ -89,6 +95,8 @@ CASES = {
     "llama_gqa2_whole_tp3": (MODELS / "llama_gqa6.py", NO_VOCAB, False, "mesh tp=3"),  # vocab 256: not by 3
     "phi3_sliced_qkv_tp2": (MODELS / "phi3_tiny.py", PHI3_RULES, False, "mesh tp=2"),
     "phi3_gqa_sliced_qkv_tp2_sp": (MODELS / "phi3_gqa.py", PHI3_RULES, True, "mesh tp=2"),
+    # index_select / select / gather along tokens of a features-sharded value, bmm contracting the features
+    "index_tp2": (MODELS / "tp_index.py", INDEX_RULES, False, "mesh tp=2"),
     "gemma3_tp2": (MODELS / "gemma3_tiny.py", llama_tp_rules(), False, "mesh tp=2"),
     "qwen2_moe_dp2": (MODELS / "qwen2_moe_tiny.py", "", False, "mesh dp=2"),
     "qwen2_moe_tp2": (MODELS / "qwen2_moe_tiny.py", ATTN_RULES, False, "mesh tp=2"),
