@@ -250,7 +250,9 @@ class _Walk:
         step = args[2] if node.target is aten.arange.start and len(args) > 2 else 1
         if (start, end, step) != (0, self.seq_len, 1) or node.kwargs.get("dtype") not in (None, torch.int64):
             return None
-        like = next(n for n in self.gm.graph.nodes if n.op == "placeholder")
+        # a batch input, for the device only: a parameter here would be one more use of it, which tensor
+        # parallelism (run after this pass) would have to shard or refuse
+        like = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("batch_"))
         with self.gm.graph.inserting_before(node):
             pos = self.gm.graph.call_function(parc_ops.cp_positions.default, (like, self.seq_len, AXIS, self.cp))
         pos.meta.update(node.meta)
@@ -628,7 +630,13 @@ def _propagate(gm: fx.GraphModule) -> None:
     """Re-run every node's shape on fake tensors from the whole micro-batch: the program's own `cp_shard`
     makes them local, so a size the rewrite got wrong fails here, at compile time."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with mode:
-        args = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="cpu")
-                for n in gm.graph.nodes if n.op == "placeholder"]
+        args = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="cpu",
+                            requires_grad=n.meta["val"].requires_grad) for n in placeholders]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    # FakeTensorProp stores the placeholders detached; tensor parallelism, run after this pass, finds the
+    # values that carry a gradient (those it must sum over tp) from the parameters' requires_grad
+    for n, a in zip(placeholders, args):
+        n.meta["val"] = a
+

@@ -42,7 +42,7 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
                    plan.context_parallel, "add cp=N to the mesh, or drop the line")
         return out
     later = "not yet proven with context parallelism (docs/context-parallel.md lists what is)"
-    for axis, key in (("tp", "mesh.tp"), ("ep", "mesh.ep")):
+    for axis, key in (("ep", "mesh.ep"),):
         if m.degree(axis) > 1:
             refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
                    f"use {axis}=1 with cp, or cp=1")
@@ -65,9 +65,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
                "use precision fp32 or bf16 with cp")
     if plan.compile != "none":
         refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
-    if plan.tensor_parallel.rules or plan.tensor_parallel.sequence_parallel:
-        refuse(f"tensor_parallel rules with mesh cp {m.cp}: {later}", "tensor_parallel", plan.tensor_parallel,
-               "drop the `tensor_parallel` block with cp")
     if plan.expert_parallel.patterns:
         refuse(f"expert_parallel with mesh cp {m.cp}: {later}", "expert_parallel", plan.expert_parallel,
                "drop the `expert_parallel` block with cp")
