@@ -266,10 +266,6 @@ class _Walk:
     # --- ops local along the sequence ------------------------------------------------------------
 
     def pointwise(self, node: fx.Node):
-        if node.target is aten.dropout.default and len(node.args) > 1 and node.args[1] > 0 and \
-                (len(node.args) < 3 or node.args[2]):
-            raise _Refused("dropout under context parallelism is not proven yet (its keyed masks would follow "
-                           "local, not global, token indices)")
         out = _shape(node)
         found = None
         for a in node.args:
@@ -293,7 +289,18 @@ class _Walk:
         for dim_arg in _dim_args(node):
             if dim_arg % len(out) == found.dim:
                 raise _Refused(f"`{_op(node)}` along the sequence dim {found.dim}")
+        if node.target is aten.dropout.default:
+            self.keyed_dropout(node, found)
         return found
+
+    def keyed_dropout(self, node: fx.Node, lay: Seq) -> None:
+        """A dropout on this rank's tokens: passes/dropout.py keys its mask by each element's serial index,
+        reading the sequence's layout from `meta["parc_cp"]`; the cp rank's chunks are resolved at run time
+        (runtime/dropout.py THIS_CP_RANK). A sequence folded with outer dims has no such record."""
+        if lay.merged != 1:
+            raise _Refused(f"dropout on a sequence folded with {lay.merged} outer elements (dim {lay.dim}): "
+                           "keyed dropout under context parallelism needs the sequence a dim of its own")
+        node.meta["parc_cp"] = lay.dim
 
     def only_operand(self, node: fx.Node, index: int, what: str):
         for k, a in enumerate(node.args):
