@@ -60,9 +60,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
     if plan.zero.stage > 0 and plan.zero.offload:
         refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
                "drop `offload=` with cp")
-    if plan.precision not in ("fp32", "bf16"):  # fp16's loss scaler under cp: not tested
-        refuse(f"precision {plan.precision} with mesh cp {m.cp}: {later}", "precision", None,
-               "use precision fp32 or bf16 with cp")
     if plan.compile != "none":
         refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
     if plan.expert_parallel.patterns:
