@@ -217,3 +217,18 @@ def test_report_prices_cp(tmp_path, method):
     else:  # 4 + 7 all-to-alls of a block, (cp−1)/cp of it sent, fp32
         assert rows[("cp", "all-to-all")]["bytes_per_rank"] == 11 * 2048 * 4 * 4 // 2
     assert rep["plan"]["cp"] == 2 and any("context parallelism cp 2" in n for n in rep["notes"])
+
+
+def test_report_prices_cp_per_pp_rank_under_virtual_stages(tmp_path):
+    # interleaved, virtual 2: each pp rank runs 2 chunks of one layer each, so it sends what a 1F1B stage of
+    # 2 layers sends (parc/analysis/cp_cost.py sums the chunks of a pp rank)
+    from parc.analysis import report
+
+    sent = {}
+    for name, extra in (("1f1b", "pipeline schedule=1f1b\n"),
+                        ("interleaved", "pipeline schedule=interleaved_1f1b virtual=2\n")):
+        rep = report.build(compile_text(_plan("pp=2 cp=2", extra), tmp_path / name).root, preset="h100")
+        sent[name] = next(c["bytes_per_rank"] for c in rep["communication"]["rows"] if c["axis"] == "cp")
+    # test_report_prices_cp's ring arithmetic: 8 blocks of 2048 fp32 elements an attention, for 2 layers a pp
+    # rank × 2 micro-batches (global 4 = micro 2 × accumulation 2)
+    assert sent["interleaved"] == sent["1f1b"] == 8 * 2048 * 4 * 2 * 2, sent

@@ -46,12 +46,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
         if m.degree(axis) > 1:
             refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
                    f"use {axis}=1 with cp, or cp=1")
-    # pp: each stage's layers ring over that stage's cp group; proven for 1F1B and GPipe, one stage a rank
-    pipe = plan.pipeline
-    if m.pp > 1 and pipe is not None and (pipe.schedule not in ("1f1b", "gpipe") or pipe.virtual > 1):
-        refuse(f"pipeline schedule={pipe.schedule} (virtual {pipe.virtual}) with mesh cp {m.cp}: only 1f1b and "
-               f"gpipe with one stage a rank are proven; {later}", "pipeline.schedule", pipe,
-               "use schedule=1f1b or gpipe with cp")
     # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
     if plan.zero.stage > 0 and plan.zero.shard:
         refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
