@@ -55,3 +55,16 @@ def test_alltoall_heads_per_tp_rank_not_divisible_by_cp_refused(tmp_path):
     d = e.value.diagnostics[0]
     assert "4 heads / tp 2 = 2 are not divisible by cp 4" in d.message, d.message
     assert d.span is not None and d.span.line > 0
+
+
+def test_untested_triples_refused_all_at_once(tmp_path):
+    text = _plan("dp=2 pp=2 cp=2 tp=2", "ring", gpt_tp_rules()).replace("batch global=4 micro=2", "batch global=8 micro=2")
+    text += "zero stage=1\nprecision bf16\nrecompute \"blocks.*\"\n"
+    with pytest.raises(ParcError) as e:
+        compile_text(text, tmp_path / "c")
+    said = {d.message.split(" with mesh cp")[0]: d.span.line for d in e.value.diagnostics
+            if "× tp 2" in d.message}
+    lines = text.splitlines()
+    assert set(said) == {"pp 2", "dp 2", "zero stage=1", "precision bf16", "recompute"}, said
+    for what, line in said.items():  # each at its own statement
+        assert what.split()[0].split("=")[0] in lines[line - 1], (what, lines[line - 1])
