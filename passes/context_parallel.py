@@ -23,9 +23,12 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
 
 Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
 (pointwise, linear, layer norm, reductions / cat / slices along other dims, embedding lookups, views that
-keep the sequence a dimension, softmax along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
-sequence's length, slicing along the sequence, dropout — is refused at its line in the model file, the
-op and the module named, all such errors at once.
+keep the sequence a dimension, softmax along another dim, dropout: its sequence dim is marked in
+`meta["parc_cp"]` for passes/dropout.py, which keys each token's mask by its global position); anything else
+— an unfused attention (`q @ kᵀ`), a mask or bias built with the sequence's length, slicing along the
+sequence, attention dropout — is refused at its line in the model file, the op and the module named, all
+such errors at once. Tensor parallelism runs after this pass, on the cp-local program (passes/tp_layouts.py
+`_cp_attention` shards the ring's heads).
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
 shapes in `meta["val"]`; parc/analysis/cp_support.py has refused every feature cp does not compose with.

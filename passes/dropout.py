@@ -12,9 +12,11 @@ serial model draws under `--verify` (runtime/serial_reference.py keys it the sam
 The call site is (module path, occurrence): the k-th dropout the module runs,
 counted in graph order, which is the eager model's call order. The op's
 constant arguments give the element's global coordinates: the traced (full)
-shape, elements per sample (full numel / micro-batch), and, for a value sharded
-over tp, `[dim, parts, tp rank, blocks]` from the layout the tensor_parallel
-pass left in `meta["parc_shard"]`.
+shape, elements per sample (full numel / micro-batch), and the records of how the
+local value was cut (`_shard`): context parallelism's sequence dim, from
+`meta["parc_cp"]` (passes/context_parallel.py; the cp rank is read at run time),
+then, for a value sharded over tp, `[dim, parts, tp rank, blocks]` from the
+layout the tensor_parallel pass left in `meta["parc_shard"]`.
 
 Other random ops (bernoulli, rand, `native_dropout`, feature/alpha dropout) keep
 the default generators and are listed, with their modules, in
@@ -22,8 +24,8 @@ the default generators and are listed, with their modules, in
 Dim 0 of a keyed value must carry the samples (batch-major layout); a traced
 dim 0 that is not a multiple of the micro-batch is left unkeyed and listed too.
 
-Assumes: runs after tensor_parallel (local `meta["val"]` shapes, `parc_shard`
-on sharded random ops) and before pipeline_split, on the whole graph, so each
+Assumes: runs after context_parallel and tensor_parallel (local `meta["val"]`
+shapes, `parc_cp` / `parc_shard` on split random ops) and before pipeline_split, on the whole graph, so each
 site's occurrence is counted over the whole model.
 Guarantees: no `aten.dropout` with p > 0 and no SDPA with dropout remains; the
 values computed differ only in which elements are dropped; `ctx.notes["dropout"]`

@@ -16,8 +16,9 @@ the global index of the micro-batch's first sample (set by the runtime with
 `key_scope`), per_sample the elements one sample contributes, and coord_d the
 element's GLOBAL coordinate along dim d: on a tp-sharded dim, chunk `index` of
 `parts` (of each of `blocks` blocks) is shifted to where it sits in the full
-tensor. So dp, micro-batching, tp and sequence parallelism all see the serial
-run's mask; recompute replays it (a pure function); pipeline stages need no
+tensor; on cp's sequence dim (blocks LOAD_BALANCED) local token j sits in chunk
+r or 2·cp−1−r; records apply innermost first. So dp, micro-batching, tp,
+sequence and context parallelism all see the serial run's mask; recompute replays it (a pure function); pipeline stages need no
 generator state at all.
 
 The ops:
