@@ -63,8 +63,9 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
     # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
     if plan.zero.stage > 0 and plan.zero.shard:
         refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
-               f"dp {m.dp} × cp {m.cp} = {m.dp * m.cp} ranks; HSDP's shard groups are {later}", "zero.shard",
-               plan.zero, "drop `shard=` with cp")
+               f"dp {m.dp} × cp {m.cp} = {m.dp * m.cp} ranks, but HSDP's shard and replicate groups are cut from "
+               f"the dp groups alone (parc/mesh.py zero_groups, runtime/train.py); HSDP's shard groups are {later}",
+               "zero.shard", plan.zero, "drop `shard=` with cp")
     if plan.zero.stage > 0 and plan.zero.offload:
         refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
                "drop `offload=` with cp")
