@@ -426,7 +426,8 @@ class _Walk:
                            "(or all-keep): context parallelism builds only causal masks (from global positions); "
                            "pass is_causal=True or no mask")
         if a.get("dropout_p", 0.0):
-            raise _Refused("attention dropout under context parallelism is not proven yet")
+            raise _Refused("attention dropout under context parallelism is not proven yet: ring and all-to-all "
+                           "attention draw no keyed dropout of their own (dropout outside the attention is keyed)")
         if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:
             k, v = (self.repeat_heads(node, t, _shape(q)[-3] // _shape(t)[-3]) for t in (k, v))
         scale = a.get("scale")

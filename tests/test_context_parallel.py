@@ -142,7 +142,7 @@ def test_compositions_refused_all_at_once(tmp_path):
     with pytest.raises(ParcError) as e:
         compile_text(text, tmp_path / "c")
     said = [(d.span.line, d.message) for d in e.value.diagnostics]
-    assert any(line == 6 and "pipeline schedule=zb_h1 (virtual 1) with mesh cp 2" in m for line, m in said), said
+    assert any(line == 1 and "pp 2 with mesh cp 2 × tp 2" in m for line, m in said), said  # cp × tp × pp untested
     assert any(line == 3 and "zero stage=1 shard=1 with mesh cp 2" in m and "dp 2 × cp 2 = 4" in m
                for line, m in said), said
     assert any(line == 3 and "zero offload=cpu with mesh cp 2" in m for line, m in said), said
