@@ -51,6 +51,7 @@ def test_dropout_matches_serial(tmp_path, mesh, method, rules):
     art = compile_text(text, tmp_path / "c", model=MODEL)
     assert len(art.plan["dropout"]["sites"]) == 9  # the embedding's, and each of 4 blocks' two residual branches
     verdict = parallel_vs_serial(art.root, steps=3)
+    print(mesh, verdict.render())
     assert verdict.loss_rel < LOSS_TOL, verdict.render()
     assert verdict.param_rel < PARAM_TOL, verdict.render()
     assert verdict.serial_losses[0] != verdict.serial_losses[-1]

@@ -22,6 +22,7 @@ def _plan(mesh: str, method: str, rules: str) -> str:
 
 
 def _check(verdict):
+    print(verdict.render())
     assert verdict.loss_rel < LOSS_TOL, verdict.render()
     assert verdict.param_rel < PARAM_TOL, verdict.render()
     assert verdict.serial_losses[0] != verdict.serial_losses[-1]  # the run trained
