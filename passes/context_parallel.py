@@ -23,9 +23,12 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
 
 Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
 (pointwise, linear, layer norm, reductions / cat / slices along other dims, embedding lookups, views that
-keep the sequence a dimension, softmax along another dim); anything else — an unfused attention (`q @ kᵀ`), a mask or bias built with the
-sequence's length, slicing along the sequence, dropout — is refused at its line in the model file, the
-op and the module named, all such errors at once.
+keep the sequence a dimension, softmax along another dim, dropout: its sequence dim is marked in
+`meta["parc_cp"]` for passes/dropout.py, which keys each token's mask by its global position); anything else
+— an unfused attention (`q @ kᵀ`), a mask or bias built with the sequence's length, slicing along the
+sequence, attention dropout — is refused at its line in the model file, the op and the module named, all
+such errors at once. Tensor parallelism runs after this pass, on the cp-local program (passes/tp_layouts.py
+`_cp_attention` shards the ring's heads).
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
 shapes in `meta["val"]`; parc/analysis/cp_support.py has refused every feature cp does not compose with.
@@ -250,7 +253,9 @@ class _Walk:
         step = args[2] if node.target is aten.arange.start and len(args) > 2 else 1
         if (start, end, step) != (0, self.seq_len, 1) or node.kwargs.get("dtype") not in (None, torch.int64):
             return None
-        like = next(n for n in self.gm.graph.nodes if n.op == "placeholder")
+        # a batch input, for the device only: a parameter here would be one more use of it, which tensor
+        # parallelism (run after this pass) would have to shard or refuse
+        like = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("batch_"))
         with self.gm.graph.inserting_before(node):
             pos = self.gm.graph.call_function(parc_ops.cp_positions.default, (like, self.seq_len, AXIS, self.cp))
         pos.meta.update(node.meta)
@@ -264,10 +269,6 @@ class _Walk:
     # --- ops local along the sequence ------------------------------------------------------------
 
     def pointwise(self, node: fx.Node):
-        if node.target is aten.dropout.default and len(node.args) > 1 and node.args[1] > 0 and \
-                (len(node.args) < 3 or node.args[2]):
-            raise _Refused("dropout under context parallelism is not proven yet (its keyed masks would follow "
-                           "local, not global, token indices)")
         out = _shape(node)
         found = None
         for a in node.args:
@@ -291,7 +292,18 @@ class _Walk:
         for dim_arg in _dim_args(node):
             if dim_arg % len(out) == found.dim:
                 raise _Refused(f"`{_op(node)}` along the sequence dim {found.dim}")
+        if node.target is aten.dropout.default:
+            self.keyed_dropout(node, found)
         return found
+
+    def keyed_dropout(self, node: fx.Node, lay: Seq) -> None:
+        """A dropout on this rank's tokens: passes/dropout.py keys its mask by each element's serial index,
+        reading the sequence's layout from `meta["parc_cp"]`; the cp rank's chunks are resolved at run time
+        (runtime/dropout.py THIS_CP_RANK). A sequence folded with outer dims has no such record."""
+        if lay.merged != 1:
+            raise _Refused(f"dropout on a sequence folded with {lay.merged} outer elements (dim {lay.dim}): "
+                           "keyed dropout under context parallelism needs the sequence a dim of its own")
+        node.meta["parc_cp"] = lay.dim
 
     def only_operand(self, node: fx.Node, index: int, what: str):
         for k, a in enumerate(node.args):
@@ -414,7 +426,8 @@ class _Walk:
                            "(or all-keep): context parallelism builds only causal masks (from global positions); "
                            "pass is_causal=True or no mask")
         if a.get("dropout_p", 0.0):
-            raise _Refused("attention dropout under context parallelism is not proven yet")
+            raise _Refused("attention dropout under context parallelism is not proven yet: ring and all-to-all "
+                           "attention draw no keyed dropout of their own (dropout outside the attention is keyed)")
         if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:
             k, v = (self.repeat_heads(node, t, _shape(q)[-3] // _shape(t)[-3]) for t in (k, v))
         scale = a.get("scale")
@@ -628,7 +641,13 @@ def _propagate(gm: fx.GraphModule) -> None:
     """Re-run every node's shape on fake tensors from the whole micro-batch: the program's own `cp_shard`
     makes them local, so a size the rewrite got wrong fails here, at compile time."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with mode:
-        args = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="cpu")
-                for n in gm.graph.nodes if n.op == "placeholder"]
+        args = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="cpu",
+                            requires_grad=n.meta["val"].requires_grad) for n in placeholders]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    # FakeTensorProp stores the placeholders detached; tensor parallelism, run after this pass, finds the
+    # values that carry a gradient (those it must sum over tp) from the parameters' requires_grad
+    for n, a in zip(placeholders, args):
+        n.meta["val"] = a
+

@@ -12,9 +12,11 @@ serial model draws under `--verify` (runtime/serial_reference.py keys it the sam
 The call site is (module path, occurrence): the k-th dropout the module runs,
 counted in graph order, which is the eager model's call order. The op's
 constant arguments give the element's global coordinates: the traced (full)
-shape, elements per sample (full numel / micro-batch), and, for a value sharded
-over tp, `[dim, parts, tp rank, blocks]` from the layout the tensor_parallel
-pass left in `meta["parc_shard"]`.
+shape, elements per sample (full numel / micro-batch), and the records of how the
+local value was cut (`_shard`): context parallelism's sequence dim, from
+`meta["parc_cp"]` (passes/context_parallel.py; the cp rank is read at run time),
+then, for a value sharded over tp, `[dim, parts, tp rank, blocks]` from the
+layout the tensor_parallel pass left in `meta["parc_shard"]`.
 
 Other random ops (bernoulli, rand, `native_dropout`, feature/alpha dropout) keep
 the default generators and are listed, with their modules, in
@@ -22,8 +24,8 @@ the default generators and are listed, with their modules, in
 Dim 0 of a keyed value must carry the samples (batch-major layout); a traced
 dim 0 that is not a multiple of the micro-batch is left unkeyed and listed too.
 
-Assumes: runs after tensor_parallel (local `meta["val"]` shapes, `parc_shard`
-on sharded random ops) and before pipeline_split, on the whole graph, so each
+Assumes: runs after context_parallel and tensor_parallel (local `meta["val"]`
+shapes, `parc_cp` / `parc_shard` on split random ops) and before pipeline_split, on the whole graph, so each
 site's occurrence is counted over the whole model.
 Guarantees: no `aten.dropout` with p > 0 and no SDPA with dropout remains; the
 values computed differ only in which elements are dropped; `ctx.notes["dropout"]`
@@ -41,7 +43,7 @@ import torch.fx as fx
 
 import parc.runtime.dropout  # noqa: F401 — registers torch.ops.parc.keyed_*
 from parc.errors import ParcError
-from parc.runtime.dropout import site_id
+from parc.runtime.dropout import LOAD_BALANCED, THIS_CP_RANK, site_id
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -104,23 +106,28 @@ def _full_shape(traced: fx.Node, kind: str) -> list[int]:
 
 
 def _shard(node: fx.Node, kind: str, full: list[int], plan, ctx) -> list[int]:
-    """[dim, parts, index, blocks] of the local value within `full`, or [] where it is whole."""
+    """The (dim, parts, index, blocks) records of the local value within `full`, outermost first, flat; []
+    where it is whole. Context parallelism's cut of the sequence (`meta["parc_cp"]`, its dim, left by
+    passes/context_parallel.py; the cp rank is read at run time) comes before tensor parallelism's
+    (`meta["parc_shard"]`), which under sequence parallelism cuts the cp rank's tokens again."""
     x = node.args[0]
     local = list(x.meta["val"].shape)
     if kind == "attention":
         local = [*local[:-1], node.args[1].meta["val"].shape[-2]]
+    records, expect = [], list(full)
+    if node.meta.get("parc_cp") is not None:
+        records.append([node.meta["parc_cp"], plan.mesh.cp, THIS_CP_RANK, LOAD_BALANCED])
     s = node.meta.get("parc_shard")
-    if s is None:
-        if local != full:
-            raise ParcError(f"dropout: `{node.name}` in module `{module_path(node)}` has local shape {local} but "
-                            f"traced shape {full}, and the tensor_parallel pass left no shard for it")
-        return []
-    tp = plan.mesh.tp
-    expect = [f // tp if d == s.dim else f for d, f in enumerate(full)]
+    if s is not None:
+        records.append([s.dim, plan.mesh.tp, ctx.tp_rank, s.blocks])
+    for dim, parts, _, _ in records:
+        expect[dim] //= parts
     if local != expect:
+        cuts = ", ".join(f"{'cp' if blocks == LOAD_BALANCED else 'tp'} {parts} along dim {dim}"
+                         for dim, parts, _, blocks in records) or "nothing (no pass left a shard for it)"
         raise ParcError(f"dropout: `{node.name}` in module `{module_path(node)}`: local shape {local} ≠ traced "
-                        f"{full} split in tp {tp} along dim {s.dim} = {expect}")
-    return [s.dim, tp, ctx.tp_rank, s.blocks]
+                        f"{full} cut by {cuts} = {expect}")
+    return [v for r in records for v in r]
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, kind: str, p: float, key: list) -> None:

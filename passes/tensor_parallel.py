@@ -421,13 +421,14 @@ class _Rewriter:
         s = self.lay.get(logits)
         rest = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), node.args[2:]), **node.kwargs)
         n = len(shape(logits))
+        reduction = rest.get("reduction", 1)  # 2 (sum): the cp pass's per-rank share of a mean
         if s.dim != n - 1 or s.blocks != 1 or n != 2 or rest.get("weight") is not None \
-                or rest.get("reduction", 1) != 1 or rest.get("label_smoothing", 0.0):
-            self.lay.fail(node, "vocab-parallel cross-entropy needs (N, V) logits sharded along V, mean "
-                          "reduction, no class weights and no label smoothing", s)
+                or reduction not in (1, 2) or rest.get("label_smoothing", 0.0):
+            self.lay.fail(node, "vocab-parallel cross-entropy needs (N, V) logits sharded along V, mean (or "
+                          "sum) reduction, no class weights and no label smoothing", s)
         rows = shape(logits)[1] // self.tp
         loss = self.call(node, parc_ops.vocab_parallel_cross_entropy.default,
-                         (logits, target, "tp", self.rank * rows, rest.get("ignore_index", -100)), node)
+                         (logits, target, "tp", self.rank * rows, rest.get("ignore_index", -100), reduction), node)
         loss.meta["val"] = (node.meta["val"], logits.meta["val"])
         first = self.call(node, operator.getitem, (loss, 0), node)
         node.replace_all_uses_with(first)

@@ -16,6 +16,8 @@ import operator
 import torch
 import torch.fx as fx
 
+import parc.runtime.parallel.ring_attention  # noqa: F401 — registers torch.ops.parc.ring_attention
+import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
 from parc.errors import ParcError
 from parc.passes import tp_channels, tp_contract, tp_norms, tp_pieces, tp_pointwise, tp_rows, tp_subset
 from parc.passes.tp_shard import LIKE, SAME_LAYOUT, VIEWS, Shard, is_param, shape, slice_bounds  # noqa: F401 (re-exported)
@@ -33,6 +35,8 @@ SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 # attention cuts its sequence into chunks and a remainder); followed only along a dim that is not sharded
 TENSOR_SPLITS = {aten.tensor_split.indices, aten.tensor_split.sections}
 SDPA = {aten.scaled_dot_product_attention.default}
+# passes/context_parallel.py's attentions (run before tensor parallelism): (B, H, T/cp, hs) q, k, v, heads local
+CP_ATTENTION = {torch.ops.parc.ring_attention.default, torch.ops.parc.ulysses_attention.default}
 NEW = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
@@ -132,6 +136,8 @@ class Layouts:
             return self._tensor_split(node)
         if t in SDPA:
             return self._sdpa(node)
+        if t in CP_ATTENTION:
+            return self._cp_attention(node)
         handler = {aten.transpose.int: self._transpose, aten.permute.default: self._permute,
                    aten.t.default: self._t, aten.unsqueeze.default: self._unsqueeze,
                    aten.expand.default: self._expand, aten.slice.Tensor: self._slice,
@@ -404,6 +410,23 @@ class Layouts:
                 self.localize(node, mask, 1, q)  # a per-head mask (ALiBi's biases): this rank's heads
             elif self.get(mask) not in (None, q):
                 self.fail(node, f"an attention mask sharded as {self.get(mask)} beside heads sharded as {q}", q)
+        return q
+
+    def _cp_attention(self, node):
+        """Ring or all-to-all attention over cp (passes/context_parallel.py) on q, k, v whose heads are
+        sharded alike over tp: each head's attention is independent, so each tp rank runs its heads' ring
+        in its own cp group. The ring's second output, the (B, H, T/cp) log-sum-exps, has the same heads."""
+        q, k, v = (self.get(a) for a in node.args[:3])
+        if not (q == k == v) or q is None or q.dim != 1 or q.blocks != 1:
+            self.fail(node, f"context-parallel attention needs q, k, v sharded alike on the heads dim 1, got "
+                      f"{q}, {k}, {v}", q or k or v)
+        if node.target is torch.ops.parc.ring_attention.default:
+            return [q, q]
+        heads, cp = shape(node.args[0])[1], node.args[6]
+        if heads // self.tp % cp:
+            self.fail(node, f"all-to-all attention scatters this tp rank's heads over cp: {heads} heads / tp "
+                      f"{self.tp} = {heads // self.tp} are not divisible by cp {cp}", q,
+                      "use ring attention (`context_parallel ring`), or a tp and cp whose product divides the heads")
         return q
 
     def _linear(self, node):

@@ -16,8 +16,9 @@ the global index of the micro-batch's first sample (set by the runtime with
 `key_scope`), per_sample the elements one sample contributes, and coord_d the
 element's GLOBAL coordinate along dim d: on a tp-sharded dim, chunk `index` of
 `parts` (of each of `blocks` blocks) is shifted to where it sits in the full
-tensor. So dp, micro-batching, tp and sequence parallelism all see the serial
-run's mask; recompute replays it (a pure function); pipeline stages need no
+tensor; on cp's sequence dim (blocks LOAD_BALANCED) local token j sits in chunk
+r or 2·cp−1−r; records apply innermost first. So dp, micro-batching, tp,
+sequence and context parallelism all see the serial run's mask; recompute replays it (a pure function); pipeline stages need no
 generator state at all.
 
 The ops:
@@ -80,16 +81,42 @@ def stream_key(seed: int, step: int, site: int) -> int:
     return mix64(mix64(mix64(seed + _GOLDEN) + step) ^ site)
 
 
+LOAD_BALANCED = 0  # a shard record's `blocks` for context parallelism's layout (below)
+THIS_CP_RANK = -1  # a shard record's `index` read at run time: the cp rank (one program serves every cp rank)
+
+
+def _records(shard: list[int]) -> list[tuple[int, int, int, int]]:
+    """`shard` as its (dim, parts, index, blocks) records, outermost first (module docstring)."""
+    return [tuple(shard[i:i + 4]) for i in range(0, len(shard), 4)]
+
+
+def _to_outer(c: Tensor, n: int, outer: int, parts: int, index: int, blocks: int) -> Tensor:
+    """Local coordinates `c` (of `n`) along a dim cut by one record → coordinates in the `outer`-long dim it
+    was cut from. blocks ≥ 1 (tensor parallelism): chunk `index` of `parts` of each of `blocks` blocks.
+    LOAD_BALANCED (context parallelism, runtime/parallel/ring_attention.py): chunks `index` and
+    2·parts−1−index of 2·parts, in that order."""
+    if blocks == LOAD_BALANCED:
+        half = n // 2
+        first = c < half
+        return torch.where(first, index * half + c, (2 * parts - 1 - index) * half + c - half)
+    per_block = n // blocks
+    return (c // per_block) * (outer // blocks) + index * per_block + c % per_block
+
+
 def counters(local: list[int], full: list[int], per_sample: int, sample0: int, shard: list[int], device,
              mult: int = 1, add: int = 0) -> Tensor:
     """int64 (local shape, a fresh tensor): each element's linear index in the serial run's tensor over
     the global batch, times `mult` plus `add` (mod 2^64: folded into the per-dim terms, so the one
-    full-size pass is the broadcast sum)."""
-    dim, parts, index, blocks = shard if shard else (-1, 1, 0, 1)
-    for d, (n, f) in enumerate(zip(local, full)):
-        if n * (parts if d == dim else 1) != f:
-            raise RuntimeError(f"keyed dropout: local shape {list(local)} is not full shape {list(full)} "
-                               f"split in {parts} along dim {dim}")
+    full-size pass is the broadcast sum). `shard`: (dim, parts, index, blocks) records, outermost first
+    (cp's cut of the sequence, then sequence parallelism's cut of that; tp's heads on another dim)."""
+    records = _records(shard)
+    sizes = [list(full)]  # each dim's size before each record, then the local size
+    for dim, parts, _, _ in records:
+        sizes.append([f // parts if d == dim else f for d, f in enumerate(sizes[-1])])
+    if list(local) != sizes[-1] or any(full[d] % math.prod(r[1] for r in records if r[0] == d)
+                                       for d in range(len(full))):
+        raise RuntimeError(f"keyed dropout: local shape {list(local)} is not full shape {list(full)} "
+                           f"cut by {records}")
     stride, strides = 1, []
     for f in reversed(full):
         strides.append(stride)
@@ -97,13 +124,26 @@ def counters(local: list[int], full: list[int], per_sample: int, sample0: int, s
     idx = torch.full((), _signed(sample0 * per_sample * mult + add), dtype=torch.int64, device=device)
     for d, (n, s) in enumerate(zip(local, reversed(strides))):
         c = torch.arange(n, dtype=torch.int64, device=device)
-        if d == dim:  # chunk `index` of each block: local j → its coordinate in the full dim
-            per_block = n // blocks
-            c = (c // per_block) * (full[d] // blocks) + index * per_block + c % per_block
+        for k in reversed(range(len(records))):  # innermost first: local j → its coordinate in the full dim
+            dim, parts, index, blocks = records[k]
+            if dim == d:
+                c = _to_outer(c, sizes[k + 1][d], sizes[k][d], parts, index, blocks)
         shape = [1] * len(local)
         shape[d] = n
         idx = idx + (c * _signed(s * mult)).view(shape)
     return idx.clone() if idx.dim() == 0 else idx
+
+
+def _resolved(shard: list[int]) -> list[int]:
+    """`shard` with THIS_CP_RANK replaced by this process's cp rank (runtime/parallel/ops.py's groups)."""
+    if THIS_CP_RANK not in shard[2::4]:
+        return shard
+    import torch.distributed as dist
+
+    from parc.runtime.parallel.ops import group
+
+    rank = dist.get_rank(group("cp"))
+    return [rank if i % 4 == 2 and v == THIS_CP_RANK else v for i, v in enumerate(shard)]
 
 
 def current_key() -> tuple[int, int, int]:
@@ -122,7 +162,8 @@ def keep_mask(shape, p: float, key: tuple[int, int, int], site: int, full: list[
     signed one after flipping the sign bit. Peak memory: two int64 tensors of the shape.
     """
     seed, step, sample0 = key
-    h = counters(list(shape), full, per_sample, sample0, shard, device, _GOLDEN, stream_key(seed, step, site))
+    h = counters(list(shape), full, per_sample, sample0, _resolved(list(shard)), device, _GOLDEN,
+                 stream_key(seed, step, site))
     tmp = torch.empty_like(h)
     for shift, mult in ((30, _M1), (27, _M2)):
         torch.bitwise_right_shift(h, shift, out=tmp)

@@ -57,14 +57,14 @@ def _stage(d: dict, cp: int) -> dict:
 
 
 def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
-    """The cp rows (module docstring), per rank per step, of the pp stage with the most attention traffic
-    (one stage a rank: cp_support.py refuses virtual stages with cp), from the serial statistics."""
+    """The cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic,
+    from the serial statistics: with virtual stages a pp rank runs the chunks i ≡ its rank (mod pp)."""
     m, cp = plan.mesh, plan.mesh.cp
     ring = plan.context_parallel.method == "ring"
     act_b = 4 if plan.precision == "fp32" else 2
     acc = plan.accumulation
     per_stage = []
-    for d in stats["stages"]:
+    for d in stats["stages"]:  # in stage order: chunk i runs on pp rank i mod pp
         volume, calls = 0.0, 0
         for bh, t, hs, causal, split, rec, count in (d.get("ops") or {}).get("attn", ()):
             block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
@@ -76,7 +76,9 @@ def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
                 volume += count * acc * (4 * again + 7) * block * act_b
                 calls += count * acc * (4 * again + 7)
         per_stage.append((volume, calls))
-    volume, calls = max(per_stage, default=(0.0, 0))
+    per_rank = [(sum(v for v, _ in per_stage[r::m.pp]), sum(c for _, c in per_stage[r::m.pp]))
+                for r in range(min(m.pp, len(per_stage)))]
+    volume, calls = max(per_rank, default=(0.0, 0))
     if not calls:
         return []
     groups = meshlib.groups(m, "cp")

@@ -257,8 +257,10 @@ eager.register_autograd(
 
 @eager.custom_op("parc::vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, axis: str, vocab_start: int,
-                                 ignore_index: int) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy of logits sharded along the vocabulary; the full logits are never gathered.
+                                 ignore_index: int, reduction: int) -> tuple[Tensor, Tensor]:
+    """Cross-entropy of logits sharded along the vocabulary; the full logits are never gathered.
+    `reduction` as aten's: 1 the mean over targets not ignored, 2 their sum (context parallelism's
+    per-rank share of a mean, passes/context_parallel.py, summed over cp and divided there).
 
     logits (N, V/tp) hold vocabulary ids [vocab_start, vocab_start + V/tp); target (N,) full ids.
     Forward: all-reduce MAX of the row maxima, then one all-reduce SUM of [sum-exp, target logit].
@@ -274,7 +276,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, axis: str, voca
     sums = all_reduce(torch.stack([exp.sum(dim=-1), picked]), axis, "fwd")  # (2, N): one collective for both
     sum_exp, target_logit = sums[0], sums[1]
     per_token = (torch.log(sum_exp) + row_max - target_logit) * valid  # (N,)
-    loss = per_token.sum() / valid.sum().clamp(min=1)
+    loss = per_token.sum() / valid.sum().clamp(min=1) if reduction == 1 else per_token.sum()
     # the loss stays fp32 even for bf16 logits (precision bf16): autocast runs the serial cross_entropy in fp32
     return loss, (exp / sum_exp.unsqueeze(-1)).to(logits.dtype)
 
@@ -287,14 +289,14 @@ def _targets(target: Tensor, vocab_start: int, n_local: int, ignore_index: int):
 
 
 @vocab_parallel_cross_entropy.register_fake
-def _(logits, target, axis, vocab_start, ignore_index):
+def _(logits, target, axis, vocab_start, ignore_index, reduction):
     return logits.new_empty((), dtype=torch.float32), torch.empty_like(logits)
 
 
 def _vpce_setup(ctx, inputs, output):
-    logits, target, _, vocab_start, ignore_index = inputs
+    logits, target, _, vocab_start, ignore_index, reduction = inputs
     ctx.save_for_backward(target, output[1])
-    ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
+    ctx.vocab_start, ctx.ignore_index, ctx.reduction = vocab_start, ignore_index, reduction
 
 
 def _vpce_backward(ctx, grad_loss, grad_probs):
@@ -302,8 +304,9 @@ def _vpce_backward(ctx, grad_loss, grad_probs):
     local_t, mine, valid = _targets(target, ctx.vocab_start, probs.shape[-1], ctx.ignore_index)
     grad = probs.clone()
     grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
-    grad = grad * (valid / valid.sum().clamp(min=1) * grad_loss).unsqueeze(-1)
-    return grad, None, None, None, None
+    weight = valid / valid.sum().clamp(min=1) if ctx.reduction == 1 else valid  # d loss / d per_token
+    grad = grad * (weight * grad_loss).unsqueeze(-1)
+    return grad, None, None, None, None, None
 
 
 eager.register_autograd(vocab_parallel_cross_entropy, _vpce_backward, setup_context=_vpce_setup)
