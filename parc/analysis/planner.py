@@ -198,7 +198,7 @@ class _Stats:
         self.cache: dict = {}
         self.assembled: dict = {}
         self.split: dict = {}
-        self.assigned = None
+        self.stage_of: dict = {}   # stages → {node: its stage}: assign_stages' marks, computed once per split
 
     def _plan(self, variant) -> Plan:
         rec, tp, sp, casts = variant
@@ -210,10 +210,17 @@ class _Stats:
     def _raw(self, stages: int, variant) -> dict:
         key = (stages, variant)
         if key not in self.cache:
-            from parc.passes.pipeline_split import assign_stages
-            if self.assigned != stages:
+            from parc.passes.pipeline_split import STAGE, assign_stages
+            nodes = self.traced.gm.graph.nodes
+            if stages not in self.stage_of:
                 assign_stages(self.traced, replace(self.base, pipeline=None), stages)
-                self.assigned = stages
+                self.stage_of[stages] = {n: n.meta[STAGE] for n in nodes if STAGE in n.meta}
+            # the marks of this split, restored each time: the variants alternate between two splits, and
+            # compile's passes on a winner (`_pass_refusal`) mark the graph with theirs
+            marks = self.stage_of[stages]
+            for n in nodes:
+                if n in marks:
+                    n.meta[STAGE] = marks[n]
             self.cache[key] = cost.graph_stats(self.traced, self._plan(variant))
         return self.cache[key]
 
@@ -468,8 +475,14 @@ class _Search:
         node offsets from the first) cost the same, so the cost model need not walk all world / n of them."""
         per, seen = self.hw.gpus_per_node, {}
         for g in groups:
-            seen.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
-        return list(seen.values())
+            # the groups of an axis are translates of one another (parc/mesh.py `groups`): one whose first rank
+            # has the same slot on its node as a group seen sits alike (its key would be the same)
+            if g[0] % per not in seen:
+                seen[g[0] % per] = g
+        keys = {}
+        for g in seen.values():
+            keys.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
+        return list(keys.values())
 
     def estimate(self, plan: Plan):
         m = plan.mesh
@@ -518,8 +531,10 @@ class _Search:
                 if self._fits(c, c.est):
                     done.append(c)
                 continue
-            # compute is the same for every schedule and ZeRO stage of one pipeline shape: probed once
-            key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual)
+            # compute is the same for every schedule of one pipeline shape and ZeRO layout: probed once (the
+            # ZeRO stage changes the exposed dp time the bound counts, and under ZeRO-3 the weight casts)
+            key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual,
+                   p.zero)
             if key not in probes:
                 probes[key] = self._probe(c)
             probe = probes[key]
@@ -560,8 +575,15 @@ def pipeline_bound(probe, plan: Plan) -> float:
     arrives through them), then all of r's own work (acc × (F + B), one action at a time), then under
     1F1B and GPipe the backwards of the stages before r (the last micro-batch's gradient leaves r last and
     crosses them; ZB-H1 may run weight gradients after it: not counted). The optimizer step follows it
-    (the probe's, at one micro-batch: no more than at acc). Communication and the dp tail only add. An
-    interleaved plan's ranks hold several stages: compute alone there (the busiest rank's)."""
+    (the probe's, at one micro-batch: no more than at acc). P2P only adds. An interleaved plan's ranks hold
+    several stages: compute alone there (the busiest rank's).
+
+    The dp communication the step exposes after the makespan (`cost.estimate`'s `dp_exposed`) is added too,
+    the probe's: it prices the same mesh, groups, parameters per rank and one micro-batch's backward as its
+    window, so plain dp's exposed all-reduce and ZeRO-1's collectives come out equal to the full plan's, and
+    ZeRO-2's per-micro-batch reduce-scatter is one of the plan's `acc` (`cost.zero_exposed`). Not where the
+    probe differs from the plan (interleaved: one stage a rank) or a call's price depends on the compute
+    between calls (a calibrated CPU's measured `collectives`)."""
     acc, pp = plan.accumulation, plan.mesh.pp
     fb = probe.stage_seconds
     if plan.pipeline.virtual > 1 or len(fb) != pp:
@@ -571,7 +593,8 @@ def pipeline_bound(probe, plan: Plan) -> float:
     for f, b in fb:
         best = max(best, before_f + acc * (f + b) + (before_b if drain else 0.0))
         before_f, before_b = before_f + f, before_b + b
-    return best + probe.optimizer_seconds
+    dp = probe.dp_exposed_seconds if not probe.hw.collectives else 0.0
+    return best + probe.optimizer_seconds + dp
 
 
 def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | None = "h100", global_batch: int,
