@@ -543,7 +543,13 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
         if compute.has_model(hw, d):
-            f, b = compute.stage_seconds(d["ops"], hw, dtype, tp, attention, attention_dropout)
+            # the same statistics (a planner's probe and its plans hold one dict per split) cost the same
+            key = (id(d), id(hw), dtype, tp, attention, attention_dropout)
+            held = memo.stage_costs.get(key)
+            if held is None or held[0] is not d or held[1] is not hw:
+                held = memo.stage_costs[key] = (d, hw, compute.stage_seconds(d["ops"], hw, dtype, tp, attention,
+                                                                              attention_dropout))
+            f, b = held[2]
             # in a step, ops run slower than each in a loop of itself, as the tables time them (a calibrated
             # CPU's `in_step`, calibrate_step.py; 1 on the shipped presets)
             f, b = f * hw.in_step[0], b * hw.in_step[1]

@@ -40,13 +40,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parc.analysis import compute, cost, plan_experts
+from parc.analysis import compute, cost, cp_cost, plan_experts
 from parc.analysis.preset_file import is_file
 from parc.analysis.schedules import Schedules
 from parc.analysis.report import _size
 from parc.errors import ParcError
-from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
-                               Zero)
+from parc.grammar.plan import (CP_DEFAULT_ORDER, CP_METHODS, Batch, ContextParallel, Mesh, Pipeline, Plan, Recompute,
+                               TensorParallel, Topology, TPRule, Zero)
 
 log = logging.getLogger(__name__)
 MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
@@ -309,7 +309,10 @@ class Candidate:
 
     def describe(self) -> str:
         p, m = self.plan, self.plan.mesh
-        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")]
+        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" × cp {m.cp}" if m.cp > 1 else "")
+                 + (f" (ep {m.ep})" if m.ep > 1 else "")]
+        if m.cp > 1:
+            parts.append(f"cp {p.context_parallel.method}")
         if m.pp > 1:
             v = p.pipeline.virtual
             parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
@@ -404,6 +407,64 @@ def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: in
                                     pipeline=pipe, zero=Zero(zero, shard),
                                     recompute=Recompute((f"{prefix}.*",) if rec and prefix else ()),
                                     precision=precision))
+    return out + _cp_plans(traced, gpus, topo, global_batch, precision, dropped)
+
+
+CP_SCHEDULES = ("1f1b", "gpipe")   # the pipelines proven with cp (parc/analysis/cp_support.py)
+
+
+def attention_length(traced) -> int | None:
+    """T, the one sequence length every fused attention (scaled_dot_product_attention) of the model runs over
+    as self-attention; None without attention, or with attentions over other lengths (cross attention):
+    context parallelism splits one sequence (passes/context_parallel.py refuses the rest)."""
+    lengths = set()
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
+            q, k = (a.meta["val"].shape for a in n.args[:2])
+            lengths.add(q[-2] if q[-2] == k[-2] else -1)
+    return lengths.pop() if len(lengths) == 1 and -1 not in lengths else None
+
+
+def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: str, dropped: list) -> list[Plan]:
+    """Context-parallel candidates (`mesh … cp=N`, `context_parallel ring|alltoall`) for a model with
+    self-attention over one length T: each cp > 1 dividing the GPUs whose 2·cp chunks divide T (the causal
+    load balancing both methods use), over dp × pp with what cp composes with today (cp_support.py): no tp,
+    pipelines 1F1B and GPipe, ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core
+    (`tp,cp,pp,dp`: cp ranks adjacent, on one node while cp ≤ its GPUs)."""
+    from parc.passes.pipeline_split import _layer_prefix
+
+    t = attention_length(traced)
+    if not t:
+        return []
+    L = traced.num_layers
+    prefix = _layer_prefix(traced.module_paths, L)
+    out = []
+    for cp in _divisors(gpus)[1:]:
+        if t % (2 * cp):
+            dropped.append(Candidate(Plan(mesh=Mesh(tp=1, cp=cp, order=CP_DEFAULT_ORDER)),
+                                     f"cp {cp}: sequence length {t} is not divisible by 2 × cp = {2 * cp} "
+                                     f"({t} = {t // (2 * cp)} × {2 * cp} + {t % (2 * cp)})"))
+            continue
+        for pp in _divisors(gpus // cp):
+            dp = gpus // (cp * pp)
+            mesh = Mesh(dp, pp, 1, order=CP_DEFAULT_ORDER, cp=cp)
+            if pp > 1 and (prefix is None or pp > L):
+                dropped.append(Candidate(Plan(mesh=mesh), f"pp {pp} > {L} layers" if prefix else
+                                         "pp > 1 needs repeated layers to cut between"))
+                continue
+            if global_batch % dp:
+                dropped.append(Candidate(Plan(mesh=mesh), f"global batch {global_batch} is not a multiple of dp {dp}"))
+                continue
+            pipes = [None] if pp == 1 else [Pipeline(s) for s in CP_SCHEDULES]
+            for micro in (m for m in MICROS if (global_batch // dp) % m == 0):
+                for pipe in pipes:
+                    for zero in (0, 1, 2, 3):
+                        for rec in (False, True):
+                            for method in CP_METHODS:
+                                out.append(Plan(
+                                    mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
+                                    zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
+                                    recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
     return out
 
 
@@ -490,6 +551,9 @@ class _Search:
         variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
+        if m.cp > 1:  # as `parc report` prices cp: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls
+            est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe))
+            return plan_experts.price(est, plan, self.moe, self.hw)
         est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
                             params_per_rank=plan_experts.params_per_rank(plan, self.moe))
         return plan_experts.price(est, plan, self.moe, self.hw)
@@ -781,7 +845,8 @@ def summary(result: Result, top: int) -> list[str]:
 
 def _mesh(c: Candidate) -> str:
     m = c.plan.mesh
-    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")
+    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" × cp {m.cp}" if m.cp > 1 else "") + \
+        (f" (ep {m.ep})" if m.ep > 1 else "")
 
 
 def to_json(result: Result, top: int) -> str:
