@@ -56,7 +56,7 @@ def _stage(d: dict, cp: int) -> dict:
     return out
 
 
-def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
+def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None) -> list[cost.Comm]:
     """The cp rows (module docstring), per rank per step, of the pp stage with the most attention traffic
     (one stage a rank: cp_support.py refuses virtual stages with cp), from the serial statistics."""
     m, cp = plan.mesh, plan.mesh.cp
@@ -79,7 +79,7 @@ def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
     volume, calls = max(per_stage, default=(0.0, 0))
     if not calls:
         return []
-    groups = meshlib.groups(m, "cp")
+    groups = groups or meshlib.groups(m, "cp")
     if ring:
         return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
                                  calls=calls)]
@@ -88,16 +88,24 @@ def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
     return [replace(row, collective="all-to-all")]
 
 
-def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
+def groups_of(mesh) -> dict[str, list[list[int]]]:
+    """The groups a cp plan is priced over: "dp" the dp × cp ranks that reduce gradients together, "cp" the rings."""
+    return {"dp": meshlib.dp_cp_groups(mesh), "pp": meshlib.groups(mesh, "pp"), "tp": meshlib.groups(mesh, "tp"),
+            "cp": meshlib.groups(mesh, "cp")}
+
+
+def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
+             **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
-    `options`: cost.estimate's own (another system's run: `report.System.estimate_options`)."""
+    `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `options`:
+    cost.estimate's own (another system's run: `report.System.estimate_options`)."""
     priced, local = localize(plan, stats)
     m = plan.mesh
-    groups = {"dp": meshlib.dp_cp_groups(m), "pp": meshlib.groups(m, "pp"), "tp": meshlib.groups(m, "tp")}
-    est = cost.estimate(priced, local, hw, allreduce=allreduce, groups=groups, params_per_rank=params_per_rank,
-                        **options)
+    groups = groups or groups_of(m)
+    est = cost.estimate(priced, local, hw, allreduce=allreduce, params_per_rank=params_per_rank,
+                        groups={a: groups[a] for a in ("dp", "pp", "tp")}, **options)
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
-    rows = comms(plan, stats, hw, allreduce)
+    rows = comms(plan, stats, hw, allreduce, groups["cp"])
     est = cost.on_step(est, rows, "cp_seconds") if rows else est
     ring = plan.context_parallel.method == "ring"
     est.notes.append(

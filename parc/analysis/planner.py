@@ -526,14 +526,16 @@ class _Search:
 
     def _groups(self, mesh: Mesh) -> dict:
         from parc import mesh as meshlib
-        key = (mesh.dp, mesh.pp, mesh.tp, mesh.order)
+        key = (mesh.dp, mesh.pp, mesh.tp, mesh.cp, mesh.order)
         if key not in self.groups:  # the same for every candidate of one mesh shape
-            self.groups[key] = {a: self._distinct(meshlib.groups(mesh, a)) for a in ("dp", "pp", "tp")}
+            every = cp_cost.groups_of(mesh) if mesh.cp > 1 else {a: meshlib.groups(mesh, a) for a in ("dp", "pp", "tp")}
+            self.groups[key] = {a: self._distinct(g) for a, g in every.items()}
         return self.groups[key]
 
     def _distinct(self, groups: list[list[int]]) -> list[list[int]]:
         """One group of each placement: groups whose ranks sit alike on their nodes (the same slots, the same
-        node offsets from the first) cost the same, so the cost model need not walk all world / n of them."""
+        node offsets from the first) cost the same, so the cost model need not walk all world / n of them.
+        Assumes the groups are translates of one another, as an axis's (and dp × cp's) are."""
         per, seen = self.hw.gpus_per_node, {}
         for g in groups:
             # the groups of an axis are translates of one another (parc/mesh.py `groups`): one whose first rank
@@ -552,7 +554,8 @@ class _Search:
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
         if m.cp > 1:  # as `parc report` prices cp: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls
-            est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe))
+            est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe),
+                                   groups=self._groups(m))
             return plan_experts.price(est, plan, self.moe, self.hw)
         est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
                             params_per_rank=plan_experts.params_per_rank(plan, self.moe))
