@@ -37,11 +37,20 @@ PER_TOKEN = ("flops", "act", "kept_bytes", "recompute_peak_bytes", "logits_eleme
 
 def localize(plan, stats: dict) -> tuple[object, dict]:
     """(the plan as dp × cp data-parallel ranks, one cp rank's statistics): see the module docstring."""
-    m, cp = plan.mesh, plan.mesh.cp
-    batch = replace(plan.batch, accumulation=plan.accumulation)  # kept: the dp it was derived from is not dp'
-    priced = replace(plan, mesh=replace(m, dp=m.dp * cp, cp=1), batch=batch)
+    return as_data_parallel(plan), local_stats(stats, plan.mesh.cp)
+
+
+def as_data_parallel(plan):
+    """`plan` with its dp × cp ranks as dp, cp 1, the accumulation kept (the dp it was derived from is not dp')."""
+    m = plan.mesh
+    batch = replace(plan.batch, accumulation=plan.accumulation)
+    return replace(plan, mesh=replace(m, dp=m.dp * m.cp, cp=1), batch=batch)
+
+
+def local_stats(stats: dict, cp: int) -> dict:
+    """One cp rank's statistics of a micro-batch: the per-token counts and op rows over cp (`localize`)."""
     stages = [_stage(d, cp) for d in stats["stages"]]
-    return priced, dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
+    return dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
 
 
 def _stage(d: dict, cp: int) -> dict:
@@ -95,11 +104,12 @@ def groups_of(mesh) -> dict[str, list[list[int]]]:
 
 
 def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
-             **options) -> cost.Estimate:
+             local: dict | None = None, **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
-    `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `options`:
-    cost.estimate's own (another system's run: `report.System.estimate_options`)."""
-    priced, local = localize(plan, stats)
+    `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `local`:
+    `local_stats(stats, cp)` when the caller keeps it (a planner's, so that its memo sees the same dicts).
+    `options`: cost.estimate's own (another system's run: `report.System.estimate_options`; `schedules`)."""
+    priced, local = (as_data_parallel(plan), local) if local is not None else localize(plan, stats)
     m = plan.mesh
     groups = groups or groups_of(m)
     est = cost.estimate(priced, local, hw, allreduce=allreduce, params_per_rank=params_per_rank,

@@ -9,7 +9,8 @@ on meta), then:
    gate/up → down); the token embedding and a head as wide as the vocabulary are `vocab`; norms
    `replicate`. A model whose structure does not fit gets no tp > 1 candidate, with the reason;
 2. enumerates dp × tp × pp × schedule (× virtual stages) × micro-batch × ZeRO stage × recompute ×
-   sequence parallelism (`_candidates`); each is a `Plan` built in code, dropped with its reason when
+   sequence parallelism (`_plans`), and for a model with self-attention cp × dp × pp (`_cp_plans`, priced by
+   cp_cost as `parc report` prices them); each is a `Plan` built in code, dropped with its reason when
    the mesh, batch or widths do not divide, or when `validate` or `support.check` refuse it (what `parc check` and `parc compile` would say);
 3. gives each survivor the per-stage statistics `cost.graph_stats` would (`_Stats`): those are
    computed for one stage and for one stage per layer, and any pp × virtual split is assembled from
@@ -18,7 +19,8 @@ on meta), then:
    ranking learns — for memory and step time, drops what does not fit, and ranks by step time.
    Deep pipelines are the expensive part (the estimate simulates every slot of the schedule), so
    pipelined candidates are first bounded below by a probe at one micro-batch per step
-   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, admissible),
+   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, and the exposed dp
+   time, admissible: tests/test_planner_exact.py checks it against every full estimate of small searches),
    and fully estimated in the order of the probe's extrapolated step, skipping those whose bound
    reaches the `top`-th best step found (branch and bound; `_Search.run`): the winner does not
    depend on `top`;
@@ -523,6 +525,7 @@ class _Search:
         self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
         self.schedules = Schedules()  # each schedule built once, simulated once per set of costs
+        self.local: dict = {}         # (id of statistics, cp) → (them, one cp rank's share): cp_cost.local_stats
 
     def _groups(self, mesh: Mesh) -> dict:
         from parc import mesh as meshlib
@@ -554,8 +557,12 @@ class _Search:
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
         if m.cp > 1:  # as `parc report` prices cp: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls
+            key = (id(stats), m.cp)   # one cp rank's statistics, kept with the serial ones they come from
+            held = self.local.get(key)
+            if held is None or held[0] is not stats:
+                held = self.local[key] = (stats, cp_cost.local_stats(stats, m.cp))
             est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe),
-                                   groups=self._groups(m))
+                                   groups=self._groups(m), local=held[1], schedules=self.schedules)
             return plan_experts.price(est, plan, self.moe, self.hw)
         est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
                             params_per_rank=plan_experts.params_per_rank(plan, self.moe))
