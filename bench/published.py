@@ -41,6 +41,8 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)). The 1.7B–7.5B rows are the table's first three (tp 1, 2, 4
 # inside a node, pp 1, global batch 512); the issue's own audit quotes the 1.7B row. The 3.6B and 7.5B rows
 # were transcribed from the table as recalled, not re-read against the paper's text: check them there.
+# (2026-12-04, helper cost2: searched the stored pages, docs and code for a text copy of Table 1 to check
+# them against; none was found (the Megatron-LM README shows it as an image), so they stay unverified.)
 MEGATRON = "Megatron-LM 2021 Table 1"
 BLOOM = "BLOOM (BigScience 2022)"
 MTNLG = "MT-NLG (Smith et al. 2022)"

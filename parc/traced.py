@@ -14,6 +14,7 @@ returns the user's own FQNs, never a wrapper's.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -100,8 +101,10 @@ def module_path(node: torch.fx.Node) -> str:
     return normalize_path(path)
 
 
+@functools.lru_cache(maxsize=65536)
 def normalize_path(path: str) -> str:
-    """`L['self'].model.blocks[0].attn` or `model.blocks.0.attn` → `blocks.0.attn`."""
+    """`L['self'].model.blocks[0].attn` or `model.blocks.0.attn` → `blocks.0.attn`. Memoized: the cost model
+    asks for every node's path in each of its graph walks (a planner's dozens over a 126-layer graph)."""
     path = _INDEX.sub(r".\1", path.split("@")[0])
     parts = [p for p in path.split(".") if p]
     if parts[:1] in (["L"], ["self"]):

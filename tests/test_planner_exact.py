@@ -37,7 +37,8 @@ def test_bound_of_a_pipeline_counts_fill_and_drain():
     the drain (13); interleaved falls back to compute alone."""
     from types import SimpleNamespace as NS
 
-    probe = NS(stage_seconds=[(1.0, 2.0), (1.0, 2.0)], compute_seconds=3.0, optimizer_seconds=0.5)
+    probe = NS(stage_seconds=[(1.0, 2.0), (1.0, 2.0)], compute_seconds=3.0, optimizer_seconds=0.5,
+               dp_exposed_seconds=0.0, hw=NS(collectives=()))
 
     def plan(schedule, virtual=1):
         return NS(accumulation=4, mesh=NS(pp=2), pipeline=NS(schedule=schedule, virtual=virtual))
@@ -46,6 +47,36 @@ def test_bound_of_a_pipeline_counts_fill_and_drain():
     assert planner.pipeline_bound(probe, plan("gpipe")) == 15.5
     assert planner.pipeline_bound(probe, plan("zb_h1")) == 13.5
     assert planner.pipeline_bound(probe, plan("interleaved_1f1b", 2)) == 12.5
+
+
+def test_bound_adds_the_probes_exposed_dp_but_not_under_measured_collectives():
+    """The probe's exposed dp seconds equal (plain dp, ZeRO-1) or are one micro-batch's share of (ZeRO-2) the
+    plan's, so they join the bound; a calibrated CPU prices each call by the compute between calls, which the
+    probe's one micro-batch changes, so there they do not."""
+    from types import SimpleNamespace as NS
+
+    plan = NS(accumulation=4, mesh=NS(pp=2), pipeline=NS(schedule="1f1b", virtual=1))
+    gpu = NS(stage_seconds=[(1.0, 2.0), (1.0, 2.0)], compute_seconds=3.0, optimizer_seconds=0.5,
+             dp_exposed_seconds=0.25, hw=NS(collectives=()))
+    assert planner.pipeline_bound(gpu, plan) == 15.75
+    cpu = NS(**{**vars(gpu), "hw": NS(collectives=(("all-reduce", 2, 1024, 0.0, 1e-4),))})
+    assert planner.pipeline_bound(cpu, plan) == 15.5
+
+
+@pytest.mark.parametrize("gpus, nodes, batch", [(8, 1, 16), (16, 2, 32)])
+def test_every_bound_is_below_its_full_estimate(gpus, nodes, batch):
+    """Property: with a budget nothing can reach (top beyond the candidates), no candidate is bounded out, so
+    every pipelined one that fits its probe is estimated in full; each one's bound is ≤ its step."""
+    every = planner.search(GPT, gpus=gpus, nodes=nodes, preset="h100", global_batch=batch, precision="bf16",
+                           top=10 ** 9)
+    estimated = [c for c in every.ranked + every.dropped if c.plan.mesh.pp > 1 and c.est is not None]
+    assert not any((c.reason or "").startswith("bounded out") for c in every.dropped)
+    assert len(estimated) >= 50
+    for c in estimated:
+        assert c.bound <= c.step * (1 + 1e-9), (c.describe(), c.bound, c.step)
+    one = planner.search(GPT, gpus=gpus, nodes=nodes, preset="h100", global_batch=batch, precision="bf16", top=1)
+    assert one.winner.plan == every.winner.plan and one.winner.step == every.winner.step
+    assert any((c.reason or "").startswith("bounded out") for c in one.dropped)   # the bound did prune
 
 
 @pytest.mark.slow

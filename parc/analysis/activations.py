@@ -43,6 +43,7 @@ needs (`_rebuilt`). Those copies are kept, not part of the working set.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -70,7 +71,13 @@ SCALAR_FREE = ("aten.mul.", "aten.div.")
 
 
 def _name(n: fx.Node) -> str:
-    return str(n.target) if n.op == "call_function" else n.op
+    return _target_name(n.target) if n.op == "call_function" else n.op
+
+
+@functools.lru_cache(maxsize=4096)
+def _target_name(target) -> str:
+    """str() of an op (`aten.mm.default`), built once per op: the walks over a large graph ask millions of times."""
+    return str(target)
 
 
 def _is(n: fx.Node, names) -> bool:
@@ -101,10 +108,16 @@ def _grad(n) -> bool:
     if not isinstance(n, fx.Node):
         return False
     if "parc_grad" not in n.meta:
-        if n.op == "placeholder":
-            n.meta["parc_grad"] = bool(getattr(n.meta.get("val"), "requires_grad", False))
-        else:
-            n.meta["parc_grad"] = _floating(n) and any(_grad(a) for a in n.all_input_nodes)
+        # every node of the graph in its (topological) order, each from its inputs' answers: no recursion,
+        # which a 126-layer graph (Llama 405B, replicated in full) took past Python's depth limit
+        for m in n.graph.nodes:
+            if "parc_grad" in m.meta:
+                continue
+            if m.op == "placeholder":
+                m.meta["parc_grad"] = bool(getattr(m.meta.get("val"), "requires_grad", False))
+            else:
+                m.meta["parc_grad"] = _floating(m) and any(a.meta.get("parc_grad", False)
+                                                           for a in m.all_input_nodes)
     return n.meta["parc_grad"]
 
 

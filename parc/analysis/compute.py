@@ -73,11 +73,25 @@ def _nearest(table, point: tuple[float, ...], k: int = 4) -> float:
     return sum(wi * v for wi, (_, v) in zip(w, near)) / sum(w)
 
 
+_LOOKED_UP: dict = {}   # id(hw.matmul) → (the table, {(dtype, m, n, k): efficiency}): a planner asks again and again
+
+
 def matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
     """Fraction of `hw.flops[dtype]` one (m×k)·(k×n) matmul reaches, from the preset's table, at most
     the preset's `matmul_sustained`: the tables time a matmul in a short loop, at the boost clock; a
     large one inside a training step draws the board's full power and runs at the clock that power
-    allows (presets.py: H200 708.5 sustained against 841.9 TFLOP/s in a burst)."""
+    allows (presets.py: H200 708.5 sustained against 841.9 TFLOP/s in a burst). Memoized per table
+    (held with its answers, so its id names it while they live) and shape: a pure function of them."""
+    table, answers = _LOOKED_UP.get(id(hw.matmul), (None, None))
+    if table is not hw.matmul:
+        table, answers = _LOOKED_UP[id(hw.matmul)] = (hw.matmul, {})
+    key = (dtype, m, n, k, hw.matmul_sustained, hw.achievable)
+    if key not in answers:
+        answers[key] = _matmul_efficiency(hw, dtype, m, n, k)
+    return answers[key]
+
+
+def _matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
     rows = [r[1:] for r in hw.matmul if r[0] == dtype] or [r[1:] for r in hw.matmul]
     e = _nearest(rows, (m, n, k)) if rows else hw.achievable
     return min(e, hw.matmul_sustained) if hw.matmul_sustained else e

@@ -181,6 +181,12 @@ def _elements(val) -> int:
 
 
 def _style(path: str, rules) -> str | None:
+    return _styles(path, tuple(rules))
+
+
+@functools.lru_cache(maxsize=65536)
+def _styles(path: str, rules: tuple) -> str | None:
+    """The first rule matching `path` (memoized: the cost model asks for every node of a large graph)."""
     return next((r.style for r in rules if fnmatchcase(path, r.pattern)), None)
 
 
@@ -210,11 +216,14 @@ def graph_stats(traced, plan) -> dict:
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
     state_names = {spec.name for spec in traced.state}
     sharded_of = {}
+    in_core: dict[str, bool] = {}   # per module path: inside a column module's parent (the sharded core)
     for n in nodes:
         p = path_of[n]
         style = _style(p, rules)
+        if style is None and p not in in_core:
+            in_core[p] = any(_under(p, c) for c in core)
         sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
-            or (style is None and any(_under(p, c) for c in core))
+            or (style is None and in_core[p])
     tp_inputs, tp_outputs = set(), set()
     for n in nodes:
         s, p = n.meta.get(STAGE, 0), path_of[n]
@@ -543,7 +552,13 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
     def stage_times(d):
         if compute.has_model(hw, d):
-            f, b = compute.stage_seconds(d["ops"], hw, dtype, tp, attention, attention_dropout)
+            # the same statistics (a planner's probe and its plans hold one dict per split) cost the same
+            key = (id(d), id(hw), dtype, tp, attention, attention_dropout)
+            held = memo.stage_costs.get(key)
+            if held is None or held[0] is not d or held[1] is not hw:
+                held = memo.stage_costs[key] = (d, hw, compute.stage_seconds(d["ops"], hw, dtype, tp, attention,
+                                                                              attention_dropout))
+            f, b = held[2]
             # in a step, ops run slower than each in a loop of itself, as the tables time them (a calibrated
             # CPU's `in_step`, calibrate_step.py; 1 on the shipped presets)
             f, b = f * hw.in_step[0], b * hw.in_step[1]

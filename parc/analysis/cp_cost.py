@@ -37,11 +37,20 @@ PER_TOKEN = ("flops", "act", "kept_bytes", "recompute_peak_bytes", "logits_eleme
 
 def localize(plan, stats: dict) -> tuple[object, dict]:
     """(the plan as dp × cp data-parallel ranks, one cp rank's statistics): see the module docstring."""
-    m, cp = plan.mesh, plan.mesh.cp
-    batch = replace(plan.batch, accumulation=plan.accumulation)  # kept: the dp it was derived from is not dp'
-    priced = replace(plan, mesh=replace(m, dp=m.dp * cp, cp=1), batch=batch)
+    return as_data_parallel(plan), local_stats(stats, plan.mesh.cp)
+
+
+def as_data_parallel(plan):
+    """`plan` with its dp × cp ranks as dp, cp 1, the accumulation kept (the dp it was derived from is not dp')."""
+    m = plan.mesh
+    batch = replace(plan.batch, accumulation=plan.accumulation)
+    return replace(plan, mesh=replace(m, dp=m.dp * m.cp, cp=1), batch=batch)
+
+
+def local_stats(stats: dict, cp: int) -> dict:
+    """One cp rank's statistics of a micro-batch: the per-token counts and op rows over cp (`localize`)."""
     stages = [_stage(d, cp) for d in stats["stages"]]
-    return priced, dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
+    return dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
 
 
 def _stage(d: dict, cp: int) -> dict:
@@ -56,9 +65,10 @@ def _stage(d: dict, cp: int) -> dict:
     return out
 
 
-def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
+def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None) -> list[cost.Comm]:
     """The cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic,
-    from the serial statistics: with virtual stages a pp rank runs the chunks i ≡ its rank (mod pp)."""
+    from the serial statistics: with virtual stages a pp rank runs the chunks i ≡ its rank (mod pp). `groups`:
+    the cp groups to price over (the planner passes one of each placement), else every cp group of the mesh."""
     m, cp = plan.mesh, plan.mesh.cp
     ring = plan.context_parallel.method == "ring"
     act_b = 4 if plan.precision == "fp32" else 2
@@ -81,7 +91,7 @@ def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
     volume, calls = max(per_rank, default=(0.0, 0))
     if not calls:
         return []
-    groups = meshlib.groups(m, "cp")
+    groups = groups or meshlib.groups(m, "cp")
     if ring:
         return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
                                  calls=calls)]
@@ -90,16 +100,25 @@ def comms(plan, stats: dict, hw, allreduce: str) -> list[cost.Comm]:
     return [replace(row, collective="all-to-all")]
 
 
-def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
+def groups_of(mesh) -> dict[str, list[list[int]]]:
+    """The groups a cp plan is priced over: "dp" the dp × cp ranks that reduce gradients together, "cp" the rings."""
+    return {"dp": meshlib.dp_cp_groups(mesh), "pp": meshlib.groups(mesh, "pp"), "tp": meshlib.groups(mesh, "tp"),
+            "cp": meshlib.groups(mesh, "cp")}
+
+
+def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
+             local: dict | None = None, **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
-    `options`: cost.estimate's own (another system's run: `report.System.estimate_options`)."""
-    priced, local = localize(plan, stats)
+    `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `local`:
+    `local_stats(stats, cp)` when the caller keeps it (a planner's, so that its memo sees the same dicts).
+    `options`: cost.estimate's own (another system's run: `report.System.estimate_options`; `schedules`)."""
+    priced, local = (as_data_parallel(plan), local) if local is not None else localize(plan, stats)
     m = plan.mesh
-    groups = {"dp": meshlib.dp_cp_groups(m), "pp": meshlib.groups(m, "pp"), "tp": meshlib.groups(m, "tp")}
-    est = cost.estimate(priced, local, hw, allreduce=allreduce, groups=groups, params_per_rank=params_per_rank,
-                        **options)
+    groups = groups or groups_of(m)
+    est = cost.estimate(priced, local, hw, allreduce=allreduce, params_per_rank=params_per_rank,
+                        groups={a: groups[a] for a in ("dp", "pp", "tp")}, **options)
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
-    rows = comms(plan, stats, hw, allreduce)
+    rows = comms(plan, stats, hw, allreduce, groups["cp"])
     est = cost.on_step(est, rows, "cp_seconds") if rows else est
     ring = plan.context_parallel.method == "ring"
     est.notes.append(

@@ -9,7 +9,8 @@ on meta), then:
    gate/up → down); the token embedding and a head as wide as the vocabulary are `vocab`; norms
    `replicate`. A model whose structure does not fit gets no tp > 1 candidate, with the reason;
 2. enumerates dp × tp × pp × schedule (× virtual stages) × micro-batch × ZeRO stage × recompute ×
-   sequence parallelism (`_candidates`); each is a `Plan` built in code, dropped with its reason when
+   sequence parallelism (`_plans`), and for a model with self-attention cp × dp × pp (`_cp_plans`, priced by
+   cp_cost as `parc report` prices them); each is a `Plan` built in code, dropped with its reason when
    the mesh, batch or widths do not divide, or when `validate` or `support.check` refuse it (what `parc check` and `parc compile` would say);
 3. gives each survivor the per-stage statistics `cost.graph_stats` would (`_Stats`): those are
    computed for one stage and for one stage per layer, and any pp × virtual split is assembled from
@@ -18,7 +19,8 @@ on meta), then:
    ranking learns — for memory and step time, drops what does not fit, and ranks by step time.
    Deep pipelines are the expensive part (the estimate simulates every slot of the schedule), so
    pipelined candidates are first bounded below by a probe at one micro-batch per step
-   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, admissible),
+   (`pipeline_bound`: the bottleneck rank's compute with the pipeline's fill and drain, and the exposed dp
+   time, admissible: tests/test_planner_exact.py checks it against every full estimate of small searches),
    and fully estimated in the order of the probe's extrapolated step, skipping those whose bound
    reaches the `top`-th best step found (branch and bound; `_Search.run`): the winner does not
    depend on `top`;
@@ -40,13 +42,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parc.analysis import compute, cost, plan_experts
+from parc.analysis import compute, cost, cp_cost, plan_experts
 from parc.analysis.preset_file import is_file
 from parc.analysis.schedules import Schedules
 from parc.analysis.report import _size
 from parc.errors import ParcError
-from parc.grammar.plan import (Batch, Mesh, Pipeline, Plan, Recompute, TensorParallel, Topology, TPRule,
-                               Zero)
+from parc.grammar.plan import (CP_DEFAULT_ORDER, CP_METHODS, Batch, ContextParallel, Mesh, Pipeline, Plan, Recompute,
+                               TensorParallel, Topology, TPRule, Zero)
 
 log = logging.getLogger(__name__)
 MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
@@ -198,7 +200,7 @@ class _Stats:
         self.cache: dict = {}
         self.assembled: dict = {}
         self.split: dict = {}
-        self.assigned = None
+        self.stage_of: dict = {}   # stages → {node: its stage}: assign_stages' marks, computed once per split
 
     def _plan(self, variant) -> Plan:
         rec, tp, sp, casts = variant
@@ -210,10 +212,17 @@ class _Stats:
     def _raw(self, stages: int, variant) -> dict:
         key = (stages, variant)
         if key not in self.cache:
-            from parc.passes.pipeline_split import assign_stages
-            if self.assigned != stages:
+            from parc.passes.pipeline_split import STAGE, assign_stages
+            nodes = self.traced.gm.graph.nodes
+            if stages not in self.stage_of:
                 assign_stages(self.traced, replace(self.base, pipeline=None), stages)
-                self.assigned = stages
+                self.stage_of[stages] = {n: n.meta[STAGE] for n in nodes if STAGE in n.meta}
+            # the marks of this split, restored each time: the variants alternate between two splits, and
+            # compile's passes on a winner (`_pass_refusal`) mark the graph with theirs
+            marks = self.stage_of[stages]
+            for n in nodes:
+                if n in marks:
+                    n.meta[STAGE] = marks[n]
             self.cache[key] = cost.graph_stats(self.traced, self._plan(variant))
         return self.cache[key]
 
@@ -302,7 +311,10 @@ class Candidate:
 
     def describe(self) -> str:
         p, m = self.plan, self.plan.mesh
-        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")]
+        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" × cp {m.cp}" if m.cp > 1 else "")
+                 + (f" (ep {m.ep})" if m.ep > 1 else "")]
+        if m.cp > 1:
+            parts.append(f"cp {p.context_parallel.method}")
         if m.pp > 1:
             v = p.pipeline.virtual
             parts.append(p.pipeline.schedule + (f" v{v}" if v > 1 else ""))
@@ -397,6 +409,64 @@ def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: in
                                     pipeline=pipe, zero=Zero(zero, shard),
                                     recompute=Recompute((f"{prefix}.*",) if rec and prefix else ()),
                                     precision=precision))
+    return out + _cp_plans(traced, gpus, topo, global_batch, precision, dropped)
+
+
+CP_SCHEDULES = ("1f1b", "gpipe")   # the pipelines proven with cp (parc/analysis/cp_support.py)
+
+
+def attention_length(traced) -> int | None:
+    """T, the one sequence length every fused attention (scaled_dot_product_attention) of the model runs over
+    as self-attention; None without attention, or with attentions over other lengths (cross attention):
+    context parallelism splits one sequence (passes/context_parallel.py refuses the rest)."""
+    lengths = set()
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
+            q, k = (a.meta["val"].shape for a in n.args[:2])
+            lengths.add(q[-2] if q[-2] == k[-2] else -1)
+    return lengths.pop() if len(lengths) == 1 and -1 not in lengths else None
+
+
+def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: str, dropped: list) -> list[Plan]:
+    """Context-parallel candidates (`mesh … cp=N`, `context_parallel ring|alltoall`) for a model with
+    self-attention over one length T: each cp > 1 dividing the GPUs whose 2·cp chunks divide T (the causal
+    load balancing both methods use), over dp × pp with what cp composes with today (cp_support.py): no tp,
+    pipelines 1F1B and GPipe, ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core
+    (`tp,cp,pp,dp`: cp ranks adjacent, on one node while cp ≤ its GPUs)."""
+    from parc.passes.pipeline_split import _layer_prefix
+
+    t = attention_length(traced)
+    if not t:
+        return []
+    L = traced.num_layers
+    prefix = _layer_prefix(traced.module_paths, L)
+    out = []
+    for cp in _divisors(gpus)[1:]:
+        if t % (2 * cp):
+            dropped.append(Candidate(Plan(mesh=Mesh(tp=1, cp=cp, order=CP_DEFAULT_ORDER)),
+                                     f"cp {cp}: sequence length {t} is not divisible by 2 × cp = {2 * cp} "
+                                     f"({t} = {t // (2 * cp)} × {2 * cp} + {t % (2 * cp)})"))
+            continue
+        for pp in _divisors(gpus // cp):
+            dp = gpus // (cp * pp)
+            mesh = Mesh(dp, pp, 1, order=CP_DEFAULT_ORDER, cp=cp)
+            if pp > 1 and (prefix is None or pp > L):
+                dropped.append(Candidate(Plan(mesh=mesh), f"pp {pp} > {L} layers" if prefix else
+                                         "pp > 1 needs repeated layers to cut between"))
+                continue
+            if global_batch % dp:
+                dropped.append(Candidate(Plan(mesh=mesh), f"global batch {global_batch} is not a multiple of dp {dp}"))
+                continue
+            pipes = [None] if pp == 1 else [Pipeline(s) for s in CP_SCHEDULES]
+            for micro in (m for m in MICROS if (global_batch // dp) % m == 0):
+                for pipe in pipes:
+                    for zero in (0, 1, 2, 3):
+                        for rec in (False, True):
+                            for method in CP_METHODS:
+                                out.append(Plan(
+                                    mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
+                                    zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
+                                    recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
     return out
 
 
@@ -455,21 +525,30 @@ class _Search:
         self.moe = moe  # the model's experts (plan_experts.find), for ep candidates
         self.groups: dict = {}
         self.schedules = Schedules()  # each schedule built once, simulated once per set of costs
+        self.local: dict = {}         # (id of statistics, cp) → (them, one cp rank's share): cp_cost.local_stats
 
     def _groups(self, mesh: Mesh) -> dict:
         from parc import mesh as meshlib
-        key = (mesh.dp, mesh.pp, mesh.tp, mesh.order)
+        key = (mesh.dp, mesh.pp, mesh.tp, mesh.cp, mesh.order)
         if key not in self.groups:  # the same for every candidate of one mesh shape
-            self.groups[key] = {a: self._distinct(meshlib.groups(mesh, a)) for a in ("dp", "pp", "tp")}
+            every = cp_cost.groups_of(mesh) if mesh.cp > 1 else {a: meshlib.groups(mesh, a) for a in ("dp", "pp", "tp")}
+            self.groups[key] = {a: self._distinct(g) for a, g in every.items()}
         return self.groups[key]
 
     def _distinct(self, groups: list[list[int]]) -> list[list[int]]:
         """One group of each placement: groups whose ranks sit alike on their nodes (the same slots, the same
-        node offsets from the first) cost the same, so the cost model need not walk all world / n of them."""
+        node offsets from the first) cost the same, so the cost model need not walk all world / n of them.
+        Assumes the groups are translates of one another, as an axis's (and dp × cp's) are."""
         per, seen = self.hw.gpus_per_node, {}
         for g in groups:
-            seen.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
-        return list(seen.values())
+            # the groups of an axis are translates of one another (parc/mesh.py `groups`): one whose first rank
+            # has the same slot on its node as a group seen sits alike (its key would be the same)
+            if g[0] % per not in seen:
+                seen[g[0] % per] = g
+        keys = {}
+        for g in seen.values():
+            keys.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
+        return list(keys.values())
 
     def estimate(self, plan: Plan):
         m = plan.mesh
@@ -477,6 +556,14 @@ class _Search:
         variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
                    plan.zero.stage < 3)
         stats = self.stats.get(m.pp * virtual, variant, plan.micro_batch)
+        if m.cp > 1:  # as `parc report` prices cp: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls
+            key = (id(stats), m.cp)   # one cp rank's statistics, kept with the serial ones they come from
+            held = self.local.get(key)
+            if held is None or held[0] is not stats:
+                held = self.local[key] = (stats, cp_cost.local_stats(stats, m.cp))
+            est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe),
+                                   groups=self._groups(m), local=held[1], schedules=self.schedules)
+            return plan_experts.price(est, plan, self.moe, self.hw)
         est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
                             params_per_rank=plan_experts.params_per_rank(plan, self.moe))
         return plan_experts.price(est, plan, self.moe, self.hw)
@@ -518,8 +605,10 @@ class _Search:
                 if self._fits(c, c.est):
                     done.append(c)
                 continue
-            # compute is the same for every schedule and ZeRO stage of one pipeline shape: probed once
-            key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual)
+            # compute is the same for every schedule of one pipeline shape and ZeRO layout: probed once (the
+            # ZeRO stage changes the exposed dp time the bound counts, and under ZeRO-3 the weight casts)
+            key = (p.mesh, p.micro_batch, p.recompute, p.tensor_parallel.sequence_parallel, p.pipeline.virtual,
+                   p.zero)
             if key not in probes:
                 probes[key] = self._probe(c)
             probe = probes[key]
@@ -560,8 +649,15 @@ def pipeline_bound(probe, plan: Plan) -> float:
     arrives through them), then all of r's own work (acc × (F + B), one action at a time), then under
     1F1B and GPipe the backwards of the stages before r (the last micro-batch's gradient leaves r last and
     crosses them; ZB-H1 may run weight gradients after it: not counted). The optimizer step follows it
-    (the probe's, at one micro-batch: no more than at acc). Communication and the dp tail only add. An
-    interleaved plan's ranks hold several stages: compute alone there (the busiest rank's)."""
+    (the probe's, at one micro-batch: no more than at acc). P2P only adds. An interleaved plan's ranks hold
+    several stages: compute alone there (the busiest rank's).
+
+    The dp communication the step exposes after the makespan (`cost.estimate`'s `dp_exposed`) is added too,
+    the probe's: it prices the same mesh, groups, parameters per rank and one micro-batch's backward as its
+    window, so plain dp's exposed all-reduce and ZeRO-1's collectives come out equal to the full plan's, and
+    ZeRO-2's per-micro-batch reduce-scatter is one of the plan's `acc` (`cost.zero_exposed`). Not where the
+    probe differs from the plan (interleaved: one stage a rank) or a call's price depends on the compute
+    between calls (a calibrated CPU's measured `collectives`)."""
     acc, pp = plan.accumulation, plan.mesh.pp
     fb = probe.stage_seconds
     if plan.pipeline.virtual > 1 or len(fb) != pp:
@@ -571,7 +667,8 @@ def pipeline_bound(probe, plan: Plan) -> float:
     for f, b in fb:
         best = max(best, before_f + acc * (f + b) + (before_b if drain else 0.0))
         before_f, before_b = before_f + f, before_b + b
-    return best + probe.optimizer_seconds
+    dp = probe.dp_exposed_seconds if not probe.hw.collectives else 0.0
+    return best + probe.optimizer_seconds + dp
 
 
 def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | None = "h100", global_batch: int,
@@ -758,7 +855,8 @@ def summary(result: Result, top: int) -> list[str]:
 
 def _mesh(c: Candidate) -> str:
     m = c.plan.mesh
-    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" (ep {m.ep})" if m.ep > 1 else "")
+    return f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" × cp {m.cp}" if m.cp > 1 else "") + \
+        (f" (ep {m.ep})" if m.ep > 1 else "")
 
 
 def to_json(result: Result, top: int) -> str:

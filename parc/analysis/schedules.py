@@ -1,4 +1,4 @@
-"""A memo of pipeline schedules and their simulations, for callers that estimate many plans.
+"""A memo of pipeline schedules, their simulations and stages' compute prices, for callers that estimate many plans.
 
 `cost.estimate` builds a schedule (name, pp, micro-batches, virtual stages) and simulates it with each
 stage's costs. Candidates of a search that differ only in what the pipeline does not see (ZeRO stage,
@@ -25,6 +25,9 @@ class Schedules:
     def __init__(self):
         self.built: dict = {}
         self.ran: dict = {}
+        # (ids of a stage's statistics and the hardware, dtype, tp, attention) → (the statistics, the hardware,
+        # their (forward, backward) seconds from parc.analysis.compute): held with both, so their ids name them
+        self.stage_costs: dict = {}
 
     def build(self, name: str, pp: int, acc: int, virtual: int = 1, **kwargs):
         from parc.passes.schedule import build_schedule

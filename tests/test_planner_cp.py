@@ -1,0 +1,49 @@
+"""The planner searches context parallelism (issue 27): cp candidates (`mesh … cp=N`, `context_parallel
+ring|alltoall`) for a model with self-attention, priced as `parc report` prices them (parc/analysis/cp_cost.py).
+
+A Llama 3 8B-shaped model at 128k tokens (tests/models/llama_long.py) on 64 H100s: without cp every plan's
+activations overflow 80 GiB (tp 8 with sequence parallelism and recompute included), so the winner is a cp
+plan, and the written plan reads back with its cp lines. Traced on meta once per search (~10 s CPU each).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT
+
+from parc.analysis import planner
+from parc.grammar.parser import parse
+
+LONG = ROOT / "tests" / "models" / "llama_long.py"
+
+
+@pytest.fixture(scope="module")
+def every():
+    """No candidate bounded out (top beyond them all): each plan that fits is estimated and ranked."""
+    return planner.search(LONG, gpus=64, preset="h100", global_batch=32, top=10 ** 9)
+
+
+def test_128k_tokens_on_64_h100s_pick_cp_because_nothing_else_fits(every):
+    assert every.winner.plan.mesh.cp > 1, every.winner.describe()
+    assert all(c.plan.mesh.cp > 1 for c in every.ranked)
+    plain = [c for c in every.dropped if c.plan.mesh.cp == 1 and c.plan.batch is not None]
+    unfit = [c for c in plain if c.reason.startswith("does not fit")]
+    assert unfit and any(c.plan.mesh.tp == 8 and c.plan.tensor_parallel.sequence_parallel
+                         and c.plan.recompute.patterns for c in unfit)
+    # every plan without cp is either refused by parc's checks or does not fit: none was merely outpriced
+    assert not any(c.reason.startswith("bounded out") for c in plain)
+
+
+def test_cp_winner_is_the_same_at_top_1_and_reads_back(every):
+    one = planner.search(LONG, gpus=64, preset="h100", global_batch=32, top=1)
+    assert one.winner.plan == every.winner.plan and one.winner.step == every.winner.step
+    text = planner.plan_text(one, "parc plan")
+    plan = parse(text, "written.par")
+    assert plan.mesh.cp == one.winner.plan.mesh.cp and plan.context_parallel == one.winner.plan.context_parallel
+
+
+def test_no_attention_no_cp_candidates():
+    """examples/gpt.py has attention over its block size: cp candidates; a model without SDPA gets none."""
+    from types import SimpleNamespace as NS
+
+    assert planner.attention_length(NS(gm=NS(graph=NS(nodes=[])))) is None
