@@ -134,16 +134,24 @@ def counters(local: list[int], full: list[int], per_sample: int, sample0: int, s
     return idx.clone() if idx.dim() == 0 else idx
 
 
+_CP_RANK: int | None = None  # this process's cp rank, bound with the mesh's groups (bind_cp_rank)
+
+
+def bind_cp_rank(rank: int | None) -> None:
+    """Set by runtime/parallel/ops.py's `bind_groups` (the cp group's rank, None without cp): bound there so
+    this module, which ops imports to register its ops, never imports ops back."""
+    global _CP_RANK
+    _CP_RANK = rank
+
+
 def _resolved(shard: list[int]) -> list[int]:
-    """`shard` with THIS_CP_RANK replaced by this process's cp rank (runtime/parallel/ops.py's groups)."""
+    """`shard` with THIS_CP_RANK replaced by this process's cp rank (bound by `bind_cp_rank`)."""
     if THIS_CP_RANK not in shard[2::4]:
         return shard
-    import torch.distributed as dist
-
-    from parc.runtime.parallel.ops import group
-
-    rank = dist.get_rank(group("cp"))
-    return [rank if i % 4 == 2 and v == THIS_CP_RANK else v for i, v in enumerate(shard)]
+    if _CP_RANK is None:
+        raise RuntimeError("a keyed dropout split over cp ran with no cp group bound "
+                           "(parc.runtime.parallel.ops.bind_groups)")
+    return [_CP_RANK if i % 4 == 2 and v == THIS_CP_RANK else v for i, v in enumerate(shard)]
 
 
 def current_key() -> tuple[int, int, int]:

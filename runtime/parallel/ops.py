@@ -50,6 +50,7 @@ def bind_groups(ctx) -> None:
     """Bind each mesh axis name to this rank's process group of `ctx` (a ParallelContext)."""
     _GROUPS.clear()
     _GROUPS.update({axis: g for axis, g in ctx.groups.items() if g is not None})
+    parc.runtime.dropout.bind_cp_rank(dist.get_rank(_GROUPS["cp"]) if "cp" in _GROUPS else None)
 
 
 def group(axis: str):
@@ -337,4 +338,4 @@ for _op in (allreduce_identity, allgather_reducescatter, reducescatter_allgather
     mark_ordered(_op)
 
 
-import parc.runtime.dropout  # noqa: E402,F401 — registers torch.ops.parc.keyed_*
+import parc.runtime.dropout  # noqa: E402 — registers torch.ops.parc.keyed_*; bind_groups gives it the cp rank
