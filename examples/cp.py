@@ -29,8 +29,4 @@ def build_model() -> nn.Module:
 
 def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of step `step`: random 257-byte windows of the corpus, a pure function of the step."""
-    data, T = gpt._data(), CONFIG.block_size
-    g = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - T - 1, (batch_size,), generator=g)  # (B,)
-    windows = torch.stack([data[s:s + T + 1] for s in starts.tolist()])  # (B, T+1)
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T), (B, T)
+    return gpt.windows(step, batch_size, CONFIG.block_size)

@@ -132,7 +132,13 @@ def build_model() -> nn.Module:
 
 def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of step `step`: random byte windows, a pure function of (step, batch_size)."""
-    data, T = _data(), CONFIG.block_size
+    return windows(step, batch_size, CONFIG.block_size)
+
+
+def windows(step: int, batch_size: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` random (T + 1)-byte windows of the corpus drawn by `step`'s seed, shifted by one for the
+    targets (examples/cp.py and bench/gpt_long.py draw their longer windows here too)."""
+    data = _data()
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(data) - T - 1, (batch_size,), generator=g)  # (B,)
     windows = torch.stack([data[s:s + T + 1] for s in starts.tolist()])  # (B, T+1)
