@@ -86,8 +86,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
 
 
 def _run(gm: fx.GraphModule, plan, ctx, kv_subset: bool) -> fx.GraphModule:
-    rw = _Rewriter(gm, plan, ctx)
-    rw.kv_subset_ok = kv_subset
+    rw = _Rewriter(gm, plan, ctx, kv_subset)
     node = None
     try:
         as_linears(gm, rw)
@@ -115,7 +114,7 @@ def _run(gm: fx.GraphModule, plan, ctx, kv_subset: bool) -> fx.GraphModule:
 
 
 class _Rewriter:
-    def __init__(self, gm, plan, ctx):
+    def __init__(self, gm, plan, ctx, kv_subset: bool):
         self.gm, self.plan, self.ctx = gm, plan, ctx
         self.tp, self.rank = plan.mesh.tp, ctx.tp_rank
         self.sp = plan.tensor_parallel.sequence_parallel
@@ -125,7 +124,7 @@ class _Rewriter:
         self.sharded: dict[fx.Node, tuple] = {}  # sharded param placeholder → (its shard spec, the rule, a user)
         self.conv1d: dict[fx.Node, fx.Node] = {}  # `t(w)` made by as_linears for an (in, out) weight → w
         self.implied: dict[fx.Node, object] = {}  # each use of a tied vocab weight → the rule it runs under
-        self.kv_subset_ok = True  # Megatron's kv-subset form for fewer kv heads than tp (`run` decides)
+        self.kv_subset_ok = kv_subset  # Megatron's kv-subset form for fewer kv heads than tp (`run` decides)
         self.errors: list[Diagnostic] = []  # sizes tp does not divide, one per rule, raised after the walk
         self.seen: set[tuple] = set()  # what those errors are about (see `collect`)
 
