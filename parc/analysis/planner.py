@@ -35,6 +35,7 @@ compile's passes; `write` never replaces an existing file unless told to.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -311,8 +312,7 @@ class Candidate:
 
     def describe(self) -> str:
         p, m = self.plan, self.plan.mesh
-        parts = [f"dp {m.dp} × tp {m.tp} × pp {m.pp}" + (f" × cp {m.cp}" if m.cp > 1 else "")
-                 + (f" (ep {m.ep})" if m.ep > 1 else "")]
+        parts = [_mesh(self)]
         if m.cp > 1:
             parts.append(f"cp {p.context_parallel.method}")
         if m.pp > 1:
@@ -458,15 +458,12 @@ def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: s
                 dropped.append(Candidate(Plan(mesh=mesh), f"global batch {global_batch} is not a multiple of dp {dp}"))
                 continue
             pipes = [None] if pp == 1 else [Pipeline(s) for s in CP_SCHEDULES]
-            for micro in (m for m in MICROS if (global_batch // dp) % m == 0):
-                for pipe in pipes:
-                    for zero in (0, 1, 2, 3):
-                        for rec in (False, True):
-                            for method in CP_METHODS:
-                                out.append(Plan(
-                                    mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
-                                    zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
-                                    recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
+            micros = [m for m in MICROS if (global_batch // dp) % m == 0]
+            for micro, pipe, zero, rec, method in itertools.product(micros, pipes, (0, 1, 2, 3), (False, True),
+                                                                    CP_METHODS):
+                out.append(Plan(mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
+                                zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
+                                recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
     return out
 
 
