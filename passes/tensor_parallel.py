@@ -410,6 +410,10 @@ class _Rewriter:
         users = list(node.users)
         mask = self.call(node.next, aten.unsqueeze.default, (outside, -1), ids)
         zeroed = self.call(mask.next, aten.masked_fill.Scalar, (node, mask, 0.0), node, "partial")
+        # the embedding's own, not the next node's module (a recomputed layer that reads the embedding next
+        # would otherwise own the mask, and the all-reduce between them would cut its region in two)
+        for n in (mask, zeroed):
+            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
         for u in users:
             u.replace_input_with(node, zeroed)
         self.lay.of[node] = "partial"
