@@ -237,3 +237,53 @@ def test_groups_share_a_nodes_nics():
     steps = 2 * 7 * hw.latency_inter
     assert ar.seconds == pytest.approx(ar.bytes / (2 * 10e9) + steps)        # a NIC per GPU: 2 links
     assert shared.seconds == pytest.approx(ar.bytes / (1 * 10e9) + steps)    # 2 × 4/8: one link's worth
+
+
+def _tp_stats(tp_elements: int, backward: float) -> dict:
+    """One stage of tp-sharded parameters whose row layer all-reduces `tp_elements` once a micro-batch."""
+    stats = _stats(sharded=True)
+    stats["stages"][0].update(tp_bytes=tp_elements, tp_ops=1, flops_sharded=backward, flops_replicated=0)
+    return stats
+
+
+def test_tp_across_nodes_runs_at_the_nodes_nics():
+    """A tp group wider than a node is priced as any group across nodes (`cost._collective`): NCCL's rings
+    cross each node boundary once per channel, one channel per NIC, so tp 16 over 2 nodes of 8 moves its
+    ring volume at 8 NICs × inter (80 GB/s here), not NVLink's 450, and each ring step pays the network's
+    latency; with 4 NICs a node, at 4 × inter. Inside one node, tp 8 runs at NVLink."""
+    elements = 10 ** 7
+    across = parse("mesh tp=16\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
+    hw = cost.hardware("h100", across.topology)
+    est = cost.estimate(across, _tp_stats(elements, 1e12), hw)
+    (row,) = [c for c in est.comms if c.axis == "tp"]
+    volume = 2 * 15 / 16 * elements * 4                      # fp32 activations, ring all-reduce
+    assert row.bytes == pytest.approx(volume) and row.inter == pytest.approx(volume * 2 / 16)
+    assert row.seconds == pytest.approx(volume / (8 * 10e9) + 2 * 15 * hw.latency_inter)
+    four = cost.estimate(across, _tp_stats(elements, 1e12), replace(hw, nics_per_node=4))
+    assert four.tp_seconds == pytest.approx(volume / (4 * 10e9) + 2 * 15 * hw.latency_inter)
+    inside = parse("mesh dp=2 tp=8\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
+    (row8,) = [c for c in cost.estimate(inside, _tp_stats(elements, 1e12), hw).comms if c.axis == "tp"]
+    assert row8.inter == 0 and row8.seconds == pytest.approx(2 * 7 / 8 * elements * 4 / hw.intra_bw
+                                                             + 2 * 7 * hw.latency_intra)
+
+
+def test_dp_does_not_hide_under_tp_that_holds_the_nics():
+    """dp 2 × tp 8 on nodes of 4: both axes' groups leave the node, and tp's all-reduces hold its NICs while
+    they run, so dp's bucketed all-reduce overlaps the backward's compute only, not its tp seconds. On nodes
+    of 8 tp runs over NVLink and dp may hide under the whole backward, tp included."""
+    def exposed(nodes, per_node):
+        plan = parse(f"mesh dp=2 tp=8\ntopology nodes={nodes} gpus_per_node={per_node} inter=10GB/s\n")
+        stats = _tp_stats(4 * 10 ** 7, 5e10)   # compute well under tp's time
+        stats["stages"][0]["params_sharded"] = 10 ** 8   # 12.5M a tp rank, 50 MB of fp32 gradients: 2 buckets
+        est = cost.estimate(plan, stats, cost.hardware("h100", plan.topology))
+        dp = sum(c.seconds for c in est.comms if c.axis == "dp")
+        last = dp * 25 * 2 ** 20 / (10 ** 8 / 8 * 4)     # the last 25 MiB bucket waits for the backward's end
+        return est, dp, last
+
+    est, dp, last = exposed(4, 4)
+    backward = est.stage_seconds[0][1]
+    assert dp - (backward - est.tp_seconds / 2) > last      # the case where the rule decides
+    assert est.dp_exposed_seconds == pytest.approx(dp - (backward - est.tp_seconds / 2))
+    near, dp8, last8 = exposed(2, 8)
+    assert near.dp_exposed_seconds == pytest.approx(max(dp8 - near.stage_seconds[0][1], last8))
+    assert near.dp_exposed_seconds < est.dp_exposed_seconds

@@ -28,7 +28,8 @@ bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
 runs over as many NICs as it has ranks on a node, shared with the axis's other groups when a
-node has fewer NICs than GPUs. The pipeline is timed by
+node has fewer NICs than GPUs; a tp group across nodes holds them while it runs, so dp's collectives across
+nodes hide under compute only, not under tp's time. The pipeline is timed by
 `parc.passes.simulate` with each stage's own costs. Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
 overlapping the last backward, ZeRO's overlapping the compute the runtime runs them under
@@ -575,9 +576,12 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         tp_r = tp_r_c.seconds if tp_r_c else 0.0
         tp_times.append(tp_t + tp_r)
         tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c) if c is not None])
+        # a tp group across nodes is priced at the node's NICs (`_collective`): while it runs, they are busy
+        tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
         f += hw.step_overhead[1]   # the runtime's own work per micro-batch (calibrated CPU; 0 elsewhere)
         return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
+    tp_on_nics: list[tuple[float, float]] = []   # per stage: (F, B) seconds tp holds the node's NICs
     tp_comms: list[list[Comm]] = []   # per stage: its tp collectives of one micro-batch, as priced above
     times = [stage_times(d) for d in stages]
     cost_f, cost_b = [t[0] for t in times], [t[1] for t in times]
@@ -681,13 +685,17 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # micro-batch's backward (runtime/parallel/data_parallel.py), all but the last bucket's share; ZeRO's
     # overlap the compute runtime/parallel/zero.py runs them under ("Overlap"), all but one bucket's share each
     dp_time = sum(c.seconds for c in comms if c.axis == "dp")
+    # dp's collectives hide under compute, not under time the NICs they need carry tp's traffic: when both
+    # axes' groups leave the node, a window is the stage's time less its tp seconds (one NIC, one transfer)
+    shared = any(c.axis == "dp" and c.inter > 0 for c in comms)
+    nic = [t if shared else (0.0, 0.0) for t in tp_on_nics]
     if z == 0 and dp > 1 and overlap_dp:
-        window = max(sum(times[r + k * pp][1] for k in range(virtual)) for r in range(pp))
+        window = max(sum(times[r + k * pp][1] - nic[r + k * pp][1] for k in range(virtual)) for r in range(pp))
         last = dp_time * min(1.0, 25 * 2 ** 20 / max(big * wire, 1))   # the 25 MiB bucket after backward
         dp_exposed = max(dp_time - window, last)
     elif z >= 1 and dp > 1 and overlap_dp:
-        fwd = sum(times[big_rank + k * pp][0] for k in range(virtual))   # one micro-batch of the rank
-        bwd = sum(times[big_rank + k * pp][1] for k in range(virtual))
+        fwd = sum(times[big_rank + k * pp][0] - nic[big_rank + k * pp][0] for k in range(virtual))  # a micro-batch
+        bwd = sum(times[big_rank + k * pp][1] - nic[big_rank + k * pp][1] for k in range(virtual))
         rs_s, ag_s, replicas_s = (sum(c.seconds for c in comms if c.axis == "dp" and c.collective == name)
                                   for name in ("reduce-scatter", "all-gather", "all-reduce"))
         # HSDP's all-reduce over the replicas runs in `finish`, after the last reduce-scatter: not overlapped
