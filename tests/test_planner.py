@@ -153,15 +153,18 @@ def test_small_model_on_one_node_is_data_parallel(tmp_path_factory):
     assert (m.dp, m.tp, m.pp) == (8, 1, 1), result.winner.describe()
 
 
-def test_multi_node_winner_keeps_tp_inside_a_node(gpt_1b):
-    """8 H100s on 2 nodes of 4: a tp group wider than a node would run its per-layer all-reduces at the
-    network's 50 GB/s per GPU instead of NVLink's 450, so the best plans keep their tp group (innermost,
-    adjacent ranks) within one node's 4 GPUs, although tp 8 divides every width of the model."""
-    result = planner.search(gpt_1b, gpus=8, nodes=2, preset="h100", global_batch=32)
-    assert not any(c.reason.startswith("tp 8 does not divide") for c in result.dropped)
+@pytest.mark.parametrize("gpus, per_node", [(8, 4), (16, 8)])
+def test_multi_node_winner_keeps_tp_inside_a_node(gpt_1b, gpus, per_node):
+    """H100s on 2 nodes: a tp group wider than a node runs its per-layer all-reduces over the node's NICs
+    (per_node × 50 GB/s for the group: cost._collective) instead of NVLink's 450 GB/s, and holds them while
+    dp needs them, so the best plans keep their tp group (innermost, adjacent ranks) within one node, although
+    tp = the GPUs divides every width of the model: those plans are priced, and lose."""
+    result = planner.search(gpt_1b, gpus=gpus, nodes=2, preset="h100", global_batch=32)
+    assert not any(c.reason.startswith(f"tp {gpus} does not divide") for c in result.dropped)
+    assert any(c.plan.mesh.tp == gpus for c in result.ranked)
     for c in result.ranked[:5]:
         m = c.plan.mesh
-        assert m.tp <= 4 and 4 % m.tp == 0 and c.plan.mesh.order[0] == "tp", c.describe()
+        assert m.tp <= per_node and per_node % m.tp == 0 and c.plan.mesh.order[0] == "tp", c.describe()
 
 
 def test_assembled_stats_carry_recompute_all_reduces():
