@@ -38,9 +38,92 @@ class Schedules:
         return self.built[key]
 
     def simulate(self, schedule, **kwargs):
+        """`parc.passes.simulate.simulate`'s timing of `schedule` (batched P2P, eager sends: the executor's):
+        `timing` when only costs are given, the checking simulator otherwise."""
         from parc.passes.simulate import simulate
 
         key = (id(schedule), _frozen(kwargs))
         if key not in self.ran:
-            self.ran[key] = (schedule, simulate(schedule, **kwargs))  # holding it keeps its id unique
+            run = timing if set(kwargs) <= COSTS else simulate
+            self.ran[key] = (schedule, run(schedule, **kwargs))  # holding it keeps its id unique
         return self.ran[key][1]
+
+
+COSTS = {"cost_f", "cost_b", "cost_i", "cost_w", "cost_comm"}
+
+
+def timing(schedule, cost_f=1.0, cost_b=2.0, cost_i=1.0, cost_w=1.0, cost_comm=0.0):
+    """The makespan, busy time, bubble and peak in-flight micro-batches `parc.passes.simulate.simulate` gives
+    `schedule` under its default executor model (P2P batched, eager sends), without its checks or timeline:
+    for schedules `parc.passes.schedule.build_schedule` made, which its tests hold to the simulator's checks.
+    The same float operations in the same order, so the figures are equal, not close
+    (tests/test_schedule_timing.py holds every schedule kind to it).
+
+    The rules, as the simulator applies them: a compute action starts when the rank's previous action
+    ends; a run of adjacent sends and receives is posted at once at the rank's clock, a send ends when
+    posted, a receive `cost_comm` after the matching send (the k-th on its channel, rank to rank) was
+    posted and not before its own post, and the rank goes on when the run has ended. Raises
+    ScheduleError on a receive whose send never comes (deadlock) or a send that does not match it."""
+    from parc.passes.schedule import COMPUTE
+    from parc.passes.simulate import ScheduleError, SimResult, _partner
+
+    acts, p, stages = schedule.actions, schedule.pp, schedule.stages
+    per = {k: list(c) if isinstance(c, (list, tuple)) else [c] * stages
+           for k, c in (("F", cost_f), ("B", cost_b), ("I", cost_i), ("W", cost_w))}
+    delta = {"F": 1, "B": -1, "W": -1, "I": 0}
+    ptr, clock, busy, inflight, peak = [0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p
+    sent: dict = {}        # (src, dst) → [(post time, send action)], in posting order
+    received: dict = {}    # (src, dst) → receives posted so far
+    waiting: list = [None] * p   # per rank: the receives of its posted run, (channel, k, action)
+    while any(ptr[r] < len(acts[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            seq, i, t = acts[r], ptr[r], clock[r]
+            n = len(seq)
+            while i < n:
+                a = seq[i]
+                if a.kind in COMPUTE:
+                    c = per[a.kind][a.stage]
+                    t += c
+                    busy[r] += c
+                    inflight[r] += delta[a.kind]
+                    peak[r] = max(peak[r], inflight[r])
+                    i += 1
+                    moved = True
+                    continue
+                end = i
+                while end < n and seq[end].is_p2p:
+                    end += 1
+                if waiting[r] is None:   # post the run: its sends at once, its receives take their place
+                    waiting[r] = []
+                    for b in seq[i:end]:
+                        if b.kind.startswith("SEND"):
+                            sent.setdefault((r, b.peer), []).append((t, b))
+                        else:
+                            ch = (b.peer, r)
+                            k = received.get(ch, 0)
+                            received[ch] = k + 1
+                            waiting[r].append((ch, k, b))
+                    moved = True
+                ready = t
+                for ch, k, b in waiting[r]:
+                    got = sent.get(ch, ())
+                    if k >= len(got):
+                        break
+                    post, s = got[k]
+                    if (s.kind, s.stage, s.micro) != _partner(b):
+                        raise ScheduleError(f"rank {r} {b} meets rank {ch[0]} {s} on their channel: "
+                                            "sends and receives are out of order")
+                    ready = max(ready, post + cost_comm)
+                else:
+                    t, i, waiting[r] = max(t, ready), end, None
+                    moved = True
+                    continue
+                break
+            ptr[r], clock[r] = i, t
+        if not moved:
+            stuck = "; ".join(f"rank {r} at {acts[r][ptr[r]]}" for r in range(p) if ptr[r] < len(acts[r]))
+            raise ScheduleError(f"deadlock: no rank can progress; {stuck} waits")
+    makespan = max(clock)
+    total = sum(busy)
+    return SimResult(makespan, busy, 1 - total / (p * makespan) if makespan else 0.0, peak, [[] for _ in range(p)])
