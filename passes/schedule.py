@@ -289,12 +289,17 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1,
               "1f1b": lambda: _one_f_one_b(pp, m),
               "zb_h1": lambda: _zb_h1(pp, m),
               "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
-    costs = None
-    if order_costs:  # small integer instants (the smallest cost 2, the largest ≤ 16) for _with_p2p's meetings
-        pos = [c for v in order_costs.values() for c in v if c > 0] or [1.0]
-        unit = max(min(pos) / 2, max(pos) / 16)
-        costs = {(k, st): max(1, round(v[st] / unit)) for k, v in order_costs.items() for st in range(len(v))}
-    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, costs))
+    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, order_instants(order_costs)))
+
+
+def order_instants(order_costs: dict | None) -> dict | None:
+    """`order_costs` as the small integer instants the sends are placed by ({(kind, stage): n}, the smallest
+    cost 2, the largest ≤ 16): costs with the same instants place the same schedule."""
+    if not order_costs:
+        return None
+    pos = [c for v in order_costs.values() for c in v if c > 0] or [1.0]
+    unit = max(min(pos) / 2, max(pos) / 16)
+    return {(k, st): max(1, round(v[st] / unit)) for k, v in order_costs.items() for st in range(len(v))}
 
 
 # ---------------------------------------------------------------- closed forms, advice, text

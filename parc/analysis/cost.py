@@ -424,6 +424,24 @@ def _span(group: list[int], per_node: int) -> tuple[int, int]:
     return len(count), max(count.values(), default=0)
 
 
+_PLACED: dict = {}   # (id of a groups list, GPUs per node) → (the list, its `_placement`)
+
+
+def _placement(groups: list[list[int]], per_node: int) -> tuple[float, int]:
+    """(the largest share of a group's ring hops that leave a node, the fewest ranks a group has on one
+    node) for an axis's groups; memoized per list (the planner prices one list of groups many times, and
+    a 16,384-rank mesh's groups are long): held with the list, so its id names it, a few hundred at most."""
+    key = (id(groups), per_node)
+    held = _PLACED.get(key)
+    if held is None or held[0] is not groups:
+        if len(_PLACED) > 512:
+            _PLACED.clear()
+        crossing = max((_ring_fraction(g, per_node) for g in groups), default=0.0)
+        fewest = min((_span(g, per_node)[1] for g in groups), default=0) if crossing else 0
+        held = _PLACED[key] = (groups, (crossing, fewest))
+    return held[1]
+
+
 def on_step(est: "Estimate", comms: list[Comm], part: str) -> "Estimate":
     """`est` with `comms` charged to the step, not overlapped: their rows added, their seconds added to the
     step and to `part` (the Estimate field counting that communication), the MFU that of the longer step."""
@@ -449,9 +467,9 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
     if name == "all-reduce" and algo == "tree":
         factor = 2.0 if n > 1 else 0.0
     volume = factor * size
-    crossing = max((_ring_fraction(g, hw.gpus_per_node) for g in groups), default=0.0)
+    crossing, fewest = _placement(groups, hw.gpus_per_node)
     if crossing:
-        per_node = min(_span(g, hw.gpus_per_node)[1] for g in groups) if name != "send/recv" else 1
+        per_node = fewest if name != "send/recv" else 1
         # every GPU of a node is in one of the axis's groups, and they all run at once: the node's NICs
         # are shared among its gpus_per_node / per_node groups (fewer NICs than GPUs: less than one each)
         nics = hw.nics_per_node or hw.gpus_per_node

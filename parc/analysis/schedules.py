@@ -30,9 +30,10 @@ class Schedules:
         self.stage_costs: dict = {}
 
     def build(self, name: str, pp: int, acc: int, virtual: int = 1, **kwargs):
-        from parc.passes.schedule import build_schedule
+        from parc.passes.schedule import build_schedule, order_instants
 
-        key = (name, pp, acc, virtual, _frozen(kwargs))
+        # costs place an order by their rounded instants: one schedule for every set of costs with the same
+        key = (name, pp, acc, virtual, _frozen({**kwargs, "order_costs": order_instants(kwargs.get("order_costs"))}))
         if key not in self.built:
             self.built[key] = build_schedule(name, pp, acc, virtual, **kwargs)
         return self.built[key]
