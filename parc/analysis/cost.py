@@ -29,8 +29,8 @@ FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
 2(n−1)/n·S per rank, a tree 2·S with log₂n latency steps; a group across nodes
 runs over as many NICs as it has ranks on a node, shared with the axis's other groups when a
 node has fewer NICs than GPUs; a tp group across nodes holds them while it runs, so dp's collectives across
-nodes hide under compute only, not under tp's time. The pipeline is timed by
-`parc.passes.simulate` with each stage's own costs. Assumed, and said in the
+nodes hide under compute only, not under tp's time. The pipeline is timed as
+`parc.passes.simulate` times it (`parc.analysis.schedules.timing`) with each stage's own costs. Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
 overlapping the last backward, ZeRO's overlapping the compute the runtime runs them under
 (`zero_exposed`).

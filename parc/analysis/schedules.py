@@ -1,7 +1,7 @@
 """A memo of pipeline schedules, their simulations and stages' compute prices, for callers that estimate many plans.
 
-`cost.estimate` builds a schedule (name, pp, micro-batches, virtual stages) and simulates it with each
-stage's costs. Candidates of a search that differ only in what the pipeline does not see (ZeRO stage,
+`cost.estimate` builds a schedule (name, pp, micro-batches, virtual stages) and times it with each
+stage's costs (`timing`: `parc.passes.simulate`'s executor rules and figures, without its checks). Candidates of a search that differ only in what the pipeline does not see (ZeRO stage,
 the probe of the same shape) ask for the same schedules and simulations; one `Schedules` passed to every
 `estimate` of the search (`estimate(..., schedules=memo)`) builds each once and simulates it once per set
 of costs. Schedules are pure functions of their arguments, so sharing them changes no result.
