@@ -287,3 +287,5 @@ def test_dp_does_not_hide_under_tp_that_holds_the_nics():
     near, dp8, last8 = exposed(2, 8)
     assert near.dp_exposed_seconds == pytest.approx(max(dp8 - near.stage_seconds[0][1], last8))
     assert near.dp_exposed_seconds < est.dp_exposed_seconds
+    assert any("hold the NICs dp's collectives need" in n for n in est.notes)     # the report says so
+    assert not any("hold the NICs" in n for n in near.notes)

@@ -745,6 +745,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
         if z == 0 else _zero_overlap_note(z, units) if overlap_dp \
         else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
+    if overlap_dp and dp > 1 and any(f + b for f, b in nic):
+        overlap += ("; tp's groups cross nodes and hold the NICs dp's collectives need, so those overlap "
+                    "compute only, not tp's time")
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     if z >= 2:
