@@ -1,10 +1,11 @@
 """A memo of pipeline schedules, their simulations and stages' compute prices, for callers that estimate many plans.
 
 `cost.estimate` builds a schedule (name, pp, micro-batches, virtual stages) and times it with each
-stage's costs (`timing`: `parc.passes.simulate`'s executor rules and figures, without its checks). Candidates of a search that differ only in what the pipeline does not see (ZeRO stage,
-the probe of the same shape) ask for the same schedules and simulations; one `Schedules` passed to every
-`estimate` of the search (`estimate(..., schedules=memo)`) builds each once and simulates it once per set
-of costs. Schedules are pure functions of their arguments, so sharing them changes no result.
+stage's costs (`timing`: `parc.passes.simulate`'s executor rules and figures, without its checks).
+Candidates of a search that differ only in what the pipeline does not see (ZeRO stage, the probe of the
+same shape) ask for the same schedules and timings; one `Schedules` passed to every `estimate` of the
+search (`estimate(..., schedules=memo)`) builds each once and times it once per set of costs. Schedules
+are pure functions of their arguments, so sharing them changes no result.
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def timing(schedule, cost_f=1.0, cost_b=2.0, cost_i=1.0, cost_w=1.0, cost_comm=0
                             received[ch] = k + 1
                             waiting[r].append((ch, k, b))
                     moved = True
-                ready = t
+                ready = t   # the run ends when its last receive has arrived; it waits while one has no send yet
                 for ch, k, b in waiting[r]:
                     got = sent.get(ch, ())
                     if k >= len(got):
@@ -116,7 +117,7 @@ def timing(schedule, cost_f=1.0, cost_b=2.0, cost_i=1.0, cost_w=1.0, cost_comm=0
                         raise ScheduleError(f"rank {r} {b} meets rank {ch[0]} {s} on their channel: "
                                             "sends and receives are out of order")
                     ready = max(ready, post + cost_comm)
-                else:
+                else:   # every receive of the run has its send: go on past the run
                     t, i, waiting[r] = max(t, ready), end, None
                     moved = True
                     continue
