@@ -42,7 +42,9 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # inside a node, pp 1, global batch 512); the issue's own audit quotes the 1.7B row. The 3.6B and 7.5B rows
 # were transcribed from the table as recalled, not re-read against the paper's text: check them there.
 # (2026-12-04, helper cost2: searched the stored pages, docs and code for a text copy of Table 1 to check
-# them against; none was found (the Megatron-LM README shows it as an image), so they stay unverified.)
+# them against; none was found (the Megatron-LM README shows it as an image), so they stay unverified.
+# Searched again later that evening (helper cost3, stored web pages): the README's text around the table and
+# the paper's abstract, not the table's figures; still unverified.)
 MEGATRON = "Megatron-LM 2021 Table 1"
 BLOOM = "BLOOM (BigScience 2022)"
 MTNLG = "MT-NLG (Smith et al. 2022)"
