@@ -32,6 +32,7 @@ training by `dropout_refusal`, naming their modules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,32 @@ BF16_TOLERANCE = 1e-2
 # fp16 (runtime/loss_scale.py) rounds to 11 mantissa bits where bf16 rounds to 8, and its power-of-two loss
 # scale adds no rounding: bf16's tolerance bounds it (tests/test_fp16.py holds dp, ZeRO, pp at 2e-3, tp 4e-3).
 TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": BF16_TOLERANCE}
+
+
+# Low precision (bf16, fp16): the standard comparison for low-precision kernels (FlashAttention's and Megatron's
+# tests): a third run, the serial model in fp32 on the same batches from the same weights, is the reference, and
+# the parallel run's distance to it must be within FACTOR × the serial low-precision run's distance to it, plus a
+# floor, per tensor (`spreads`). Why not parallel against serial bf16 with a fixed tolerance: the serial bf16 run is
+# itself one sample of bf16 rounding, and where a discontinuity amplifies rounding (a top-k router choosing another
+# expert for a token whose two scores round to the other order; a gradient that is a sum cancelling to little)
+# both bf16 runs sit far from fp32 and from each other (diffllama's `lambda_q2` gradient: 0.49 of its scale apart),
+# while a run computing something else sits far from fp32 where serial bf16 is near it. FACTOR 3: two independent
+# samples of the same rounding differ from the reference by comparable amounts; 3 allows the parallel run's
+# extra roundings (tp's bf16 partial sums before their all-reduce, about one rounding more per sharded matmul) and
+# FlashAttention's 2 was measured too tight for them (bench/zoo/bf16_diag.py); a missing share of a gradient (a tp
+# sum, a micro-batch) is O(1) of its scale where serial bf16 is 1e-2 of it, 30× past the bound.
+LOW_PRECISION_FACTOR = 3.0
+# The floors, as fractions of the reference's scale (the tensor's largest |fp32| element, floored as
+# `rank_tensors` floors; a loss's |fp32| value): where the serial low-precision run happens to land on the fp32
+# value (a gradient bf16 never rounds, a tensor no step touched), the parallel run may still round once where
+# serial does not. Gradients: bf16's unit roundoff is 2**-8 = 3.9e-3 of a value; 1e-2 is between two and three
+# roundings, a tenth of the smallest missing share measured (0.33, runtime/verify_grads.py). Losses and
+# parameters: 1e-3 of their scale. A loss is one number, so one bf16 run may land near the fp32 loss by chance
+# where the other does not: two bf16 runs' losses measured up to 3.4e-4 apart on the zoo (exaone4; axk1's
+# serial bf16 loss 2.7e-5 from fp32 where its tp run's is 1.7e-4). Parameters are judged after the same
+# optimizer steps, their differences lr × the gradients' (which are checked per tensor above).
+LOW_PRECISION_GRAD_FLOOR = 1e-2
+LOW_PRECISION_FLOOR = 1e-3
 
 
 # The floor of a tensor's scale in `rank_tensors`, as a fraction of the largest |serial| element over all
@@ -110,6 +137,128 @@ def _paired(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]):
     if missing:
         raise RuntimeError(f"parallel run lacks parameters {missing[:5]}")
     return [(fqn, parallel[fqn], ref) for fqn, ref in serial.items() if fqn in parallel]
+
+
+@dataclass
+class Spread:
+    """One tensor (or one step's loss) under low precision: `parallel` and `serial` are the parallel run's and the
+    serial same-precision run's distances to the fp32 reference, max|x − fp32| / the reference's scale; it passes
+    while `parallel` ≤ `factor` × `serial` + `floor` (`allowed`)."""
+    name: str
+    parallel: float
+    serial: float
+    factor: float
+    floor: float
+    abs: float = 0.0  # max|parallel − fp32|
+
+    @property
+    def allowed(self) -> float:
+        return self.factor * self.serial + self.floor
+
+    @property
+    def ratio(self) -> float:
+        """parallel / allowed: ≤ 1 passes; nan counts as infinite."""
+        r = self.parallel / self.allowed if self.allowed > 0 else (0.0 if self.parallel == 0 else math.inf)
+        return math.inf if r != r else r
+
+    @property
+    def rel(self) -> float:  # what `Worst.rel` is to the exact comparison: the figure a verdict is judged by
+        return self.ratio
+
+    def render(self) -> str:
+        return (f"{self.name}: {self.parallel:.1e} of its scale from fp32, serial {self.serial:.1e}; allowed "
+                f"{self.factor:g} × {self.serial:.1e} + {self.floor:.0e} = {self.allowed:.1e}")
+
+
+def spreads(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+            floor: float, factor: float = LOW_PRECISION_FACTOR, scale_floor: float = SCALE_FLOOR) -> list[Spread]:
+    """Every tensor's `Spread`, worst (largest parallel/allowed) first. A tensor's scale is its largest |fp32|
+    element, floored at `scale_floor` × the largest of them all (as `rank_tensors`, for the same reason)."""
+    same = {name: s for name, s, _ in _paired(serial, reference)}
+    pairs = _paired(parallel, reference)
+    scale = {name: r.abs().max().item() if r.numel() else 0.0 for name, _, r in pairs}
+    least = scale_floor * max(scale.values(), default=0.0)
+    out = []
+    for name, p, r in pairs:
+        s = max(scale[name], least)
+        if s == 0 or not r.numel():
+            out.append(Spread(name, 0.0, 0.0, factor, floor))
+            continue
+        r = r.double()
+        dp = (p.double() - r).abs().max().item()
+        ds = (same[name].double() - r).abs().max().item()
+        out.append(Spread(name, math.inf if dp != dp else dp / s, math.inf if ds != ds else ds / s, factor, floor,
+                          dp))
+    return sorted(out, key=lambda w: -w.ratio)
+
+
+def loss_spreads(parallel: list[float], serial: list[float], reference: list[float],
+                 floor: float = LOW_PRECISION_FLOOR, factor: float = LOW_PRECISION_FACTOR) -> list[Spread]:
+    """Each step's loss as a `Spread` (distances relative to |the fp32 loss|), worst first."""
+    out = []
+    for i, (p, s, r) in enumerate(zip(parallel, serial, reference)):
+        scale = max(abs(r), 1e-12)
+        out.append(Spread(f"loss at step {i}", abs(p - r) / scale, abs(s - r) / scale, factor, floor, abs(p - r)))
+    return sorted(out, key=lambda w: -w.ratio)
+
+
+@dataclass
+class LowPrecisionVerdict:
+    """`--verify` under bf16/fp16: the parallel run against the serial run of the same precision, both measured
+    from the serial fp32 run (see LOW_PRECISION_FACTOR). Each check's worst `Spread`; a check passes while its
+    parallel distance is within its allowed one."""
+    precision: str
+    loss: Spread | None
+    worst_grad: Spread | None    # None: first-step gradients not compared
+    worst_param: Spread | None
+    serial_losses: list[float]
+
+    @property
+    def failed(self) -> list[str]:
+        checks = (("loss", self.loss), ("gradients", self.worst_grad), ("parameters", self.worst_param))
+        return [name for name, s in checks if s is not None and not s.ratio <= 1.0]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    # the exact verdict's figures, for callers that print or store them (bench/zoo/run.py)
+    @property
+    def loss_rel(self) -> float:
+        return self.loss.parallel if self.loss else 0.0
+
+    @property
+    def param_rel(self) -> float:
+        return self.worst_param.parallel if self.worst_param else 0.0
+
+    def render(self) -> str:
+        failed = self.failed
+        word = f"FAIL ({', '.join(failed)})" if failed else "PASS"
+
+        def one(what, s):
+            return f"{what} {s.ratio:.2f} of allowed (worst {s.render()})" if s else f"{what} not compared"
+        line = (f"verify {word}: {self.precision} against serial {self.precision}, both from serial fp32 (allowed: "
+                f"{LOW_PRECISION_FACTOR:g} × serial's distance + a floor) — {one('losses', self.loss)}; "
+                f"{one('first-step gradients', self.worst_grad)}; {one('parameters', self.worst_param)}")
+        if not failed:
+            return line
+        culprit, what = ((self.worst_grad, "first-step gradient") if "gradients" in failed
+                         else (self.worst_param, "parameter") if "parameters" in failed else (self.loss, "value"))
+        return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its scale "
+                       f"from fp32 where serial {self.precision}'s is {culprit.serial:.1e} (max |Δ| {culprit.abs:.1e})")
+
+
+def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],
+                          reference_losses: list[float], parallel_state: dict[str, torch.Tensor],
+                          serial_state: dict[str, torch.Tensor], reference_state: dict[str, torch.Tensor],
+                          grads: tuple[dict, dict, dict] | None = None) -> LowPrecisionVerdict:
+    """`grads`: step 0's gradients of the parallel, serial same-precision and serial fp32 runs (None: not
+    compared, a resumed run)."""
+    loss = loss_spreads(parallel_losses, serial_losses, reference_losses)
+    params = spreads(parallel_state, serial_state, reference_state, LOW_PRECISION_FLOOR)
+    worst_grad = spreads(*grads, LOW_PRECISION_GRAD_FLOOR)[0] if grads and grads[0] is not None else None
+    return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad, params[0] if params else None,
+                               serial_losses)
 
 
 @dataclass

@@ -78,8 +78,22 @@ def check(parallel: FirstGrads, user, plan_json: dict, seed: int, batch_of=None,
     parallel run has none (a resumed run's first step is not step 0). Rank 0 only."""
     if parallel.grads is None:
         return None
+    ranked = rank_tensors(parallel.grads, serial_grads(user, plan_json, seed, batch_of, weights))
+    return ranked[0] if ranked else None
+
+
+def serial_grads(user, plan_json: dict, seed: int, batch_of=None, weights=None,
+                 precision: str | None = None) -> dict[str, torch.Tensor]:
+    """Step 0's gradients of the serial model, one step per micro-batch (`train_serial`'s arguments), in
+    `precision` (default the plan's; "fp32" gives the low-precision check's reference, runtime/verify.py)."""
+    if precision is not None:
+        plan_json = in_precision(plan_json, precision)
     serial = FirstGrads()
     train_serial(user, plan_json, seed, 1, batch_of=batch_of, weights=weights, grad_observer=serial.of_model,
                  per_micro_batch=True)
-    ranked = rank_tensors(parallel.grads, serial.grads)
-    return ranked[0] if ranked else None
+    return serial.grads
+
+
+def in_precision(plan_json: dict, precision: str) -> dict:
+    """`plan_json` with its precision replaced (a shallow copy): the serial fp32 reference of a bf16 run."""
+    return {**plan_json, "plan": {**plan_json["plan"], "precision": precision}}

@@ -23,7 +23,7 @@ from parc import artifact
 from parc.run import parser, run
 from parc.runtime.launch import spawn
 from parc.runtime.train import Trainer
-from parc.runtime.verify import SCALE_FLOOR, Verdict, Worst, rank_tensors
+from parc.runtime.verify import SCALE_FLOOR, Verdict, Worst, compare_low_precision, rank_tensors, spreads
 from parc.runtime.verify_grads import FP32_GRAD_TOLERANCE, FirstGrads, check
 from parc.trace import load_user_module
 
@@ -131,3 +131,50 @@ def test_first_step_gradients_gather_whole_under_zero_and_pp(tmp_path, name):
     # examples/gpt.py measures ≤ 2e-7 in all three (bf16: the serial step runs per micro-batch, so dp's sums
     # round as serial's do); FP32_GRAD_TOLERANCE 1e-4 as --verify uses, for bf16 too: no tp partial sums here
     assert worst is not None and worst.rel < FP32_GRAD_TOLERANCE, worst
+
+
+# ---------------------------------------------------------------- bf16: both runs measured from serial fp32
+
+
+def test_low_precision_passes_rounding_noise_and_fails_a_missing_share():
+    """Measured from the fp32 reference: a tensor both bf16 runs round far from fp32 (a gradient that cancels to
+    little: diffllama's `lambda_q2`, 0.49 of its scale apart between the two bf16 runs) passes; a tensor serial
+    bf16 gets to 1e-2 of fp32 while the parallel run lost half of it fails, and is named."""
+    reference = {"lambda": torch.tensor([1.0, -1.0]), "q_norm": torch.ones(4), "w": torch.full((3,), 2.0)}
+    serial = {"lambda": torch.tensor([1.5, -1.0]), "q_norm": torch.ones(4) * 1.01, "w": torch.full((3,), 2.0)}
+    parallel = {"lambda": torch.tensor([1.0, -0.5]), "q_norm": torch.tensor([1.0, 1.0, 0.5, 1.0]),
+                "w": torch.full((3,), 2.01)}
+    # the direct comparison calls the noise an error of the real one's size (0.5 / 1.5 of serial's scale)
+    assert {w.name: round(w.rel, 2) for w in rank_tensors(parallel, serial)}["lambda"] == 0.33
+    ranked = {s.name: s for s in spreads(parallel, serial, reference, floor=1e-2)}
+    assert ranked["lambda"].ratio <= 1.0                   # 0.5 ≤ 3 × 0.5 + 1e-2
+    assert ranked["w"].ratio <= 1.0                        # 5e-3 ≤ 3 × 0 + 1e-2: the floor
+    assert ranked["q_norm"].ratio > 10                      # 0.5 > 3 × 1e-2 + 1e-2 = 4e-2
+    assert spreads(parallel, serial, reference, floor=1e-2)[0].name == "q_norm"
+    assert "q_norm: 5.0e-01 of its scale from fp32, serial 1.0e-02; allowed 3 × 1.0e-02 + 1e-02 = 4.0e-02" \
+        in ranked["q_norm"].render()
+    verdict = compare_low_precision("bf16", [2.0], [2.0005], [2.0], parallel, serial, reference,
+                                    (parallel, serial, reference))
+    assert verdict.failed == ["gradients", "parameters"] and verdict.worst_grad.name == "q_norm"
+    assert "verify: worst tensor q_norm — its first-step gradient is 5.0e-01 of its scale from fp32 where serial " \
+           "bf16's is 1.0e-02" in verdict.render()
+    ok = compare_low_precision("bf16", [2.001], [2.0005], [2.0], serial, serial, reference, None)
+    assert ok.ok and ok.worst_grad is None and "first-step gradients not compared" in ok.render()
+
+
+def test_verify_under_bf16_passes_a_tp_plan_and_fails_a_missing_tp_sum(tmp_path):
+    """`parc.run --verify` under bf16 (runtime/verify.py `compare_low_precision`): the tp plan passes, and the same
+    artifact without its tp sums of the q/k norm weights' gradients fails the gradient check, naming one: a
+    missing share is still caught though the bound is relative to serial bf16's own distance from fp32."""
+    art = compile_text("mesh tp=2\nbatch global=4 micro=2\nprecision bf16\n" + llama_tp_rules(), tmp_path / "c",
+                       QWEN3)
+    status, said = spawn(2, _verify_body, str(art.root), str(tmp_path / "m.jsonl"))[0]
+    assert status == 0 and "verify PASS: bf16 against serial bf16, both from serial fp32" in said, said
+    struck = _without_tp_partial_grads(art.root, tmp_path / "broken")
+    assert struck, struck
+    status, said = spawn(2, _verify_body, str(tmp_path / "broken"), str(tmp_path / "m2.jsonl"))[0]
+    assert status == 1 and "gradients" in said.split("verify FAIL (")[1].split(")")[0], said
+    worst = re.search(r"verify: worst tensor (\S+) — its first-step gradient is (\S+) of its scale from fp32 "
+                      r"where serial bf16's is (\S+)", said)
+    assert worst and re.fullmatch(r"model\.layers\.\d\.self_attn\.[qk]_norm\.weight", worst[1]), said
+    assert float(worst[2]) > 10 * float(worst[3]), said  # a missing share, not rounding

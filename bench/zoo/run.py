@@ -6,7 +6,12 @@ batches, compare, and classify.
 Start at `run(family, plan, source, out)`. Its result's `status` is one of
 - PASS: compiled, and 3 steps equal serial by parc's own `--verify` checks (runtime/verify.py `compare`,
   runtime/verify_grads.py): losses, the model-wide parameter difference, and every tensor's first-step gradient
-  against its own scale;
+  against its own scale. Under bf16 (`tp2_bf16`), --verify's low-precision check (runtime/verify.py
+  `compare_low_precision`): the serial model trained in fp32 is the reference, and per step's loss, per
+  first-step gradient and per final parameter the parallel run's distance to it must be within 3× the serial
+  bf16 run's plus a floor; every top-k router's choice is pinned to the fp32 run's (routing.py: a flip is a
+  discontinuity that one bf16 rounding decides), and `routing` says how many tokens each run would have routed
+  elsewhere;
 - REFUSED: a ParcError before training (`reason`: its first line, `where`: its file:line:col), or no tp rules
   from the source (`where`: "rules");
 - WRONG: trained, and differs from serial (`error`: `Verdict.render()`, which names the worst tensor);
@@ -26,21 +31,39 @@ from pathlib import Path
 
 import torch
 
-from bench.zoo import families, plans, rules
+from bench.zoo import families, plans, routing, rules
 
 STEPS = 3
 
 
-def _train_body(ctx, root: str):
+def _train_body(ctx, root: str, pin=None):
     from parc.runtime.train import Trainer
     from parc.runtime.verify_grads import FirstGrads
 
     trainer = Trainer.load(root, 0)
     grads = FirstGrads()
     trainer.grad_observer = grads.of_trainer  # step 0's complete gradients, gathered whole on rank 0
-    losses = trainer.global_losses([trainer.step(s).loss for s in range(STEPS)])
+    with (log := routing.Routing(pin)):  # low precision: the fp32 run's top-k choices replayed (routing.py)
+        local = [trainer.step(s).loss for s in range(STEPS)]
+    log.check_paired()
+    losses = trainer.global_losses(local)
     state = trainer.gathered_state()
-    return {"losses": losses, "state": state if ctx.rank == 0 else None, "grads": grads.grads}
+    return {"losses": losses, "state": state if ctx.rank == 0 else None, "grads": grads.grads,
+            "unpinned": log.said()}
+
+
+def _serial(user, plan_json: dict, precision: str, pin=None) -> dict:
+    """The serial model trained STEPS steps in `precision`, one forward per micro-batch as the tp ranks run them
+    (so its top-k calls pair with theirs, routing.py): losses, final state, step 0's gradients, its routing."""
+    from parc.runtime.serial_reference import train_serial
+    from parc.runtime.verify_grads import FirstGrads, in_precision
+
+    grads = FirstGrads()
+    with (log := routing.Routing(pin)):
+        losses, state = train_serial(user, in_precision(plan_json, precision), 0, STEPS,
+                                     grad_observer=grads.of_model, per_micro_batch=True)
+    log.check_paired()
+    return {"losses": losses, "state": state, "grads": grads.grads, "routing": log}
 
 
 def _where(e) -> str:
@@ -62,7 +85,7 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
     from parc.runtime.launch import spawn
     from parc.runtime import verify_grads
     from parc.runtime.serial_reference import train_serial
-    from parc.runtime.verify import TOLERANCES, compare
+    from parc.runtime.verify import TOLERANCES, compare, compare_low_precision
     from parc.trace import load_user_module
 
     spec = plans.PLANS[plan]
@@ -83,15 +106,31 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
         (out / "plan.par").write_text(text)
         phase = "compile"
         compile_model(model, parse(text, file=str(out / "plan.par")), out / "compiled", force=True)
-        phase = "train"
-        got = spawn(spec.world_size, _train_body, str(out / "compiled"), timeout=300)[0]
-        phase = "serial"
         art = artifact.load(out / "compiled")
         user = load_user_module(art.root / "model" / "model.py")
-        serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS)
-        first = verify_grads.FirstGrads()
-        first.grads = got["grads"]
-        worst_grad = verify_grads.check(first, user, art.plan, 0)
+        precision = art.plan["plan"].get("precision", "fp32")
+        if precision != "fp32":
+            phase = "serial"
+            ref = _serial(user, art.plan, "fp32")
+            pin = ref["routing"].indices if routing.pinnable(spec) and ref["routing"].indices else None
+            low = _serial(user, art.plan, precision, pin)
+            phase = "train"
+            got = spawn(spec.world_size, _train_body, str(out / "compiled"), pin, timeout=300)[0]
+            verdict = compare_low_precision(precision, got["losses"], low["losses"], ref["losses"], got["state"],
+                                            low["state"], ref["state"], (got["grads"], low["grads"], ref["grads"]))
+            serial_losses = low["losses"]
+            result["routing"] = (f"pinned to fp32's top-k: parallel's own choice differed for {got['unpinned']}, "
+                                 f"serial {precision}'s for {low['routing'].said()}" if pin else "-")
+        else:
+            phase = "train"
+            got = spawn(spec.world_size, _train_body, str(out / "compiled"), timeout=300)[0]
+            phase = "serial"
+            serial_losses, serial_state = train_serial(user, art.plan, 0, STEPS)
+            first = verify_grads.FirstGrads()
+            first.grads = got["grads"]
+            worst_grad = verify_grads.check(first, user, art.plan, 0)
+            verdict = compare(got["losses"], serial_losses, got["state"], serial_state, TOLERANCES[precision],
+                              worst_grad, verify_grads.GRAD_TOLERANCES[precision])
     except ParcError as e:
         # a family whose tiny model fails in eager PyTorch too is not parc's to refuse (checked only here: a
         # forward on CPU costs seconds)
@@ -104,9 +143,6 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
         last = next((x.strip() for x in reversed("".join(tb).splitlines()) if x.strip()), repr(e))
         return {**result, "status": "CRASH", "reason": last[:400], "where": phase,
                 "traceback": "".join(tb)[-3000:], "seconds": round(time.monotonic() - t0, 1)}
-    precision = art.plan["plan"].get("precision", "fp32")
-    verdict = compare(got["losses"], serial_losses, got["state"], serial_state, TOLERANCES[precision],
-                      worst_grad, verify_grads.GRAD_TOLERANCES[precision])
     ok = verdict.ok and serial_losses[0] != serial_losses[-1]  # and the model trained
     worst = verdict.worst_grad or verdict.worst_param
     return {**result, "status": "PASS" if ok else "WRONG", "error": verdict.render().replace("\n", " "),
