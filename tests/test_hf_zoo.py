@@ -48,6 +48,9 @@ EXPECTED = {
     # (Megatron's kv-subset form, passes/tp_subset.py)
     ("qwen3", "tp4", "hf"): "PASS",
     ("llama", "tp2_bf16", "hf"): "PASS",  # the RMSNorm's float32 upcast under bf16 (passes/precision.py)
+    # an MoE under bf16: its tp run routes 2 of 192 tokens elsewhere than serial bf16 at step 0 when unpinned, its
+    # expert gradients 34× farther from fp32 (WRONG before the zoo pinned top-k routing, bench/zoo/routing.py)
+    ("bailing_hybrid", "tp2_bf16", "hf"): "PASS",
     ("phimoe", "tp2", "hf"): "custom autograd.Function",  # its router's Function: refused, was silently wrong
     # Falcon (new decoder architecture): `x @ self.weight.T` (aten.numpy_T) linears, a grouped fused qkv cut by
     # `select`; its config declares no tp plan, so only the graph's rules exist
@@ -88,3 +91,27 @@ def test_whole_sweep(tmp_path):
                               f"{r.get('error') or r.get('reason')}" for r in bad)
     runs = sum(2 if spec.tp else 1 for spec in plans.PLANS.values())
     assert len(sweep.load(out)["results"]) == runs * len(families.families())
+
+
+def test_routing_replays_pinned_top_k_choices():
+    """bench/zoo/routing.py: under a pin, top-k returns the pinned indices with values gathered from its own scores,
+    and autograd's backward follows the pinned choice; the run's own choice is counted where it differs."""
+    import torch
+
+    from bench.zoo import routing
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], requires_grad=True)
+    with (own := routing.Routing()):
+        torch.topk(x, 1)
+    assert own.indices[0].tolist() == [[2], [0]] and own.said() == "-"
+    with (pinned := routing.Routing([torch.tensor([[0], [0]])])):
+        values, indices = torch.topk(x * 2, 1)
+    values.sum().backward()
+    assert indices.tolist() == [[0], [0]] and values.tolist() == [[2.0], [6.0]]
+    assert x.grad.tolist() == [[2.0, 0.0, 0.0], [2.0, 0.0, 0.0]]
+    assert pinned.said() == "1/2 tokens"  # the first row's own choice was expert 2
+    pinned.check_paired()
+    with (short := routing.Routing([torch.tensor([[0]]), torch.tensor([[0]])])):  # 2 pinned, 1 call made
+        torch.topk(torch.ones(1, 2), 1)
+    with pytest.raises(RuntimeError, match="do not pair"):
+        short.check_paired()

@@ -9,7 +9,8 @@ batch: the parallel plan, the one-rank plan, the serial model in the plan's prec
 the fp32 reference, max|x − fp32| / max|fp32| (floored as runtime/verify.py floors): a run computing something
 serial does not is far from fp32 where the serial low-precision run is near it; rounding noise puts both at
 comparable distances. It also records every `aten.topk` of step 0's forward (the MoE routers) in each run and
-counts the selected indices that differ from the fp32 run's.
+counts the tokens routed to another expert set than in the fp32 run; `--forced` routes every run as the fp32 run
+did (bench/zoo/routing.py), which leaves what is not routing.
 """
 
 from __future__ import annotations
@@ -21,39 +22,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.zoo import families, plans, rules
-
-aten = torch.ops.aten
-
-
-class TopkLog(TorchDispatchMode):
-    """Every aten.topk's scores and selected indices, in call order (a router's choice per token). With
-    `force`, the i-th topk selects `force[i]` instead (its values gathered from its own scores, so autograd's
-    backward follows the forced choice): every run routes as the reference did."""
-
-    def __init__(self, force: list[torch.Tensor] | None = None):
-        super().__init__()
-        self.indices: list[torch.Tensor] = []
-        self.scores: list[torch.Tensor] = []
-        self.force = force
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is aten.topk.default:
-            i = len(self.indices)
-            self.scores.append(args[0].detach().float().clone())
-            if self.force is not None:
-                dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-                idx = self.force[i].to(args[0].device)
-                out = (aten.gather.default(args[0], dim, idx), idx)
-            else:
-                out = func(*args, **kwargs)
-            self.indices.append(out[1].detach().clone())
-            return out
-        return func(*args, **kwargs)
-
+from bench.zoo import families, plans, routing, rules
 
 def _rank_body(ctx, root: str, force=None):
     from parc.runtime.train import Trainer
@@ -62,7 +32,7 @@ def _rank_body(ctx, root: str, force=None):
     trainer = Trainer.load(root, 0)
     grads = FirstGrads()
     trainer.grad_observer = grads.of_trainer
-    log = TopkLog(force)
+    log = routing.Routing(force)
     with log:
         trainer.step(0)
     return {"grads": grads.grads, "topk": log.indices if ctx.rank == 0 else None,
@@ -81,7 +51,7 @@ def _serial(user, plan_json: dict, precision: str, force=None):
     pj = copy.deepcopy(plan_json)
     pj["plan"]["precision"] = precision
     grads = FirstGrads()
-    log = TopkLog(force)
+    log = routing.Routing(force)
     with log:
         train_serial(user, pj, 0, 1, grad_observer=grads.of_model, per_micro_batch=True)
     return {"grads": grads.grads, "topk": log.indices, "scores": log.scores}
@@ -121,7 +91,7 @@ def _flips(run: dict, ref: dict) -> str:
 
 
 def diagnose(family: str, plan: str = "tp2_bf16", out: Path | None = None, forced: bool = False) -> dict:
-    """`forced`: every run routes each token as the fp32 run did (`TopkLog`): what is left is not routing."""
+    """`forced`: every run routes each token as the fp32 run did (bench/zoo/routing.py): what is left is not routing."""
     from parc import artifact
     from parc.runtime.verify import SCALE_FLOOR
     from parc.trace import load_user_module
