@@ -245,7 +245,8 @@ class LowPrecisionVerdict:
         culprit, what = ((self.worst_grad, "first-step gradient") if "gradients" in failed
                          else (self.worst_param, "parameter") if "parameters" in failed else (self.loss, "value"))
         return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its scale "
-                       f"from fp32 where serial {self.precision}'s is {culprit.serial:.1e} (max |Δ| {culprit.abs:.1e})")
+                       f"from fp32 where serial {self.precision}'s is {culprit.serial:.1e} "
+                       f"(max |Δ| {culprit.abs:.1e})")
 
 
 def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],

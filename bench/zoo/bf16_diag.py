@@ -90,7 +90,8 @@ def _flips(run: dict, ref: dict) -> str:
     return f"{differ}/{total} tokens route to another expert set; router scores max|Δ|/scale {score:.2e}"
 
 
-def diagnose(family: str, plan: str = "tp2_bf16", out: Path | None = None, forced: bool = False) -> dict:
+def diagnose(family: str, plan: str = "tp2_bf16", out: Path | None = None, forced: bool = False,
+             show: tuple[str, ...] = ()) -> dict:
     """`forced`: every run routes each token as the fp32 run did (bench/zoo/routing.py): what is left is not routing."""
     from parc import artifact
     from parc.runtime.verify import SCALE_FLOOR
@@ -118,10 +119,11 @@ def diagnose(family: str, plan: str = "tp2_bf16", out: Path | None = None, force
     # parallel against serial in the same precision: what run.py / --verify judge today
     same = _dist(runs["parallel"], runs[f"serial {precision}"], names, least)
     order = sorted(names, key=lambda n: -dists["parallel"][n] / max(dists[f"serial {precision}"][n], 1e-12))
-    print(f"{family} {plan}{' (routing forced to fp32 choice)' if forced else ''}: distance to serial fp32, max|Δ|/scale per tensor (worst parallel/serial ratio first)")
+    print(f"{family} {plan}{' (routing forced to fp32 choice)' if forced else ''}: distance to serial fp32, "
+          "max|Δ|/scale per tensor (worst parallel/serial ratio first)")
     cols = list(runs) + ["par vs ser"]
     print(f"{'tensor':60s} " + " ".join(f"{c:>12s}" for c in cols) + "   ratio")
-    for n in order[:12]:
+    for n in order[:12] + [n for n in order[12:] if any(w in n for w in show)]:
         vals = [dists[k][n] for k in runs] + [same[n]]
         ratio = dists["parallel"][n] / max(dists[f"serial {precision}"][n], 1e-12)
         print(f"{n[:60]:60s} " + " ".join(f"{v:12.2e}" for v in vals) + f"   {ratio:6.2f}")
@@ -137,8 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", default="tp2_bf16", choices=sorted(plans.PLANS))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--forced", action="store_true", help="route every run as the fp32 run did")
+    ap.add_argument("--show", default="", help="comma-separated pieces of tensor names to print too")
     args = ap.parse_args(argv)
-    diagnose(args.family, args.plan, args.out, args.forced)
+    diagnose(args.family, args.plan, args.out, args.forced, tuple(w for w in args.show.split(",") if w))
     return 0
 
 
