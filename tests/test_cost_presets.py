@@ -120,3 +120,29 @@ def test_the_planner_never_proposes_a_refused_plan(tiny_search):
 @pytest.fixture(scope="module")
 def tiny_search():
     return planner.search(GPT, gpus=4, preset="h100", global_batch=8, precision="fp32", top=400)
+
+
+def test_every_shipped_preset_is_a_name_a_plan_can_state():
+    """`topology preset=` takes any shipped preset, and names the figures `--preset` prices."""
+    from parc.grammar.parser import parse
+
+    for key in cost.PRESETS:
+        assert parse(f"mesh dp=1\ntopology preset={key}\n").topology.preset == key
+        assert cost.hardware(key) is cost.PRESETS[key]
+
+
+def test_h100_hbm2e_is_the_h100_with_slower_memory():
+    """The 96 GB HBM2e H100 (torchtitan's benchmark GPUs): the same die and clocks, so matmuls, attention and the
+    network are priced as the h100's; a memory-bound op moves its bytes at 0.8 × 2.4 TB/s instead of 3.35."""
+    from parc.analysis import compute
+
+    h100, hbm2e = cost.hardware("h100"), cost.hardware("h100_hbm2e")
+    assert hbm2e.memory == 95 * cost.GiB and h100.memory == 80 * cost.GiB
+    assert (hbm2e.matmul, hbm2e.attention, hbm2e.flops, hbm2e.matmul_sustained, hbm2e.intra_bw, hbm2e.inter_bw) == \
+        (h100.matmul, h100.attention, h100.flops, h100.matmul_sustained, h100.intra_bw, h100.inter_bw)
+    mm = {"mm": [[1, 4096, 4096, 4096, 0, 0, 1]]}
+    assert compute.stage_seconds(mm, hbm2e, "bf16", 1) == compute.stage_seconds(mm, h100, "bf16", 1)
+    ew = {"mem": [["ew", 1e9, 0, 0, 1]]}
+    fwd, bwd = compute.stage_seconds(ew, hbm2e, "bf16", 1)[:2]
+    assert fwd == pytest.approx(1e9 / (0.8 * 2.4e12))
+    assert fwd / compute.stage_seconds(ew, h100, "bf16", 1)[0] == pytest.approx(3.35 / 2.4)

@@ -145,6 +145,11 @@ PRESETS = {
     "a100": _gpu("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9, "a100"),
     # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
     "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100"),
+    # The H100 SXM5 with 96 GB of HBM2e (2.4 TB/s) instead of HBM3 (3.35 TB/s): the same GH100 die, clocks and
+    # NVLink, so the h100 matmul and attention tables; only memory-bound ops are slower. Meta's Grand Teton hosts
+    # (torchtitan's H100 benchmarks: "96GB HBM2e with 2.4 TB/sec", "95 GiB memory" as the runtime sees it).
+    "h100_hbm2e": _gpu("H100-96GB-HBM2e", 95 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9,
+                       "h100_hbm2e"),
     "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200"),
 }
 ALIASES = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}

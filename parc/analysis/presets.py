@@ -35,7 +35,7 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   branch fast-mamf, commit 082816f (2026-08-10). H100 SXM: the same die, clocks
   and 700 W, taken as the same. A100: not measured there, no cap.
 - Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
-  3.35 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches. Every
+  3.35 TB/s, H100 SXM 96 GB HBM2e 2.4 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches. Every
   kind of memory-bound op (elementwise, GELU, norms, softmax, the loss) moves
   its bytes at this rate: no `mem_times` here (`parc calibrate --device cuda`
   measures them); on a GPU those ops are bandwidth-bound at a model's sizes,
@@ -94,6 +94,9 @@ TABLES = {
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
              "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
+    "h100_hbm2e": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+                   "mem_bw": 0.8 * 2.4e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+                   "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
              "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
