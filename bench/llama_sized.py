@@ -6,6 +6,10 @@ kv heads repeated to the query heads before the attention kernel (torchtitan's `
 MLP w2(silu(w1 x) · w3 x), no biases, an untied output layer. Module names follow torchtitan's
 (`layers.N.attention.wq`, `layers.N.feed_forward.w1`), so its parallel plans read the same here.
 
+RMSNorm: torchtitan's `norm_type = "rmsnorm"` (unfused, in fp32: each op its own kernel), or, with an 8th
+field `fused` in PARC_BENCH_LLAMA, its `fused_rmsnorm` (a Triton kernel: here one custom op, which the cost model
+prices as one memory-bound op over its input and output bytes, and which keeps only its input for the backward).
+
 Only ever traced on meta, so the batches are random token ids. Rotary embedding is written with cos/sin
 (torchtitan multiplies complex numbers): the same bytes through memory-bound ops, no complex dtype.
 """
@@ -18,8 +22,42 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_L, _D, _NH, _KV, _FFN, _V, _T = (int(x) for x in
-                                   os.environ.get("PARC_BENCH_LLAMA", "32,4096,32,8,14336,128256,8192").split(","))
+_SPEC = os.environ.get("PARC_BENCH_LLAMA", "32,4096,32,8,14336,128256,8192").split(",")
+_L, _D, _NH, _KV, _FFN, _V, _T = (int(x) for x in _SPEC[:7])
+# an 8th field "fused": torchtitan's `norm_type = "fused_rmsnorm"` (a Triton kernel: one read of x, one write of
+# the output; its backward reads x and the gradient and writes one), else its unfused `rmsnorm` in fp32
+_FUSED_NORM = _SPEC[7:] == ["fused"]
+
+
+@torch.library.custom_op("parc_bench::fused_rms_norm", mutates_args=())
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One kernel's RMSNorm, as torchtitan's fused_rmsnorm computes it (fp32 inside, x's dtype out)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+@fused_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _fused_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    with torch.enable_grad():
+        x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        h = x_.float()
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)).type_as(x_) * w_
+        gx, gw = torch.autograd.grad(y, (x_, w_), grad)
+    return gx, gw, None
+
+
+def _fused_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+fused_rms_norm.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +67,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _FUSED_NORM:
+            return fused_rms_norm(x, self.weight, self.eps)
         h = x.float()
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 

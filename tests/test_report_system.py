@@ -106,3 +106,47 @@ def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, 
     by_hand = json.loads(capsys.readouterr().out)
     assert by_hand["utilization"]["step_seconds"] == rep["utilization"]["step_seconds"]
     assert any("another system's run" in n and "attention materialized-dropout" in n for n in by_hand["notes"])
+
+
+def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_one_op(tmp_path, monkeypatch):
+    """bench/llama_sized.py's `fused` field (torchtitan's fused_rmsnorm): the custom op's output and gradients are
+    the unfused module's, and the report prices the model with it faster (one op's bytes, not each fp32 op's) and
+    keeping fewer activations (its input, not each op's saved fp32 copy)."""
+    import torch
+
+    def load(spec_env):
+        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+        spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    shape = "2,64,4,2,128,100,16"
+    unfused, fused = load(shape), load(shape + ",fused")
+    assert not unfused._FUSED_NORM and fused._FUSED_NORM
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for mod in (unfused, fused):
+        norm = mod.RMSNorm(64)
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+        x.grad = None
+        y = norm(x)
+        (y.float() * torch.arange(64.0)).sum().backward()
+        outs.append((y, x.grad.clone(), norm.weight.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=h100\nbatch global=16 micro=2\n"
+                    "zero stage=3\nprecision bf16\n")
+    reps = []
+    for spec_env in (shape, shape + ",fused"):
+        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+        reps.append(report.build_from_args(cli.parser().parse_args(
+            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
+    (u_rep, f_rep) = reps
+    assert f_rep["utilization"]["step_seconds"] < u_rep["utilization"]["step_seconds"]
+    kept = [r["memory"]["per_pp_rank"][0]["activations_bytes"] for r in (u_rep, f_rep)]
+    assert kept[1] < kept[0]
