@@ -249,9 +249,10 @@ def _summaries(gm: fx.GraphModule, traced, stages: int) -> list[dict]:
         if p and (not modules[s] or modules[s][-1] != p):
             modules[s].append(p)
     nbytes = _param_bytes(traced)
+    unused = unused_owners(gm, traced, {n: n.meta[STAGE] for n in nodes})
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.name in nbytes:
-            for s in sorted({u.meta[STAGE] for u in p.users}):
+            for s in sorted({u.meta[STAGE] for u in p.users} or {unused[p.name]}):
                 params[s] += nbytes[p.name]
     tf, tp = max(sum(flops), 1), max(sum(params), 1)
     return [{"index": s, "first": modules[s][0] if modules[s] else "", "last": modules[s][-1] if modules[s] else "",
