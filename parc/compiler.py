@@ -26,7 +26,7 @@ from parc.passes import precision as precision_casts
 from parc.passes.schedule import build_schedule, schedule_diagnostics
 from parc.grammar.plan import Plan
 from parc.trace import Traced, load_user_module, trace
-from parc.traced import index_bounds
+from parc.traced import index_bounds, unread_params
 from parc.trace_constants import MAX_CARRIED_ELEMENTS
 from parc.grammar.validate import validate
 
@@ -117,7 +117,9 @@ def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug:
     # zero runs after the passes whose parameters it partitions; recompute runs last, wrapping
     # each recomputed module's nodes, collectives included, as the other passes left them
     split = [("pipeline_split", pipeline_split.run)] if stages > 1 else []
-    gm = run_passes(gm, plan, ctx, split + [("zero", zero.run), ("recompute", recompute.run)], debug=debug)
+    # precision's `extremes` after zero: its run-time `torch.finfo` reads are no op the other passes follow
+    gm = run_passes(gm, plan, ctx, split + [("zero", zero.run), (precision_casts.EXTREMES, precision_casts.extremes),
+                                            ("recompute", recompute.run)], debug=debug)
     return gm, ctx
 
 
@@ -259,6 +261,8 @@ def compile_model(model_file: str | Path, plan: Plan, out_dir: str | Path, *, de
         "stages": ([{"index": 0, "pp_rank": 0}] if n_stages == 1 else
                    [{"pp_rank": d["index"] % m.pp, "chunk": d["index"] // m.pp, **d} for d in summaries]),
         "programs": programs,
+        # parameters the loss does not depend on: stepped with a zero gradient and no decay (parc/traced.py)
+        "unread_params": unread_params(traced),
         "dropout": ctx.notes["dropout"],  # keyed sites and unkeyed random ops (passes/dropout.py), for --verify
         "costs": {"param_count": traced.param_count,
                   "dp_grad_allreduce_elements_per_rank": 2 * (dp - 1) * traced.param_count // max(dp, 1),

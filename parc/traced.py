@@ -63,6 +63,24 @@ def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:
     return [traced.constants[s.fqn] if s.fqn in traced.constants else get(model, s.fqn) for s in traced.state]
 
 
+def unread_params(traced: Traced) -> list[str]:
+    """FQNs of the trainable parameters the loss does not depend on in the traced graph: a submodule the forward
+    never calls, a projection whose output it drops, a branch not taken at the traced shapes (deepseek_v4's
+    attention compressor below its window). The serial model's gradient of each is None, so its optimizer
+    leaves it as it is; the parallel run holds and saves them like any parameter, and steps them with a zero
+    gradient and no weight decay (runtime/train.py), which leaves them as they are too."""
+    out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    reached, todo = set(), [out_node]
+    while todo:
+        n = todo.pop()
+        for d in n.all_input_nodes:
+            if d not in reached:
+                reached.add(d)
+                todo.append(d)
+    names = {n.name for n in reached if n.op == "placeholder"}
+    return sorted(s.fqn for s in traced.state if s.kind == "param" and s.requires_grad and s.name not in names)
+
+
 def get(model: torch.nn.Module, fqn: str):
     """The attribute at a dotted FQN (a parameter, buffer or plain tensor attribute). A part below a list or
     tuple is an index, below a dict a key: `tables.0` is `model.tables[0]` (parc/trace_constants.py)."""

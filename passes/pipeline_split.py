@@ -20,7 +20,9 @@ inputs; output `(loss,)`); nodes added by earlier passes may lack
 
 Guarantees, for the program of stage s:
 - placeholders are: the state stage s uses (a tied parameter, e.g. an embedding
-  shared with the lm head, is a placeholder of every stage that uses it), then
+  shared with the lm head, is a placeholder of every stage that uses it) and the
+  state no stage reads whose module is in stage s (`unused_owners`: every
+  parameter of the model is held by some stage), then
   `recv_<value>` for every value crossing the cut s−1 | s, then every user
   input (each pp rank calls `get_batch` itself, so inputs are never sent);
 - the output is `(loss,)` on the last stage, otherwise the tuple of values
@@ -247,9 +249,10 @@ def _summaries(gm: fx.GraphModule, traced, stages: int) -> list[dict]:
         if p and (not modules[s] or modules[s][-1] != p):
             modules[s].append(p)
     nbytes = _param_bytes(traced)
+    unused = unused_owners(gm, traced, {n: n.meta[STAGE] for n in nodes})
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.name in nbytes:
-            for s in sorted({u.meta[STAGE] for u in p.users}):
+            for s in sorted({u.meta[STAGE] for u in p.users} or {unused[p.name]}):
                 params[s] += nbytes[p.name]
     tf, tp = max(sum(flops), 1), max(sum(params), 1)
     return [{"index": s, "first": modules[s][0] if modules[s] else "", "last": modules[s][-1] if modules[s] else "",
@@ -295,6 +298,35 @@ def _needs_grad(gm: fx.GraphModule, traced) -> set[fx.Node]:
     return out
 
 
+def unused_owners(gm: fx.GraphModule, traced, stage_of: dict[fx.Node, int]) -> dict[str, int]:
+    """The stage that holds each state entry no node reads, by placeholder name.
+
+    A model may own parameters its traced forward never reads: a submodule it does not call, a branch not taken
+    at the traced sequence length (deepseek_v4's compressor below its window), a layer's output an earlier pass
+    found dead. A stage takes the state its nodes read, so no stage took these, and the pipeline run trained,
+    saved and gathered a model without them. Each goes to the stage of the nearest module on its path that
+    computes something (its own module, else the closest enclosing one), stage 0 if none does: one owner, so
+    it is trained (its gradient None, as in the serial model), saved and resumed once, like any other."""
+    first: dict[str, int] = {}  # module path → the first stage computing in it (or in a submodule)
+    for n, st in stage_of.items():
+        path = module_path(n)
+        while path and path not in first:
+            first[path] = st
+            path = path.rpartition(".")[0]
+    out = {}
+    for p in gm.graph.nodes:
+        if p.op != "placeholder" or p.users:
+            continue
+        spec = next((x for x in traced.state if x.name == p.name), None)
+        if spec is None:
+            continue  # a user input
+        path = spec.fqn.rpartition(".")[0]
+        while path not in first and path:
+            path = path.rpartition(".")[0]
+        out[p.name] = first.get(path, 0)
+    return out
+
+
 def crossing(gm: fx.GraphModule, stages: int) -> list[list[fx.Node]]:
     """crossing[b]: values computed at stage ≤ b and used at a stage > b, in graph order (skips included)."""
     stage_of, const = _stage_of(gm), _constant_only(gm)
@@ -326,9 +358,10 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     # the same whole graph serves every stage of a tp rank (parc/compiler.py), and this pass only reads
     # it: its analysis is made once per graph, not once per stage
     if gm.meta.get("parc_split", (None,))[0] != stages:
-        gm.meta["parc_split"] = (stages, _stage_of(gm), _constant_only(gm), _needs_grad(gm, ctx.traced),
-                                 crossing(gm, stages))
-    _, stage_of, const, grad, cuts = gm.meta["parc_split"]
+        stage_of = _stage_of(gm)
+        gm.meta["parc_split"] = (stages, stage_of, _constant_only(gm), _needs_grad(gm, ctx.traced),
+                                 crossing(gm, stages), unused_owners(gm, ctx.traced, stage_of))
+    _, stage_of, const, grad, cuts, unused = gm.meta["parc_split"]
     recv = cuts[s - 1] if s > 0 else []
     send = cuts[s] if s < stages - 1 else []
     for n in recv + send:
@@ -343,7 +376,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     mine = [n for n in _compute_nodes(gm) if stage_of[n] == s]
     used = {d for n in mine for d in n.all_input_nodes}
     for p in placeholders:
-        if p.name in state_names and p in used:
+        if p.name in state_names and (p in used or unused.get(p.name) == s):
             env[p] = graph.node_copy(p)
     for n in recv:
         ph = graph.placeholder(f"recv_{n.name}")

@@ -30,13 +30,32 @@ less precise; tests/test_bf16_casts.py holds such models to the serial bf16 run)
   step 0. Computing the op in fp32 is autocast's own "promote" policy: never less precise than the eager
   bf16 model, at the cost of fp32 copies of its operands (tests/test_bf16_casts.py).
 
-Assumes: the traced whole graph (before tensor_parallel, which keeps these nodes as they are).
+A dtype's extreme the model read from a value (`torch.finfo(h.dtype).min`, the mask fill of most attention
+code) traced as float32's, ±3.4028e38, a number bf16 (largest 3.3895e38) and fp16 (65504) cannot hold: under
+bf16 `masked_fill`, `fill`, `clamp`, `full_like`, `index_fill` and `scatter` of a bf16 tensor stop at step 0
+(`value cannot be converted to type c10::BFloat16 without overflow`, doge's dynamic mask), and arithmetic
+and `where` round it to -inf where the eager model has a finite value (a fully masked row's softmax is
+then nan, not uniform). `extremes`, run on each program after zero (so no other pass sees it), puts back
+what the eager model computes: each float32 extreme among an op's scalars becomes
+`torch.finfo(x.dtype).min` (or `.max`) of the op's first floating tensor operand `x`, read at run time.
+Where `x` is bf16 that is bf16's extreme, as in the serial bf16 run (whose finfo reads a bf16 value);
+where the model kept `x` in fp32 it is the traced number itself. An op whose result dtype the trace pinned
+(`dtype=torch.float32`) stores the traced number in fp32, representable, and is left as it is. A literal
+out of the compute dtype's range that is not float32's extreme (`-1e9` under fp16) is left too: the eager
+model overflows on it as well.
+
+Assumes: the traced whole graph (before tensor_parallel, which keeps these nodes as they are); `extremes`:
+one program's graph after pipeline_split and zero, before recompute (which moves the new nodes into a
+region with the op they feed).
 Guarantees: under bf16 no `_assert_tensor_metadata` of a floating tensor names a dtype, no device
 move of a floating tensor casts it, and every floating tensor operand of an opaque op is float32; every
-other node is untouched. Rewrites counted per node changed.
+other node is untouched; after `extremes`, no op scalar is float32's extreme where a floating tensor operand
+decides its dtype. Rewrites counted per node changed.
 """
 
 from __future__ import annotations
+
+import builtins
 
 import torch
 import torch.fx as fx
@@ -45,6 +64,7 @@ from parc.runtime.precision import compute_dtype
 
 aten = torch.ops.aten
 NAME = "precision"
+EXTREMES = "precision_extremes"  # `extremes`' rewrites, counted apart (it runs per program, after zero)
 AUTOCAST_REACHES = ("aten", "prims", "parc")  # op namespaces autocast (or parc's own runtime) casts for
 
 
@@ -62,6 +82,58 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if ctx.rewrites.get(NAME):
         gm.recompile()
     return gm
+
+
+def extremes(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    """Each float32 extreme among an op's scalars read from its operand's dtype at run time (module docstring)."""
+    if compute_dtype(plan.precision) is None:
+        return gm
+    changed = 0
+    for node in list(gm.graph.nodes):
+        x = _extreme_owner(node)
+        if x is None:
+            continue
+        with gm.graph.inserting_before(node):
+            dtype = gm.graph.call_function(builtins.getattr, (x, "dtype"))
+            info = gm.graph.call_function(torch.finfo, (dtype,))
+            ends = {which: gm.graph.call_function(builtins.getattr, (info, which)) for which in ("min", "max")}
+        for made, val in ((dtype, torch.float32), (info, torch.finfo(torch.float32)),
+                          (ends["min"], -_F32_MAX), (ends["max"], _F32_MAX)):
+            made.meta = {"val": val, "nn_module_stack": node.meta.get("nn_module_stack")}
+
+        def end(a):
+            return ends["max" if a > 0 else "min"] if _is_extreme(a) else a
+
+        node.args = tuple(end(a) for a in node.args)
+        node.kwargs = {k: end(v) for k, v in node.kwargs.items()}
+        for which in [w for w, n in ends.items() if not n.users]:
+            gm.graph.erase_node(ends[which])
+        changed += 1
+    if changed:
+        ctx.count(EXTREMES, changed)
+        gm.recompile()
+    return gm
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _is_extreme(a) -> bool:
+    return isinstance(a, float) and abs(a) == _F32_MAX
+
+
+def _extreme_owner(node: fx.Node) -> fx.Node | None:
+    """The floating tensor operand whose dtype `node`'s float32-extreme scalars should follow, or None: no such
+    scalar, no floating operand, or a result dtype the trace pinned."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if not any(_is_extreme(a) for a in (*node.args, *node.kwargs.values())):
+        return None
+    pinned = node.kwargs.get("dtype")
+    if pinned is not None and pinned.is_floating_point:
+        return None
+    return next((a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)
+                 and getattr(a.meta.get("val"), "dtype", torch.int64).is_floating_point), None)
 
 
 def opaque_float_operands(node: fx.Node) -> list[fx.Node]:

@@ -146,7 +146,12 @@ class Trainer:
         self.opt_cfg = plan["plan"]["optimizer"]
         # weight decay by the serial model's parameter, whatever the plan (runtime/param_groups.py)
         decay = param_groups.decays(param_groups.classify_user(user), self.opt_cfg)
-        self.decay_of = {e["name"]: decay.get(e["fqn"], True) for e in self.entry["state"] if e["name"] in self.params}
+        # a parameter the loss does not read (parc/traced.py unread_params) has no gradient in the serial run, so
+        # its optimizer skips it; here it gets a zero one (data_parallel.py, ZeRO's flat ranges), which moves it
+        # only by weight decay: none, and it stays as serial leaves it
+        unread = set(plan.get("unread_params", ()))
+        self.decay_of = {e["name"]: decay.get(e["fqn"], True) and e["fqn"] not in unread
+                         for e in self.entry["state"] if e["name"] in self.params}
         self.zero = None
         if self.entry.get("zero"):  # ZeRO 1–3: one object reduces, shards and updates (parc.runtime.parallel.zero)
             group, k, index, replicas = zero_groups(self.entry["zero"], ctx)

@@ -6,11 +6,14 @@ step 0 once the program ran on bf16 copies (issue 24). Qwen3 (a per-head RMSNorm
 Llama under bf16 with dp 2 and tp 2 train against the serial bf16 model; the unit test checks that no
 floating dtype guard is left in a bf16 program and that an fp32 program keeps its guards. An opaque custom
 op (tests/models/custom_mm_tiny.py, called as transformers calls its grouped-MoE fallback) runs in fp32 under
-bf16, and trains against the serial bf16 model.
+bf16, and trains against the serial bf16 model. A model masking and clamping with `torch.finfo(x.dtype)`
+(tests/models/finfo_mask.py) trains under dp, tp and pp, and its programs read the extreme from the operand's
+dtype at run time under bf16 and fp16, and keep the traced number under fp32.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,11 @@ PLANS = {  # name: (model, mesh and rules)
     "qwen3_tp": ("qwen3_tiny.py", "mesh tp=2\n" + llama_tp_rules()),
     # an opaque custom op called as op(x.to(w.dtype), w): failed at step 0 until its operands ran in fp32
     "custom_op_dp": ("custom_mm_tiny.py", "mesh dp=2\n"),
+    # masks and clamps with `torch.finfo(x.dtype)`: traced as float32's ±3.4028e38, which a bf16 masked_fill or
+    # clamp cannot hold (step 0 stopped until passes/precision.py `extremes` read the extreme at run time)
+    "finfo_dp": ("finfo_mask.py", "mesh dp=2\n"),
+    "finfo_tp": ("finfo_mask.py", "mesh tp=2\n" + llama_tp_rules()),
+    "finfo_pp": ("finfo_mask.py", "mesh pp=2\npipeline schedule=1f1b stages=auto\n"),  # after pipeline_split
 }
 # tests/test_bf16_layout.py's tolerances, for its reasons: the serial run rounds the same fp32 masters to
 # bf16; summation order (dp and micro-batches; tp's bf16 partial sums, which round twice where serial
@@ -43,7 +51,7 @@ PLANS = {  # name: (model, mesh and rules)
 # `.to(input_dtype)`, fp32 in the program where eager rounds to bf16 (passes/precision.py), is not what
 # differs: rewriting it to bf16 in the llama dp program measured 1.47e-3 against 1.46e-3.
 TOLERANCE = 2e-3
-TOLERANCES = {"llama_tp": 4e-3, "qwen3_tp": 4e-3}
+TOLERANCES = {"llama_tp": 4e-3, "qwen3_tp": 4e-3, "finfo_tp": 4e-3}
 
 
 def _body(ctx, roots: dict[str, str]):
@@ -134,3 +142,60 @@ def test_opaque_op_operands_run_in_fp32_under_bf16(tmp_path):
     call = next(line for line in program("bf16").splitlines() if "same_dtype_mm.default(" in line)
     assert call.count("_to_copy_default") >= 2, call  # both operands go through the fp32 casts
     assert "_to_copy" not in next(line for line in program("fp32").splitlines() if "same_dtype_mm.default(" in line)
+
+
+def test_dtype_extremes_read_at_run_time(tmp_path):
+    """float32's ±3.4028e38, traced from `torch.finfo(x.dtype)`, is read from the operand at run time under bf16
+    and fp16 (neither can hold it), and stays the traced number under fp32."""
+    def program(precision):
+        root = compile_text("mesh dp=2\n" + COMMON.format(precision=precision), tmp_path / precision,
+                            MODELS / "finfo_mask.py").root
+        return (root / "programs" / "stage0_tp0.py").read_text()
+
+    extreme = repr(torch.finfo(torch.float32).max)  # 3.4028234663852886e+38
+    for precision in ("bf16", "fp16"):
+        text = program(precision)
+        assert extreme not in text, precision
+        # masked_fill(scores, ~causal, finfo(scores.dtype).min), clamp(x, finfo(x.dtype).min, finfo(x.dtype).max)
+        assert re.search(r"masked_fill\.Scalar\(mul(_\d+)?, bitwise_not(_\d+)?, getattr_\d+\)", text), precision
+        assert re.search(r"clamp\.default\(\w+, getattr_\d+, getattr_\d+\)", text), precision
+        assert text.count("torch.finfo(") == 2 * 2, precision  # one per masked_fill and clamp, in 2 layers
+    fp32 = program("fp32")
+    assert "torch.finfo(" not in fp32 and fp32.count(extreme) == 2 * 3  # masked_fill's -max, clamp's ±max
+
+
+def test_extremes_on_a_hand_built_graph():
+    """The rewrite, visible: an extreme follows its operand's dtype; a pinned dtype, a finite literal and an op
+    with no floating operand keep their numbers."""
+    aten = torch.ops.aten
+    big = torch.finfo(torch.float32).max
+    g = torch.fx.Graph()
+    x, mask = g.placeholder("x"), g.placeholder("mask")
+    x.meta["val"], mask.meta["val"] = torch.empty(2, device="meta"), torch.empty(2, dtype=torch.bool, device="meta")
+    fill = g.call_function(aten.masked_fill.Scalar, (x, mask, -big))
+    finite = g.call_function(aten.masked_fill.Scalar, (x, mask, -1e9))
+    pinned = g.call_function(aten.full_like.default, (x, -big), {"dtype": torch.float32})
+    full = g.call_function(aten.full.default, ([2], big), {"dtype": torch.float32})
+    g.output((fill, finite, pinned, full))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+
+    class Plan:
+        precision = "bf16"
+
+    class Ctx:
+        rewrites: dict = {}
+
+        def count(self, name, n=1):
+            self.rewrites[name] = self.rewrites.get(name, 0) + n
+
+    ctx = Ctx()
+    precision_casts.extremes(gm, Plan, ctx)
+    assert ctx.rewrites == {precision_casts.EXTREMES: 1}
+    end = fill.args[2]  # getattr(torch.finfo(getattr(x, "dtype")), "min")
+    assert end.args[1] == "min" and end.args[0].target is torch.finfo and end.args[0].args[0].args == (x, "dtype")
+    assert finite.args[2] == -1e9 and pinned.args[1] == -big and full.args[1] == big
+    low = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    filled = gm(low, torch.tensor([True, False]))[0]  # ran: no overflow in bf16, bf16's own extreme
+    assert filled.dtype == torch.bfloat16 and filled[0].item() == torch.finfo(torch.bfloat16).min
+    fp32 = gm(low.float(), torch.tensor([True, False]))[0]
+    assert fp32[0].item() == -big  # a value the model keeps in fp32: the traced number

@@ -28,6 +28,10 @@ set -- $FAMS
 while [ $# -gt 0 ]; do
   chunk=$(echo "${@:1:$CHUNK}" | tr ' ' ','); shift $(( $# < CHUNK ? $# : CHUNK ))
   rm -rf "$SNAP" && mkdir -p "$SNAP" && git -C "$ROOT" archive HEAD | tar -x -C "$SNAP"
+  # pyproject maps parc.passes, parc.runtime and parc.grammar to top-level folders, and the editable install's
+  # finder (on sys.meta_path, after PYTHONPATH) maps them to $ROOT's files, edits in progress included. Links
+  # in the snapshot's parc/ let PYTHONPATH find the snapshot's own before that finder is asked.
+  for sub in passes runtime grammar; do ln -s "../$sub" "$SNAP/parc/$sub"; done
   echo "=== chunk $chunk at $(git -C "$ROOT" rev-parse --short HEAD) $(date -u +%T)"
   (cd "$SNAP" && OMP_NUM_THREADS=1 PYTHONPATH="$SNAP" nice -n 10 "$PY" -m bench.zoo.sweep --plans "$PLANS" \
      --sources "$SOURCES" --families "$chunk" --lock "$LOCK" --resume --out "$ROOT/bench/results/zoo.json")
