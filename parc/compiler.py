@@ -117,8 +117,10 @@ def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug:
     # zero runs after the passes whose parameters it partitions; recompute runs last, wrapping
     # each recomputed module's nodes, collectives included, as the other passes left them
     split = [("pipeline_split", pipeline_split.run)] if stages > 1 else []
-    # precision's `extremes` after zero: its run-time `torch.finfo` reads are no op the other passes follow
+    # precision's `extremes` and `norm_operands` after zero: their run-time dtype reads (`torch.finfo(x.dtype)`,
+    # `w.to(x.dtype)`) are no op the other passes follow
     gm = run_passes(gm, plan, ctx, split + [("zero", zero.run), (precision_casts.EXTREMES, precision_casts.extremes),
+                                            (precision_casts.NORMS, precision_casts.norm_operands),
                                             ("recompute", recompute.run)], debug=debug)
     return gm, ctx
 

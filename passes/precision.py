@@ -44,12 +44,21 @@ where the model kept `x` in fp32 it is the traced number itself. An op whose res
 out of the compute dtype's range that is not float32's extreme (`-1e9` under fp16) is left too: the eager
 model overflows on it as well.
 
+A norm whose input the model cast to its weight's dtype (`norm(x.to(norm.weight.dtype))`, transformers' hy_v4 on
+a module it keeps in fp32) traced the cast as `.to(torch.float32)`, so under bf16 the norm gets an fp32 input
+with bf16 weight copies and stops at step 0 (`mixed dtype (CPU): expect parameter to have scalar type of
+Float`). `norm_operands`, run on each program after `extremes`, casts each norm's weight and bias
+(`NORM_WEIGHTS`) to its input's dtype read at run time: where the input is bf16 that is no cast at all (the
+same tensor), where the model made it fp32 the norm runs in fp32, autocast's "promote" as for opaque ops
+above, never less precise than the eager bf16 model (which rounds the input to bf16 and runs the norm there).
+
 Assumes: the traced whole graph (before tensor_parallel, which keeps these nodes as they are); `extremes`:
 one program's graph after pipeline_split and zero, before recompute (which moves the new nodes into a
 region with the op they feed).
 Guarantees: under bf16 no `_assert_tensor_metadata` of a floating tensor names a dtype, no device
 move of a floating tensor casts it, and every floating tensor operand of an opaque op is float32; every
-other node is untouched; after `extremes`, no op scalar is float32's extreme where a floating tensor operand
+other node is untouched; after `norm_operands`, every norm's weight and bias have its input's dtype; after
+`extremes`, no op scalar is float32's extreme where a floating tensor operand
 decides its dtype. Rewrites counted per node changed.
 """
 
@@ -65,6 +74,7 @@ from parc.runtime.precision import compute_dtype
 aten = torch.ops.aten
 NAME = "precision"
 EXTREMES = "precision_extremes"  # `extremes`' rewrites, counted apart (it runs per program, after zero)
+NORMS = "precision_norms"  # `norm_operands`' rewrites, counted apart (it runs per program, after zero)
 AUTOCAST_REACHES = ("aten", "prims", "parc")  # op namespaces autocast (or parc's own runtime) casts for
 
 
@@ -116,6 +126,47 @@ def extremes(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
 
 
 _F32_MAX = torch.finfo(torch.float32).max
+
+
+# A norm's weight operands, by position: a norm that runs on a tensor and weights of two dtypes stops at step 0
+# (`mixed dtype (CPU): expect parameter to have scalar type of Float`); see `norm_operands`.
+NORM_WEIGHTS = {
+    aten.layer_norm.default: (2, 3),         # (input, normalized_shape, weight, bias, eps, cudnn_enable)
+    aten.native_layer_norm.default: (2, 3),  # (input, normalized_shape, weight, bias, eps)
+    aten.rms_norm.default: (2,),             # (input, normalized_shape, weight, eps)
+    aten.group_norm.default: (2, 3),         # (input, num_groups, weight, bias, eps, cudnn_enabled)
+    aten.native_group_norm.default: (1, 2),  # (input, weight, bias, N, C, HxW, group, eps)
+}
+
+
+def norm_operands(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    """Each norm's weight and bias take its input's dtype at run time (module docstring)."""
+    if compute_dtype(plan.precision) is None:
+        return gm
+    changed = 0
+    for node in list(gm.graph.nodes):
+        x = node.args[0] if node.op == "call_function" and node.target in NORM_WEIGHTS and node.args else None
+        if not isinstance(x, fx.Node) or not getattr(x.meta.get("val"), "dtype", torch.int64).is_floating_point:
+            continue
+        slots = [i for i in NORM_WEIGHTS[node.target] if i < len(node.args) and isinstance(node.args[i], fx.Node)]
+        if not slots:
+            continue
+        with gm.graph.inserting_before(node):
+            dtype = gm.graph.call_function(builtins.getattr, (x, "dtype"))
+            dtype.meta = {"val": torch.float32, "nn_module_stack": node.meta.get("nn_module_stack")}
+            args = list(node.args)
+            for i in slots:
+                w = args[i]
+                args[i] = gm.graph.call_function(aten.to.dtype, (w, dtype))  # the same tensor where dtypes agree
+                args[i].meta = {**w.meta, "nn_module_stack": node.meta.get("nn_module_stack")}
+        node.args = tuple(args)
+        changed += 1
+    if changed:
+        ctx.count(NORMS, changed)
+        gm.recompile()
+    return gm
+
+
 
 
 def _is_extreme(a) -> bool:

@@ -8,7 +8,9 @@ floating dtype guard is left in a bf16 program and that an fp32 program keeps it
 op (tests/models/custom_mm_tiny.py, called as transformers calls its grouped-MoE fallback) runs in fp32 under
 bf16, and trains against the serial bf16 model. A model masking and clamping with `torch.finfo(x.dtype)`
 (tests/models/finfo_mask.py) trains under dp, tp and pp, and its programs read the extreme from the operand's
-dtype at run time under bf16 and fp16, and keep the traced number under fp32.
+dtype at run time under bf16 and fp16, and keep the traced number under fp32. A model feeding its norms
+`x.to(norm.weight.dtype)` (tests/models/norm_cast.py) trains under dp and tp, its norms' weights cast to their
+input's dtype at run time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from parc.trace import load_user_module
 MODELS = ROOT / "tests" / "models"
 STEPS = 2
 COMMON = "batch global=8 micro=2\nprecision {precision}\noptimizer adamw lr=1e-3\n"
+NORM_CAST_TP = """tensor_parallel {
+    "model.layers.*.*.gate_proj" : column
+    "model.layers.*.*.up_proj"   : column
+    "model.layers.*.*.down_proj" : row
+    "model.embed_tokens"         : vocab
+    "lm_head"                    : vocab
+}
+"""
 PLANS = {  # name: (model, mesh and rules)
     "qwen3_dp": ("qwen3_tiny.py", "mesh dp=2\n"),
     "llama_dp": ("llama_tiny.py", "mesh dp=2\n"),
@@ -42,6 +52,10 @@ PLANS = {  # name: (model, mesh and rules)
     "finfo_dp": ("finfo_mask.py", "mesh dp=2\n"),
     "finfo_tp": ("finfo_mask.py", "mesh tp=2\n" + llama_tp_rules()),
     "finfo_pp": ("finfo_mask.py", "mesh pp=2\npipeline schedule=1f1b stages=auto\n"),  # after pipeline_split
+    # norms fed `x.to(norm.weight.dtype)`: traced as an fp32 input, so under bf16 a LayerNorm got bf16 weight and
+    # bias with it and stopped at step 0 until passes/precision.py `norm_operands` cast them to the input's dtype
+    "norm_cast_dp": ("norm_cast.py", "mesh dp=2\n"),
+    "norm_cast_tp": ("norm_cast.py", "mesh tp=2\n" + NORM_CAST_TP),
 }
 # tests/test_bf16_layout.py's tolerances, for its reasons: the serial run rounds the same fp32 masters to
 # bf16; summation order (dp and micro-batches; tp's bf16 partial sums, which round twice where serial
@@ -51,7 +65,7 @@ PLANS = {  # name: (model, mesh and rules)
 # `.to(input_dtype)`, fp32 in the program where eager rounds to bf16 (passes/precision.py), is not what
 # differs: rewriting it to bf16 in the llama dp program measured 1.47e-3 against 1.46e-3.
 TOLERANCE = 2e-3
-TOLERANCES = {"llama_tp": 4e-3, "qwen3_tp": 4e-3, "finfo_tp": 4e-3}
+TOLERANCES = {"llama_tp": 4e-3, "qwen3_tp": 4e-3, "finfo_tp": 4e-3, "norm_cast_tp": 4e-3}
 
 
 def _body(ctx, roots: dict[str, str]):
