@@ -57,8 +57,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
     if plan.zero.stage > 0 and plan.zero.offload:
         refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
                "drop `offload=` with cp")
-    if plan.compile != "none":
-        refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
     if plan.expert_parallel.patterns:
         refuse(f"expert_parallel with mesh cp {m.cp}: {later}", "expert_parallel", plan.expert_parallel,
                "drop the `expert_parallel` block with cp")

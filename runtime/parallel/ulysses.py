@@ -67,7 +67,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, 
     return _sequence_to_heads(out, axis, "fwd")
 
 
-ulysses_attention.register_fake(lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q))
+# contiguous, as the op returns them (`_sequence_to_heads` reshapes a transposed buffer): a compiled graph plans the
+# views after the op from these strides
+ulysses_attention.register_fake(lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q, memory_format=torch.contiguous_format))
 
 
 @eager.custom_op("parc::bwd_ulysses_attention")
@@ -90,7 +92,7 @@ def bwd_ulysses_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, axis: s
 
 @bwd_ulysses_attention.register_fake
 def _(grad, q, k, v, axis, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
