@@ -155,7 +155,8 @@ def _measure(ctx, root: str):
 
     trainer = Trainer.load(root, 0)
     trainer.step(0)
-    trainer.probe = ActivationProbe(trainer.state)
+    # compiled (PARC_TEST_COMPILE): the saved-tensor hook only, as tests/test_report_memory.py measures it
+    trainer.probe = ActivationProbe(trainer.state, saved_only=trainer.art.plan["plan"].get("compile", "none") != "none")
     trainer.step(1)
     return {"activations": trainer.probe.peak, **held_state(trainer)}
 

@@ -4,7 +4,8 @@ Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so fa
 tests/test_cp_compositions.py, tests/test_cp_tp.py, tests/test_cp_dropout.py): cp × dp, × pp (1F1B, GPipe,
 interleaved, zero-bubble), ring and all-to-all attention, fp32, bf16 and fp16, ZeRO 1–3 sharded over dp × cp,
 recompute, checkpoints, keyed dropout (not attention dropout: passes/context_parallel.py refuses it), and
-cp × tp (with sequence parallelism), alone and with dp, pp, ZeRO 1–3, bf16, fp16 and recompute;
+cp × tp (with sequence parallelism), alone and with dp, pp, ZeRO 1–3, bf16, fp16 and recompute; `compile`
+(aot_eager and inductor);
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
 all at once, rather than run without a test proving it equals the serial model. What needs the model
 (the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
