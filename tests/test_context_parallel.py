@@ -50,6 +50,10 @@ def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring", fused: boo
     else:
         out = torch.ops.parc.ulysses_attention(*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size)
     (out * w[..., pos, :]).sum().backward()
+    # contiguous, as the ops' fakes say (a compiled graph plans its views from them; inductor checks the strides).
+    # Ulysses at cp 4 with 4 heads has one head a rank, where its reshape once returned a strided view
+    assert out.is_contiguous() and all(t.grad.is_contiguous() for t in local), \
+        (out.stride(), [t.grad.stride() for t in local])
     scale = ref.abs().max().item()
     diffs = {"out": (out - ref[..., pos, :]).abs().max().item() / scale}
     for name, mine, whole in zip("qkv", local, full):

@@ -124,7 +124,7 @@ def test_gpt_cp_tp_fp16_loss_scaling_matches_serial(tmp_path):
 # The smallest meshes holding cp × tp with a third axis: 8 ranks, 2 steps (the same tolerances). dp 2 × cp 2 ×
 # tp 2 with ZeRO-1 and sequence parallelism: each tp coordinate's 4 dp × cp ranks reduce and shard together
 # (reducing over cp alone, i.e. leaving dp out of the `dp_cp` groups, measured losses 8.7e-3 and parameters
-# 2.5e-1 apart). pp 2 × cp 2 × tp 2 (1F1B): each stage's tp ranks ring over the cp group of their stage.
+# 2.5e-1 apart, without ZeRO). pp 2 × cp 2 × tp 2 (1F1B): each stage's tp ranks ring over the cp group of their stage.
 def test_dp_cp_tp_zero_matches_serial(tmp_path):
     text = _plan("dp=2 cp=2 tp=2", "ring", gpt_tp_rules(True)).replace("global=4", "global=8") + "zero stage=1\n"
     art = compile_text(text, tmp_path / "c")
@@ -133,13 +133,13 @@ def test_dp_cp_tp_zero_matches_serial(tmp_path):
     _check(parallel_vs_serial(art.root, steps=2))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b virtual=2"])
-def test_pp_cp_tp_matches_serial(tmp_path, schedule):
-    art = compile_text(_plan("pp=2 cp=2 tp=2", "ring", gpt_tp_rules()) + f"pipeline schedule={schedule}\n",
-                       tmp_path / "c")
+def test_pp_cp_tp_matches_serial(tmp_path):
+    # 1F1B only: the other schedules are proven with cp (test_cp_compositions.py) and with tp; this proves the
+    # stage's cp groups are cut per tp coordinate (interleaved virtual 2 measured the same figures, not kept: suite time)
+    art = compile_text(_plan("pp=2 cp=2 tp=2", "ring", gpt_tp_rules()) + "pipeline schedule=1f1b\n", tmp_path / "c")
     rings = [p.read_text().count("torch.ops.parc.ring_attention")
              for p in sorted((art.root / "programs").glob("stage*_tp0.py"))]
-    assert len(rings) == (4 if "virtual" in schedule else 2) and sum(rings) == 4 and min(rings) >= 1, rings
+    assert len(rings) == 2 and sum(rings) == 4 and min(rings) >= 1, rings
     _check(parallel_vs_serial(art.root, steps=2))
 
 

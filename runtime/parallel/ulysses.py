@@ -56,7 +56,9 @@ def _sequence_to_heads(y: Tensor, axis: str, phase: str) -> Tensor:
     recv = torch.empty_like(send)
     _note("all_to_all", axis, phase)
     dist.all_to_all_single(recv, send, group=g)  # recv[j]: head group j of this rank's tokens
-    return recv.transpose(0, 1).reshape(B, cp * Hc, L, hs)
+    # contiguous, as the ops' fakes say: with one head a rank (Hc 1) the reshape is a view whose B and head
+    # strides are swapped, which inductor's stride check refused (`compile inductor`, cp 2 × tp 2, 4 heads)
+    return recv.transpose(0, 1).reshape(B, cp * Hc, L, hs).contiguous()
 
 
 @eager.custom_op("parc::ulysses_attention")
