@@ -84,7 +84,8 @@ def test_gpt_cp_tp_zero_recompute_matches_serial(tmp_path, extra, method, sp):
 # serial SDPA runs in bf16, so the k third of each qkv bias, whose exact gradient is zero, drifts by rounding);
 # tp's bf16 double rounding is held to the same bound by test_bf16_layout. Measured: parameters 1.92e-3 (with
 # sequence parallelism) and 1.93e-3 (ZeRO-2), worst blocks.3.attn.qkv.bias; losses 2.0e-5 and 1.3e-5.
-@pytest.mark.parametrize("extra,sp", [pytest.param("", True, id="sp"), pytest.param("zero stage=2\n", False, id="zero2")])
+@pytest.mark.parametrize("extra,sp", [pytest.param("", True, id="sp"),
+                                      pytest.param("zero stage=2\n", False, id="zero2")])
 def test_gpt_cp_tp_bf16_matches_serial(tmp_path, extra, sp):
     from test_cp_compositions import BF16_TOL
 
@@ -135,7 +136,8 @@ def test_dp_cp_tp_zero_matches_serial(tmp_path):
 
 def test_pp_cp_tp_matches_serial(tmp_path):
     # 1F1B only: the other schedules are proven with cp (test_cp_compositions.py) and with tp; this proves the
-    # stage's cp groups are cut per tp coordinate (interleaved virtual 2 measured the same figures, not kept: suite time)
+    # stage's cp groups are cut per tp coordinate (interleaved virtual 2 measured the same figures; not kept, for
+    # the suite's time)
     art = compile_text(_plan("pp=2 cp=2 tp=2", "ring", gpt_tp_rules()) + "pipeline schedule=1f1b\n", tmp_path / "c")
     rings = [p.read_text().count("torch.ops.parc.ring_attention")
              for p in sorted((art.root / "programs").glob("stage*_tp0.py"))]

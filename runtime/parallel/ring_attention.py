@@ -262,7 +262,7 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 @bwd_ring_attention.register_fake
 def _(grad, q, k, v, out, lse, axis, causal, scale):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # contiguous, as the op returns them
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # as the op returns
 
 
 def _ring_setup(ctx, inputs, output):

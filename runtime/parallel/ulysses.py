@@ -71,7 +71,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, 
 
 # contiguous, as the op returns them (`_sequence_to_heads` reshapes a transposed buffer): a compiled graph plans the
 # views after the op from these strides
-ulysses_attention.register_fake(lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q, memory_format=torch.contiguous_format))
+ulysses_attention.register_fake(
+    lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q, memory_format=torch.contiguous_format))
 
 
 @eager.custom_op("parc::bwd_ulysses_attention")
