@@ -65,7 +65,7 @@ def _sequence_to_heads(y: Tensor, axis: str, phase: str) -> Tensor:
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float, parts: int) -> Tensor:
     """SDPA over a cp-sharded sequence by all-to-all (module docstring). `parts`: the cp degree."""
     # fp32, as ring attention and this op's backward compute, the output rounded once to q's dtype. The inputs' dtypes
-    # may differ: compiled under bf16 autocast (`compile`), rotary's fp32 cos/sin leave q, k fp32 beside a bf16 v,
+    # may differ: compiled under bf16 autocast (`compile`) HF Llama's q, k arrived fp32 beside a bf16 v,
     # and autocast does not reach into a custom op's body to cast them alike for SDPA
     whole = [_heads_to_sequence(t, axis, "fwd").float() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
