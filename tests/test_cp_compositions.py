@@ -155,7 +155,8 @@ def _measure(ctx, root: str):
 
     trainer = Trainer.load(root, 0)
     trainer.step(0)
-    trainer.probe = ActivationProbe(trainer.state)
+    # compiled (PARC_TEST_COMPILE): the saved-tensor hook only, as tests/test_report_memory.py measures it
+    trainer.probe = ActivationProbe(trainer.state, saved_only=trainer.art.plan["plan"].get("compile", "none") != "none")
     trainer.step(1)
     return {"activations": trainer.probe.peak, **held_state(trainer)}
 
@@ -225,3 +226,39 @@ def test_fp16_loss_scaling_matches_serial(tmp_path, scaler, skips):
     verdict = compare(res["losses"], losses, res["state"], state, TOLERANCE)
     print("cp fp16", log, verdict.render())
     assert verdict.ok, verdict.render()
+
+
+# `compile` (docs/compile.md): ring and all-to-all attention are opaque custom ops with fakes, registered as ORDERED
+# effects, so the compiled graph keeps every cp rank's ring hops and all-to-alls in the program's order; their
+# backwards are opaque ops too (AOTAutograd traces no communication). tests/models/cp_dropout.py: keyed dropout,
+# whose cp shard record is read when the op runs, compiled as well. aot_eager in the suite (dynamo's capture and
+# AOTAutograd's backward with eager kernels); inductor by hand (PARC_TEST_COMPILE=inductor, docs/context-parallel.md).
+# test_compile_inductor's body also checks that the warm-up changed no training state and that no step compiled
+# again. Tolerances: fp32's above (compiled kernels reorder sums as reductions do).
+CP_DROPOUT = ROOT / "tests" / "models" / "cp_dropout.py"
+
+
+@pytest.mark.parametrize("mesh,extra,method", [
+    pytest.param("cp=2", 'recompute "blocks.*"\n', "ring", id="cp2-ring-recompute"),
+    pytest.param("cp=2 tp=2", "zero stage=3\n", "alltoall", id="cp2-tp2-alltoall-sp-zero3")])
+def test_compiled_matches_serial(tmp_path, mesh, extra, method):
+    import os
+
+    from helpers import gpt_tp_rules
+    from parc.runtime.launch import spawn
+    from parc.runtime.verify import compare, train_serial
+    from parc.trace import load_user_module
+    from test_compile_inductor import _body
+
+    mode = os.environ.get("PARC_TEST_COMPILE", "aot_eager")
+    rules = gpt_tp_rules(True) if "tp=2" in mesh else ""
+    text = _plan(mesh, rules + extra, method) + f"compile {mode}\n"
+    art = compile_text(text, tmp_path / "c", model=CP_DROPOUT)
+    results = spawn(art.world_size, _body, str(art.root), 2, timeout=1800 if mode == "inductor" else 300)
+    for r in results:
+        assert r["seconds"] is not None and r["unchanged"], "the warm-up changed training state"
+        assert not r["recompiled"], "a step compiled again after the warm-up"
+    serial_losses, serial_state = train_serial(load_user_module(art.root / "model" / "model.py"), art.plan, 0, 2)
+    verdict = compare(results[0]["losses"], serial_losses, results[0]["state"], serial_state)
+    print(mode, verdict.render())
+    _check(verdict)

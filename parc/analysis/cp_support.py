@@ -4,7 +4,8 @@ Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so fa
 tests/test_cp_compositions.py, tests/test_cp_tp.py, tests/test_cp_dropout.py): cp × dp, × pp (1F1B, GPipe,
 interleaved, zero-bubble), ring and all-to-all attention, fp32, bf16 and fp16, ZeRO 1–3 sharded over dp × cp,
 recompute, checkpoints, keyed dropout (not attention dropout: passes/context_parallel.py refuses it), and
-cp × tp (with sequence parallelism) alone;
+cp × tp (with sequence parallelism), alone and with dp, pp, ZeRO 1–3, bf16, fp16 and recompute; `compile`
+(aot_eager and inductor);
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,
 all at once, rather than run without a test proving it equals the serial model. What needs the model
 (the sequence length 2·cp divides, the attention the pass can rewrite, position-dependent ops) is
@@ -48,18 +49,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
         if m.degree(axis) > 1:
             refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
                    f"use {axis}=1 with cp, or cp=1")
-    # tp: heads over tp, the sequence over cp (tests/test_cp_tp.py: ring and all-to-all, sequence parallel,
-    # keyed dropout, fp32). What else a plan states beside cp × tp is untested as a triple
-    if m.tp > 1:
-        beside = [(what, key, node) for what, key, node, on in (
-            (f"pp {m.pp}", "mesh.pp", m, m.pp > 1), (f"dp {m.dp}", "mesh.dp", m, m.dp > 1),
-            (f"zero stage={plan.zero.stage}", "zero.stage", plan.zero, plan.zero.stage > 0),
-            (f"precision {plan.precision}", "precision", None, plan.precision != "fp32"),
-            ("recompute", "recompute.patterns[0]", plan.recompute, bool(plan.recompute.patterns))) if on]
-        for what, key, node in beside:
-            refuse(f"{what} with mesh cp {m.cp} × tp {m.tp}: cp × tp is proven alone (fp32, with sequence "
-                   f"parallelism and dropout); with {what.split()[0]} it is {later}", key, node,
-                   f"use cp or tp alone with {what.split()[0]}")
     # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
     if plan.zero.stage > 0 and plan.zero.shard:
         refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
@@ -69,8 +58,6 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
     if plan.zero.stage > 0 and plan.zero.offload:
         refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
                "drop `offload=` with cp")
-    if plan.compile != "none":
-        refuse(f"compile {plan.compile} with mesh cp {m.cp}: {later}", "compile", None, "drop the `compile` line")
     if plan.expert_parallel.patterns:
         refuse(f"expert_parallel with mesh cp {m.cp}: {later}", "expert_parallel", plan.expert_parallel,
                "drop the `expert_parallel` block with cp")

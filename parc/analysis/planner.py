@@ -431,8 +431,9 @@ def attention_length(traced) -> int | None:
 def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: str, dropped: list) -> list[Plan]:
     """Context-parallel candidates (`mesh … cp=N`, `context_parallel ring|alltoall`) for a model with
     self-attention over one length T: each cp > 1 dividing the GPUs whose 2·cp chunks divide T (the causal
-    load balancing both methods use), over dp × pp with what cp composes with today (cp_support.py): no tp,
-    pipelines 1F1B and GPipe, ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core
+    load balancing both methods use), over dp × pp with what cp composes with today (cp_support.py), except
+    tp (cp × tp composes, tests/test_cp_tp.py, but the search does not try it yet): pipelines 1F1B and GPipe,
+    ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core
     (`tp,cp,pp,dp`: cp ranks adjacent, on one node while cp ≤ its GPUs)."""
     from parc.passes.pipeline_split import _layer_prefix
 

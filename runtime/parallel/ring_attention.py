@@ -94,7 +94,7 @@ def cp_sum(x: Tensor, axis: str) -> Tensor:
     return out
 
 
-cp_sum.register_fake(lambda x, axis: torch.empty_like(x))
+cp_sum.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
 eager.register_autograd(cp_sum, lambda ctx, g: (g, None), setup_context=lambda ctx, inputs, output: None)
 
 
@@ -197,7 +197,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, sca
 
 @ring_attention.register_fake
 def _(q, k, v, axis, causal, scale, parts):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # contiguous, as the op returns them (`torch.cat`): a compiled graph (`compile`) plans the views after the op
+    # from these strides, and q is usually a transposed view
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @eager.custom_op("parc::bwd_ring_attention")
@@ -260,7 +262,7 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 @bwd_ring_attention.register_fake
 def _(grad, q, k, v, out, lse, axis, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # as the op returns
 
 
 def _ring_setup(ctx, inputs, output):

@@ -56,18 +56,26 @@ def _sequence_to_heads(y: Tensor, axis: str, phase: str) -> Tensor:
     recv = torch.empty_like(send)
     _note("all_to_all", axis, phase)
     dist.all_to_all_single(recv, send, group=g)  # recv[j]: head group j of this rank's tokens
-    return recv.transpose(0, 1).reshape(B, cp * Hc, L, hs)
+    # contiguous, as the ops' fakes say: with one head a rank (Hc 1) the reshape is a view whose B and head
+    # strides are swapped, which inductor's stride check refused (`compile inductor`, cp 2 × tp 2, 4 heads)
+    return recv.transpose(0, 1).reshape(B, cp * Hc, L, hs).contiguous()
 
 
 @eager.custom_op("parc::ulysses_attention")
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float, parts: int) -> Tensor:
     """SDPA over a cp-sharded sequence by all-to-all (module docstring). `parts`: the cp degree."""
-    whole = [_heads_to_sequence(t, axis, "fwd") for t in (q, k, v)]
+    # fp32, as ring attention and this op's backward compute, the output rounded once to q's dtype. The inputs' dtypes
+    # may differ: compiled under bf16 autocast (`compile`) HF Llama's q, k arrived fp32 beside a bf16 v,
+    # and autocast does not reach into a custom op's body to cast them alike for SDPA
+    whole = [_heads_to_sequence(t, axis, "fwd").float() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
-    return _sequence_to_heads(out, axis, "fwd")
+    return _sequence_to_heads(out.to(q.dtype), axis, "fwd")
 
 
-ulysses_attention.register_fake(lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q))
+# contiguous, as the op returns them (`_sequence_to_heads` reshapes a transposed buffer): a compiled graph plans the
+# views after the op from these strides
+ulysses_attention.register_fake(
+    lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q, memory_format=torch.contiguous_format))
 
 
 @eager.custom_op("parc::bwd_ulysses_attention")
@@ -90,7 +98,7 @@ def bwd_ulysses_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, axis: s
 
 @bwd_ulysses_attention.register_fake
 def _(grad, q, k, v, axis, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
