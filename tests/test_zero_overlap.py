@@ -79,7 +79,7 @@ class _Landing:
     def __init__(self, full: torch.Tensor, gathered: torch.Tensor):
         self.full, self.gathered = full, gathered
 
-    def wait(self):
+    def join(self):
         self.full.copy_(self.gathered)
 
 
@@ -94,9 +94,9 @@ def _land_at_the_wait(zero) -> None:
         before = [f.clone() for f in zero.full]
         step(found)
         with _disable_current_modes():  # the test's own copies are no reads of the program (`_Reads`)
-            for b, (work, mine) in list(zero._gathers.items()):
-                work.wait()
-                zero._gathers[b] = (_Landing(zero.full[b], zero.full[b].clone()), mine)
+            for b, pending in list(zero._gathers.items()):
+                pending.join()
+                zero._gathers[b] = _Landing(zero.full[b], zero.full[b].clone())
                 zero.full[b].copy_(before[b])
 
     zero.step = landing_step
