@@ -63,10 +63,11 @@ same, parc/analysis/cost.py `zero_exposed`):
                   `REDUCE_SCATTERS_IN_FLIGHT` (1) in flight, as FSDP2 does: launching the next bucket's
                   first waits for the one before, which ran under this bucket's backward, so one whole
                   bucket gradient is alive as a collective's input, never the model's (it was two).
-                  On CPU ranks the measured peak is dominated by when gloo's thread lets go of
-                  finished buffers: bench/zero3_vs_fsdp2.py's step rose 4.95–5.21 MiB with two and
-                  4.92–5.34 MiB with one (6 and 12 profiled steps), FSDP2's 5.05–5.24. The last is waited on at
-                  the next micro-batch's start or in `finish`, before the update needs it.
+                  The last is waited on at the next micro-batch's start or in `finish`, before the update
+                  needs it. Every wait is a `_Collective.join`: it also waits for gloo's worker thread to let
+                  go of the collective's buffers, so each is freed where the runtime or the program drops it
+                  (bench/zero3_vs_fsdp2.py, 48 profiled steps over its 2 ranks: a step's rise 4.92–5.02 MiB,
+                  4.92–5.11 without the join; FSDP2's 5.05–5.24).
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
                   `zero_wait_gather` before each bucket's first use, so the next forward waits for
@@ -117,6 +118,7 @@ accumulation rounds to 24 (tests/test_zero_bf16_accumulate.py states the toleran
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 
@@ -155,9 +157,9 @@ class _Collective:
     marks the result done, but that thread still holds the work, and through it the buffers, until it next
     gets a core: measured, after 5–7% of the stage-3 gathers of bench/zero3_vs_fsdp2.py (2 ranks, 2 cores), for
     up to 10 yields. A buffer whose last reference gloo's thread drops is freed there, later than the program
-    let go of it, and is never seen freed by the profiler, which then counts it for the rest of the step: a
-    lm_head bucket (64 KiB) counted through the whole backward, or a block's (195 KiB) through the loss, which
-    put ZeRO-3's measured step rise at 5.02–5.11 MiB instead of 4.92. `join` therefore also waits, yielding,
+    let go of it, and is never seen freed by the profiler, which then counts it for the rest of the step: the
+    lm_head's forward bucket (64 KiB) counted through the backward, or a block's (195 KiB) through the loss,
+    took ZeRO-3's measured step rise from at most 5.02 MiB to up to 5.11. `join` therefore also waits, yielding,
     until each buffer is held by no more references than before the launch: the work's own are gone."""
 
     __slots__ = ("work", "buffers", "held")
@@ -178,7 +180,7 @@ class _Collective:
             return  # NCCL: `wait` orders streams, the caching allocator keeps the memory safe; nothing to wait for
         deadline = time.perf_counter() + self.LET_GO_S
         while any(t._use_count() > n for t, n in zip(self.buffers, self.held)) and time.perf_counter() < deadline:
-            time.sleep(0)  # yield the core to gloo's thread
+            os.sched_yield()  # the core to gloo's thread (measured: about 0.2 ms a step, of 30)
 
 
 class ZeroOptimizer:
