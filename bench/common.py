@@ -67,9 +67,10 @@ def peak_rise(fn) -> int:
     """Bytes: the highest the CPU allocator's live total rises above where it stood when `fn` started.
 
     Read from the profiler's allocator events (`profile_memory=True`: every allocation and free of a
-    tensor's storage on this thread, in order), summed in time order; their running maximum is the
-    peak. Allocations on other threads (gloo's workers) are not seen. A GPU run reads
-    `torch.cuda.max_memory_allocated` instead; a CPU has no allocator statistics to read."""
+    tensor's storage on this thread, and on gloo's worker threads inside a collective), summed in time
+    order; their running maximum is the peak. A free gloo's thread makes after a collective (dropping
+    the work's last reference to a buffer) is not seen, and leaves that buffer counted to the end. A GPU
+    run reads `torch.cuda.max_memory_allocated` instead; a CPU has no allocator statistics to read."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -11,8 +11,11 @@ rank holds between steps, counted storage by storage (parc: `ZeroOptimizer.held`
 weight, gradient and Adam ranges; FSDP2: the local shards of its parameters and of AdamW's
 moments, its gradients being None after `zero_grad`), plus the most the CPU allocator's live
 bytes rise during the step (bench/common.py `peak_rise`: the profiler's allocation and free
-events in order): activations, gathered layers, gradients being reduced. Allocations inside
-gloo's worker threads are not seen, for either. The step's input rows are the same for both.
+events in order): activations, gathered layers, gradients being reduced, and gloo's own copy of a
+bucket while its collective runs (allocated on gloo's worker thread, inside the collective). A free
+gloo's thread makes after a collective (its last reference to the work's buffers) is not seen; parc
+joins each collective until gloo has let go (runtime/parallel/zero.py `_Collective`), FSDP2 does not,
+so its figure can count such a buffer to the step's end. The step's input rows are the same for both.
 """
 
 from __future__ import annotations

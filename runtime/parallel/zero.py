@@ -63,10 +63,11 @@ same, parc/analysis/cost.py `zero_exposed`):
                   `REDUCE_SCATTERS_IN_FLIGHT` (1) in flight, as FSDP2 does: launching the next bucket's
                   first waits for the one before, which ran under this bucket's backward, so one whole
                   bucket gradient is alive as a collective's input, never the model's (it was two).
-                  On CPU ranks the measured peak is dominated by when gloo's thread lets go of
-                  finished buffers: bench/zero3_vs_fsdp2.py's step rose 4.95–5.21 MiB with two and
-                  4.92–5.34 MiB with one (6 and 12 profiled steps), FSDP2's 5.05–5.24. The last is waited on at
-                  the next micro-batch's start or in `finish`, before the update needs it.
+                  The last is waited on at the next micro-batch's start or in `finish`, before the update
+                  needs it. Every wait is a `_Collective.join`: it also waits for gloo's worker thread to let
+                  go of the collective's buffers, so each is freed where the runtime or the program drops it
+                  (bench/zero3_vs_fsdp2.py, 48 profiled steps over its 2 ranks: a step's rise 4.92–5.02 MiB,
+                  4.92–5.11 without the join; FSDP2's 5.05–5.24).
   all-gather, 1–2 launched by `step` bucket by bucket in forward order (the first layer's first)
                   and, run eagerly (`lazy_gather`), not waited on there: the zero pass put a
                   `zero_wait_gather` before each bucket's first use, so the next forward waits for
@@ -117,6 +118,8 @@ accumulation rounds to 24 (tests/test_zero_bf16_accumulate.py states the toleran
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import warnings
 
 import torch
@@ -144,6 +147,40 @@ _ACTIVE: list["ZeroOptimizer"] = []  # the ZeRO-3 runtime of the step running no
 # stages 1–2 runtimes whose post-step all-gathers the program's `zero_wait_gather` ops wait on (see `step`)
 _GATHERING: list["ZeroOptimizer"] = []
 REDUCE_SCATTERS_IN_FLIGHT = 1  # stages 2–3: whole bucket gradients alive at once (`_bound_reduce_scatters`)
+
+
+class _Collective:
+    """One async collective and the buffers handed to it, joined on this thread (`join`).
+
+    A bucket's buffers (the gathered weights, a reduce-scatter's input and output) must be freed where the
+    runtime or the program drops them. On CPU ranks `work.wait()` returns as soon as gloo's worker thread
+    marks the result done, but that thread still holds the work, and through it the buffers, until it next
+    gets a core: measured, after 5–7% of the stage-3 gathers of bench/zero3_vs_fsdp2.py (2 ranks, 2 cores), for
+    up to 10 yields. A buffer whose last reference gloo's thread drops is freed there, later than the program
+    let go of it, and is never seen freed by the profiler, which then counts it for the rest of the step: the
+    lm_head's forward bucket (64 KiB) counted through the backward, or a block's (195 KiB) through the loss,
+    took ZeRO-3's measured step rise from at most 5.02 MiB to up to 5.11. `join` therefore also waits, yielding,
+    until each buffer is held by no more references than before the launch: the work's own are gone."""
+
+    __slots__ = ("work", "buffers", "held")
+    LET_GO_S = 0.01  # past this the buffers are left to gloo's thread, as before (a memory delay, not an error)
+
+    def __init__(self, start, *buffers: torch.Tensor):
+        """`start()` launches the collective (async_op=True) on `buffers`, or is None for no collective (one rank)."""
+        self.buffers = buffers
+        self.held = [t._use_count() for t in buffers]  # tensor references (views included) before the launch
+        self.work = start() if start is not None else None
+
+    def join(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None  # the runtime's reference; gloo's worker thread drops its own when it next runs
+        if self.buffers[0].device.type != "cpu":
+            return  # NCCL: `wait` orders streams, the caching allocator keeps the memory safe; nothing to wait for
+        deadline = time.perf_counter() + self.LET_GO_S
+        while any(t._use_count() > n for t, n in zip(self.buffers, self.held)) and time.perf_counter() < deadline:
+            os.sched_yield()  # the core to gloo's thread (measured: about 0.2 ms a step, of 30)
 
 
 class ZeroOptimizer:
@@ -334,10 +371,10 @@ class ZeroOptimizer:
         if self.stage >= 2:
             self._bound_reduce_scatters()
         if self.dp > 1:
-            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            work = _Collective(lambda: dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True), flat, out)
         else:
             out.copy_(flat)
-            work = None
+            work = _Collective(None)
         self._launched += 1
         self._works[b] = (work, flat, out, self._launched, self._sync)
 
@@ -354,15 +391,15 @@ class ZeroOptimizer:
 
     def _wait(self, b: int) -> None:
         work, _flat, out, _order, last = self._works[b]
-        if work is not None:
-            work.wait()
+        self._works[b] = True
+        work.join()
+        del work
         if self.stage == 1:
             self.master[b].grad = out.float()
         else:
             if self.grad_acc[b] is None:  # the step's first range of bucket b: zeros + out, the same bits as before
                 self.grad_acc[b] = torch.zeros(out.shape, dtype=self.accumulate_dtype, device=out.device)
             self.grad_acc[b].add_(out)
-        self._works[b] = True
         if last and self.offload is not None and self.replicate is None:
             # the step's last reduce of this bucket: its range is final, so ZeRO-Offload starts copying it to
             # the host now, under the rest of backward (offload.py `download`)
@@ -447,7 +484,8 @@ class ZeroOptimizer:
             full = self.full[b]
             mine = self._range_in(b, full.dtype).clone()  # input must not alias the output buffer
             if self.dp > 1:
-                self._gathers[b] = (dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True), mine)
+                self._gathers[b] = _Collective(
+                    lambda: dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True), mine)
             elif self._low:
                 full.copy_(mine)  # one rank: the bf16 buffer is not a view of the master
         if self.lazy_gather and self._gathers:
@@ -465,7 +503,8 @@ class ZeroOptimizer:
         is kept by copying the gathered weights in."""
         pending = self._gathers.pop(b, None)
         if pending is not None:
-            pending[0].wait()
+            pending.join()
+            del pending
             full = self.full[b]
             with torch.no_grad():
                 for spec, p in zip(self.buckets[b]["params"], into):
@@ -500,10 +539,11 @@ class ZeroOptimizer:
         mine = self._range_in(b, dtype)
         full = torch.empty(bucket["padded"], dtype=dtype, device=mine.device)
         if self.dp > 1:
-            work = dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True)
+            work = _Collective(lambda: dist.all_gather_into_tensor(full, mine, group=self.group, async_op=True),
+                               full, mine)
         else:
             full.copy_(mine)
-            work = None
+            work = _Collective(None)
         return work, full
 
     def _range_in(self, b: int, dtype: torch.dtype) -> torch.Tensor:
@@ -518,8 +558,8 @@ class ZeroOptimizer:
             work, full = self._prefetch.pop(b)
         else:
             work, full = self._start_gather(b)
-        if work is not None:
-            work.wait()
+        work.join()  # and gloo's thread has let go of `full`: the program's last reference frees it
+        del work
         self._live[b] = StorageWeakRef(full.untyped_storage())
         return full
 
@@ -587,9 +627,7 @@ class ZeroOptimizer:
             _ACTIVE.pop()
             self._resident.clear()
             for b in list(self._prefetch):
-                work, _ = self._prefetch.pop(b)
-                if work is not None:
-                    work.wait()
+                self._prefetch.pop(b)[0].join()
 
     # --- state -------------------------------------------------------------------------
 
@@ -602,8 +640,7 @@ class ZeroOptimizer:
                 full = self.full[b]
             else:  # stage 3, and bf16's stages 1–2: only the ranges are fp32
                 work, full = self._start_gather(b, self.master[b].dtype)  # the fp32 masters, not bf16 copies
-                if work is not None:
-                    work.wait()
+                work.join()
             out.update(self._split(bucket, full))
         return out
 
