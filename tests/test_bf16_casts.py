@@ -117,6 +117,21 @@ def test_no_float_dtype_guard_left_under_bf16(tmp_path):
     assert "_assert_tensor_metadata.default(embedding, dtype = torch.float32" in fp32  # fp32: unchanged
 
 
+class _Ctx:
+    """The pass context's rewrite counter, for calling a precision pass on a hand-built graph."""
+
+    def __init__(self):
+        self.rewrites: dict = {}
+
+    def count(self, name, n=1):
+        self.rewrites[name] = self.rewrites.get(name, 0) + n
+
+
+def _Plan(precision: str):
+    """A plan with only the field the precision passes read (a class, so a test may change it)."""
+    return type("Plan", (), {"precision": precision})
+
+
 def test_the_pass_on_a_hand_built_graph():
     """The rewrite, visible: a float guard loses its dtype, a device move stops casting, a cast stays."""
     g = torch.fx.Graph()
@@ -129,18 +144,10 @@ def test_the_pass_on_a_hand_built_graph():
     g.output((cast,))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
 
-    class Plan:
-        precision = "fp32"
-
-    class Ctx:
-        rewrites: dict = {}
-
-        def count(self, name, n=1):
-            self.rewrites[name] = self.rewrites.get(name, 0) + n
-
-    assert precision_casts.run(gm, Plan, Ctx()) is gm and len(precision_casts.float_guards(gm)) == 2  # fp32: no-op
+    Plan = _Plan("fp32")
+    assert precision_casts.run(gm, Plan, _Ctx()) is gm and len(precision_casts.float_guards(gm)) == 2  # fp32: no-op
     Plan.precision = "bf16"
-    ctx = Ctx()
+    ctx = _Ctx()
     precision_casts.run(gm, Plan, ctx)
     assert ctx.rewrites == {"precision": 2} and precision_casts.float_guards(gm) == []
     assert "dtype" not in guard.kwargs and guard.kwargs["device"] == torch.device("meta")
@@ -193,16 +200,8 @@ def test_extremes_on_a_hand_built_graph():
     g.output((fill, finite, pinned, full))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
 
-    class Plan:
-        precision = "bf16"
-
-    class Ctx:
-        rewrites: dict = {}
-
-        def count(self, name, n=1):
-            self.rewrites[name] = self.rewrites.get(name, 0) + n
-
-    ctx = Ctx()
+    Plan = _Plan("bf16")
+    ctx = _Ctx()
     precision_casts.extremes(gm, Plan, ctx)
     assert ctx.rewrites == {precision_casts.EXTREMES: 1}
     end = fill.args[2]  # getattr(torch.finfo(getattr(x, "dtype")), "min")
@@ -213,3 +212,28 @@ def test_extremes_on_a_hand_built_graph():
     assert filled.dtype == torch.bfloat16 and filled[0].item() == torch.finfo(torch.bfloat16).min
     fp32 = gm(low.float(), torch.tensor([True, False]))[0]
     assert fp32[0].item() == -big  # a value the model keeps in fp32: the traced number
+
+
+def test_norm_operands_on_a_hand_built_graph():
+    """A norm's weight and bias follow its input's dtype at run time: an fp32 input with bf16 weights (a traced
+    `x.to(norm.weight.dtype)`) runs, in fp32; a bf16 input keeps bf16 weights uncast; fp32 programs are left."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, w, b = (g.placeholder(n) for n in ("x", "w", "b"))
+    for n in (x, w, b):
+        n.meta["val"] = torch.empty(4, device="meta")
+    norm = g.call_function(aten.layer_norm.default, (x, [4], w, b, 1e-5, False))
+    g.output((norm,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert precision_casts.norm_operands(gm, _Plan("fp32"), _Ctx()) is gm and norm.args[2] is w  # fp32: no-op
+    ctx = _Ctx()
+    precision_casts.norm_operands(gm, _Plan("bf16"), ctx)
+    assert ctx.rewrites == {precision_casts.NORMS: 1}
+    assert all(a.target is aten.to.dtype and a.args[0] is p for a, p in zip(norm.args[2:4], (w, b)))
+    wb = torch.randn(4, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)
+    xf = torch.randn(3, 4)
+    (out,) = gm(xf, *wb)  # an fp32 input with bf16 weight and bias: stopped with "mixed dtype" before the pass
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.layer_norm(xf, [4], wb[0].float(), wb[1].float()))
+    (out,) = gm(xf.bfloat16(), *wb)
+    assert out.dtype == torch.bfloat16
