@@ -70,15 +70,19 @@ def unread_params(traced: Traced) -> list[str]:
     leaves it as it is; the parallel run holds and saves them like any parameter, and steps them with a zero
     gradient and no weight decay (runtime/train.py), which leaves them as they are too."""
     out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
-    reached, todo = set(), [out_node]
+    names = {n.name for n in ancestors(out_node) if n.op == "placeholder"}
+    return sorted(s.fqn for s in traced.state if s.kind == "param" and s.requires_grad and s.name not in names)
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and every node it reads, directly or through others."""
+    out, todo = set(), [node]
     while todo:
         n = todo.pop()
-        for d in n.all_input_nodes:
-            if d not in reached:
-                reached.add(d)
-                todo.append(d)
-    names = {n.name for n in reached if n.op == "placeholder"}
-    return sorted(s.fqn for s in traced.state if s.kind == "param" and s.requires_grad and s.name not in names)
+        if n not in out:
+            out.add(n)
+            todo += n.all_input_nodes
+    return out
 
 
 def get(model: torch.nn.Module, fqn: str):

@@ -54,7 +54,7 @@ import parc.runtime.parallel.ring_attention  # noqa: F401 — registers torch.op
 import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
 from parc.errors import Diagnostic, ParcError, Span
 from parc.passes.tp_shared import _PARC, _TORCH
-from parc.traced import module_path
+from parc.traced import ancestors, module_path
 
 NAME = "context_parallel"
 AXIS = "cp"
@@ -548,7 +548,7 @@ def _fold_constant_masks(gm: fx.GraphModule) -> int:
         mask = a.get("attn_mask")
         if not isinstance(mask, fx.Node) or a.get("is_causal", False):
             continue
-        chain = _ancestors(mask)
+        chain = ancestors(mask)
         if any(n.op != "call_function" for n in chain):
             continue  # it reads an input or a parameter: not a constant
         value = _evaluate(gm, chain, mask)
@@ -575,16 +575,6 @@ def _fold_constant_masks(gm: fx.GraphModule) -> int:
     if folded:
         gm.graph.eliminate_dead_code()
     return folded
-
-
-def _ancestors(node: fx.Node) -> set:
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += n.all_input_nodes
-    return out
 
 
 def _evaluate(gm: fx.GraphModule, chain: set, target: fx.Node) -> torch.Tensor:

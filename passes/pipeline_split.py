@@ -313,11 +313,12 @@ def unused_owners(gm: fx.GraphModule, traced, stage_of: dict[fx.Node, int]) -> d
         while path and path not in first:
             first[path] = st
             path = path.rpartition(".")[0]
+    state = {x.name: x for x in traced.state}
     out = {}
     for p in gm.graph.nodes:
         if p.op != "placeholder" or p.users:
             continue
-        spec = next((x for x in traced.state if x.name == p.name), None)
+        spec = state.get(p.name)
         if spec is None:
             continue  # a user input
         path = spec.fqn.rpartition(".")[0]

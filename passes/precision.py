@@ -103,12 +103,11 @@ def extremes(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         x = _extreme_owner(node)
         if x is None:
             continue
+        dtype = _dtype_of(gm, x, node)
         with gm.graph.inserting_before(node):
-            dtype = gm.graph.call_function(builtins.getattr, (x, "dtype"))
             info = gm.graph.call_function(torch.finfo, (dtype,))
             ends = {which: gm.graph.call_function(builtins.getattr, (info, which)) for which in ("min", "max")}
-        for made, val in ((dtype, torch.float32), (info, torch.finfo(torch.float32)),
-                          (ends["min"], -_F32_MAX), (ends["max"], _F32_MAX)):
+        for made, val in ((info, torch.finfo(torch.float32)), (ends["min"], -_F32_MAX), (ends["max"], _F32_MAX)):
             made.meta = {"val": val, "nn_module_stack": node.meta.get("nn_module_stack")}
 
         def end(a):
@@ -126,6 +125,14 @@ def extremes(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
 
 
 _F32_MAX = torch.finfo(torch.float32).max
+
+
+def _dtype_of(gm: fx.GraphModule, x: fx.Node, node: fx.Node) -> fx.Node:
+    """A node before `node` reading `x.dtype` at run time (traced: float32), in `node`'s module."""
+    with gm.graph.inserting_before(node):
+        dtype = gm.graph.call_function(builtins.getattr, (x, "dtype"))
+    dtype.meta = {"val": torch.float32, "nn_module_stack": node.meta.get("nn_module_stack")}
+    return dtype
 
 
 # A norm's weight operands, by position: a norm that runs on a tensor and weights of two dtypes stops at step 0
@@ -151,9 +158,8 @@ def norm_operands(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         slots = [i for i in NORM_WEIGHTS[node.target] if i < len(node.args) and isinstance(node.args[i], fx.Node)]
         if not slots:
             continue
+        dtype = _dtype_of(gm, x, node)
         with gm.graph.inserting_before(node):
-            dtype = gm.graph.call_function(builtins.getattr, (x, "dtype"))
-            dtype.meta = {"val": torch.float32, "nn_module_stack": node.meta.get("nn_module_stack")}
             args = list(node.args)
             for i in slots:
                 w = args[i]
