@@ -21,7 +21,8 @@ sharding strategy registered`. `_cpu_ring_kernels` adds that kernel and its back
 each calling torch's own `_templated_ring_attention` / `_templated_ring_attention_backward` with the CPU
 kernel where the GPU path passes the CUDA one; everything else (sharding, load balancing, rotation,
 merging, the backward's dK/dV ring) is torch's. So the comparison is torch's ring algorithm with torch's
-fused CPU attention kernel per block against parc's ring, whose blocks are written-out fp32 matmuls.
+fused CPU attention kernel per block against parc's ring, whose blocks run the same fused kernel
+(runtime/parallel/ring_attention.py); the two differ in their rings, not their block kernels.
 
 Checked, not assumed: the first `--check-steps` steps (3) of each are compared before timing: every step's
 loss and the final parameters, within 1e-5 / 1e-4 relative (fp32; the two sum the same products in another
