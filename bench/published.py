@@ -53,7 +53,7 @@ MTNLG = "MT-NLG (Smith et al. 2022)"
 # compute with fp32 gradient reduction (torchtitan's mixed_precision_reduce default), SDPA (flash) attention,
 # "WPS" tokens per second per GPU, sequence 8192 (Llama 3) / 4096 (Llama 2). Activation checkpointing "full":
 # every layer; "selective layer": every second layer (torchtitan's selective_ac_option "2"); "no": none. Its
-# "selective op" rows are priced with OP_SAC, the modules whose outputs that policy recomputes.
+# "selective op" rows are priced with `--recompute-saves` (OP_SAC below: what that policy saves and recomputes).
 TITAN_A100 = "torchtitan docs/performance.md (A100)"
 # torchtitan's H100 benchmark (benchmarks/llama3_h100_202412_torchtitan.md, 2024-12): Llama 3.1 8B, FSDP (ZeRO-3)
 # on 8 and on 128 H100s (8 a host, 400 Gbit/s per GPU between hosts), local batch 2, sequence 8192, bf16 without
@@ -96,6 +96,7 @@ class Row:
     preset: str
     recompute: str = "blocks.*"   # the .par's recompute pattern ("" none)
     fused_norm: bool = False      # llama: torchtitan's norm_type "fused_rmsnorm" (else its unfused "rmsnorm")
+    saves: str = ""               # op-level checkpointing in the recomputed regions (`--recompute-saves`)
 
     @property
     def params(self) -> float:
@@ -116,14 +117,15 @@ LLAMA3_70B = (80, 8192, 64, 8, 28672, 128256, 8192)
 LLAMA2_13B = (40, 5120, 40, 40, 13824, 32000, 4096)
 LLAMA2_70B = (80, 8192, 64, 8, 28672, 32000, 4096)
 EVERY_SECOND = "layers.*[13579]"   # torchtitan's selective layer AC: the 2nd, 4th, ... layer (its _count % 2 == 0)
-# torchtitan's selective *op* AC (torchtitan/models/llama/parallelize_llama.py, `_custom_policy`): inside each
-# checkpointed block it saves the outputs of mm and of the flash attention, except every second mm (its per-block
-# mm counter % 2 == 0), and recomputes every other op. A block's mms run wq, wk, wv, wo, w1, w3, w2, so wk, wo and
-# w3 are recomputed, and with them the two RMSNorms whose outputs feed them. As parc's per-module recompute: those
-# five modules. (Rotary, SiLU and the SwiGLU product are recomputed there too and are not here: their modules
-# are not separable from the matmuls whose outputs torchtitan keeps, so these rows are optimistic by them.)
-OP_SAC = '" "'.join(("layers.*.attention.wk", "layers.*.attention.wo", "layers.*.feed_forward.w3",
-                     "layers.*.attention_norm", "layers.*.ffn_norm"))
+# torchtitan's selective *op* AC (torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, `_custom_policy`, the
+# same in later versions): each block is checkpointed with a policy that saves the outputs of aten.mm and of the
+# flash / efficient attention ("Saves output of all compute ops, except every second mm": its per-block mm count
+# % 2 == 0 is recomputed) and recomputes every other op. A block's mms run wq, wk, wv, wo, w1, w3, w2: wq, wv, w1
+# and w2 are saved with the attention's outputs, and wk, wo, w3, the norms, rotary, SiLU and the SwiGLU product
+# run again. Priced as `recompute "layers.*"` with `parc report --recompute-saves matmul-odd,attention`
+# (activations.saved_ops), what those rows' `saves` field states.
+OP_SAC = "layers.*"
+TITAN_OP_SAVES = "matmul-odd,attention"
 
 ROWS = [
     # name, source, (layers, hidden, heads, vocab, seq), tp, pp, gpus, global batch, micro, published TFLOP/s
@@ -154,24 +156,31 @@ ROWS = [
     # the 8B and 13B configs of then (train_configs/llama3_8b.toml, llama2_13b.toml at 1ea476e9f, 2024-04-24, the
     # commit that wrote these figures) set norm_type = "fused_rmsnorm"; the 70B ones "rmsnorm"
     Row("Llama 3 8B", TITAN_A100, "llama", LLAMA3_8B, 1, 1, 64, 64, 1, 2904, "tokens/s", "a100", EVERY_SECOND, True),
-    Row("Llama 3 8B", TITAN_A100, "llama", LLAMA3_8B, 1, 1, 64, 64, 1, 2973, "tokens/s", "a100", OP_SAC, True),
+    Row("Llama 3 8B", TITAN_A100, "llama", LLAMA3_8B, 1, 1, 64, 64, 1, 2973, "tokens/s", "a100", OP_SAC, True,
+        TITAN_OP_SAVES),
     Row("Llama 3 70B", TITAN_A100, "llama", LLAMA3_70B, 1, 1, 64, 64, 1, 331, "tokens/s", "a100", "layers.*"),
     Row("Llama 2 13B", TITAN_A100, "llama", LLAMA2_13B, 1, 1, 64, 128, 2, 2162, "tokens/s", "a100", "", True),
     Row("Llama 2 13B", TITAN_A100, "llama", LLAMA2_13B, 1, 1, 64, 128, 2, 1914, "tokens/s", "a100", EVERY_SECOND, True),
-    Row("Llama 2 13B", TITAN_A100, "llama", LLAMA2_13B, 1, 1, 64, 128, 2, 1904, "tokens/s", "a100", OP_SAC, True),
+    Row("Llama 2 13B", TITAN_A100, "llama", LLAMA2_13B, 1, 1, 64, 128, 2, 1904, "tokens/s", "a100", OP_SAC, True,
+        TITAN_OP_SAVES),
     # the page's footnote: selective op AC at local batch 2 ran out of memory, so its row is local batch 1
-    Row("Llama 2 70B", TITAN_A100, "llama", LLAMA2_70B, 1, 1, 64, 64, 1, 355, "tokens/s", "a100", OP_SAC),
+    Row("Llama 2 70B", TITAN_A100, "llama", LLAMA2_70B, 1, 1, 64, 64, 1, 355, "tokens/s", "a100", OP_SAC,
+        saves=TITAN_OP_SAVES),
     Row("Llama 2 70B", TITAN_A100, "llama", LLAMA2_70B, 1, 1, 64, 128, 2, 353, "tokens/s", "a100", "layers.*"),
     # torchtitan, Llama 3.1 8B (Llama 3's shape), FSDP over 8 and over 128 H100s, local batch 2: TPS per GPU
-    Row("Llama 3.1 8B", TITAN_H100, "llama", LLAMA3_8B, 1, 1, 8, 16, 2, 5762, "tokens/s", "h100_hbm2e", OP_SAC),
-    Row("Llama 3.1 8B", TITAN_H100, "llama", LLAMA3_8B, 1, 1, 128, 256, 2, 5605, "tokens/s", "h100_hbm2e", OP_SAC),
+    Row("Llama 3.1 8B", TITAN_H100, "llama", LLAMA3_8B, 1, 1, 8, 16, 2, 5762, "tokens/s", "h100_hbm2e", OP_SAC,
+        saves=TITAN_OP_SAVES),
+    Row("Llama 3.1 8B", TITAN_H100, "llama", LLAMA3_8B, 1, 1, 128, 256, 2, 5605, "tokens/s", "h100_hbm2e", OP_SAC,
+        saves=TITAN_OP_SAVES),
 ]
 
 
-def recompute_label(pattern: str) -> str:
+def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
-    return {"": "none", "blocks.*": "full", "layers.*": "full", EVERY_SECOND: "every 2nd layer",
-            OP_SAC: "op (wk wo w3 norms)"}.get(pattern, pattern)
+    if row.saves:
+        return f"op (saves {row.saves})"
+    return {"": "none", "blocks.*": "full", "layers.*": "full", EVERY_SECOND: "every 2nd layer"}.get(
+        row.recompute, row.recompute)
 
 
 def megatron_flops(layers, hidden, vocab, seq, batch) -> float:
@@ -203,7 +212,7 @@ def predict(row: Row) -> tuple[float, dict]:
         par.write_text(plan_text(row))
         model = GPT_MODEL if row.arch == "gpt" else LLAMA_MODEL
         args = parser().parse_args(["report", "--model", str(model), "--plan", str(par), "--preset", row.preset,
-                                    *FLAGS[row.source][1]])
+                                    *FLAGS[row.source][1], *(("--recompute-saves", row.saves) if row.saves else ())])
         rep = report.build_from_args(args)
     step = rep["utilization"]["step_seconds"]
     if row.unit == "TFLOP/s":
@@ -284,7 +293,7 @@ def main() -> int:
         results.append((row, pred))
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
-              f"{row.gpus // (row.tp * row.pp)} | {FLAGS[row.source][0]} | {recompute_label(row.recompute)}"
+              f"{row.gpus // (row.tp * row.pp)} | {FLAGS[row.source][0]} | {recompute_label(row)}"
               f"{', fused norm' if row.fused_norm else ''} | "
               f"{row.published:g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "

@@ -28,11 +28,23 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
-               (--attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics: price another framework's run)
+               (--attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics, --recompute-saves: price another
+               framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
 """
+
+
+def _recompute_saves(text: str) -> str:
+    """`--recompute-saves`: a comma-separated list of the op classes `cost.System.SAVES` names."""
+    from parc.analysis.cost import System
+
+    bad = [x for x in text.split(",") if x not in System.SAVES]
+    if bad or not text:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'nothing'}: not an op class; choose from "
+                                         f"{', '.join(System.SAVES)}, comma-separated")
+    return text
 
 
 def _print(diags: list[Diagnostic]) -> None:
@@ -396,6 +408,11 @@ def parser() -> argparse.ArgumentParser:
                        help="dtype of gradients on the dp wire (default: the plan's precision layout)")
     other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "
                                                  "(default: the preset's, one per GPU)")
+    other.add_argument("--recompute-saves", metavar="OPS", type=_recompute_saves,
+                       help="op-level selective checkpointing inside the plan's recomputed regions: the ops whose "
+                            "outputs are saved, comma-separated from matmul, matmul-odd (the 1st, 3rd, ... of a "
+                            "region), attention; every other op runs again in the backward (torchtitan's op "
+                            "policy: matmul-odd,attention). Default: the whole region is recomputed (parc)")
     r.set_defaults(fn=cmd_report)
 
     cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",

@@ -39,6 +39,12 @@ all-gathered input of a column layer under sequence parallelism, and the output 
 row layer's all-reduce (reduce-scatter under sequence parallelism) when the backward
 needs it: when an op of the region saves it, or rebuilds from it what the backward
 needs (`_rebuilt`). Those copies are kept, not part of the working set.
+
+Another framework's selective (op-level) checkpointing (`saved`, `parc report --recompute-saves`;
+`saved_ops` picks the nodes): inside a recomputed region the outputs of some ops are saved in the forward and
+every other op runs again in the backward. torchtitan's op policy saves the outputs of `mm` and of the flash
+attention, except every second `mm` of a region. A saved output is kept (once, whoever reads it), with what its
+op keeps besides (attention's log-sum-exp); the rest of the region is its working set, as under full recompute.
 """
 
 from __future__ import annotations
@@ -171,14 +177,40 @@ def _aux(n: fx.Node) -> int:
     return 0
 
 
+MATMUL = ("aten.linear.", "aten.mm.", "aten.addmm.")   # a 2-d weight: one `mm` as eager PyTorch dispatches it
+
+
+def saved_ops(nodes, instance_of, saves) -> frozenset:
+    """The nodes of recomputed regions whose outputs another framework's op-level checkpointing saves.
+
+    `saves` names op classes: `matmul` (every matmul by a weight: linear, mm, addmm), `matmul-odd` (the 1st,
+    3rd, 5th, ... of them in each region, in forward order: torchtitan's op policy, which recomputes every
+    second `mm` of a checkpointed block, its per-block count % 2 == 0), `attention` (the attention kernel's
+    outputs). Batched matmuls (bmm) are not `mm` to that policy and are not counted."""
+    out, count = set(), {}
+    for n in nodes:
+        inst = instance_of(n)
+        if inst is None or n.op != "call_function":
+            continue
+        if _is(n, MATMUL):
+            count[inst] = count.get(inst, 0) + 1
+            if "matmul" in saves or ("matmul-odd" in saves and count[inst] % 2 == 1):
+                out.add(n)
+        elif "attention" in saves and _is(n, ("aten.scaled_dot_product_attention.",)):
+            out.add(n)
+    return frozenset(out)
+
+
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
-               bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False) -> list[dict]:
+               bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False,
+               saved=frozenset()) -> list[dict]:
     """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
     Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
     for all tp ranks together (a rank holds 1/tp of it). `row_outputs`: the nodes whose value a
     forward collective reduces (a row layer's output); `keep_collectives`: recomputed regions keep
-    their collectives' outputs (see the module docstring).
+    their collectives' outputs (see the module docstring); `saved`: the region nodes whose outputs are
+    saved (`saved_ops`: another framework's op-level checkpointing), kept rather than rebuilt.
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     size = _dtype_sizes(gm, nodes, bf16)
@@ -203,8 +235,10 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
         copies: set[tuple] = set()   # (stage, scale, bytes per element, which copy)
         # across a pipeline cut an fp32 value with dims travels in bf16 (runtime/precision.py boundary_specs)
         sent = 2 if bf16 and size[n] == 4 and _floating(n) and n.meta["val"].dim() else size[n]
+        if n in saved:   # op-level checkpointing saved it in the forward: kept, whoever reads it
+            copies.add((s, own_scale(n), size[n], "saved"))
         if _is(n, SAVES_OUTPUT):
-            copies.add((s, own_scale(n), size[n], "own" if inst is None else "region"))
+            copies.add((s, own_scale(n), size[n], "own" if inst is None else "saved" if n in saved else "region"))
         for c in _consumers(n):
             if c.op == "output":
                 continue
@@ -227,19 +261,22 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
             if not _saves(c, n):
                 continue
             if inst is not None and cinst == inst:
-                copies.add((cs, own_scale(n), seen, "region"))     # rebuilt in backward
+                # rebuilt in backward, unless saved (then the saved copy above is the one read)
+                copies.add((cs, own_scale(n), seen, "saved" if n in saved else "region"))
                 continue
             core = tp > 1 and sharded_of.get(c) and not sharded_of.get(n)
             scale = "replicated" if core else own_scale(n)         # the gathered copy is the full sequence
             cast = bf16 and _is(c, LOWERED) and seen == 4
             copies.add((cs, scale, 2 if cast else seen, "gathered" if core else "cast" if cast else "own"))
+        if n in saved:   # a checkpoint or a saving op outside the region holds the same tensor: one copy
+            copies = {(cs, scale, b, "saved" if which == "own" else which) for cs, scale, b, which in copies}
         aux = _aux(n) * 4
         if aux:  # a cross-entropy's log-softmax has its logits' layout (vocab-parallel: 1/tp)
             ce = _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy."))
             copies.add((s, own_scale(n.args[0] if ce else n), 0, "aux"))
         for cs, scale, b, which in copies:
             nbytes = aux if which == "aux" else _numel(n) * b
-            if which == "region" or (inst is not None and which == "aux"):
+            if which == "region" or (inst is not None and which == "aux" and n not in saved):
                 w = working.setdefault((inst, cs), [0, 0])
                 w[0 if scale == "sharded" else 1] += nbytes
             else:

@@ -90,8 +90,9 @@ class Hardware:
 @dataclass(frozen=True)
 class System:
     """What the priced run does differently from parc's runtime: the options `parc report` takes to price a
-    run of another framework (its CLI flags --attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics), and
-    bench/published.py's published runs through that same path. The default is parc's own runtime.
+    run of another framework (its CLI flags --attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics,
+    --recompute-saves), and bench/published.py's published runs through that same path. The default is
+    parc's own runtime.
 
     - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
       (the T × T scores written out, as Megatron and DeepSpeed did before FlashAttention, 2022), or
@@ -101,15 +102,21 @@ class System:
     - `dp_overlap`: False for a system whose dp all-reduce (or ZeRO's collectives) waits for the whole backward.
     - `dp_wire`: the dtype of gradients on the dp wire ("fp32", "bf16", "fp16"); None: the plan's layout.
     - `nics`: network links per node (0: the preset's, one per GPU), each at the topology's `inter=`.
+    - `recompute_saves`: op-level selective checkpointing inside the plan's recomputed regions: the op classes
+      whose outputs the system saves in the forward (`SAVES`: "matmul", "matmul-odd", "attention";
+      torchtitan's op policy is matmul-odd and attention), every other op of the region run again in the
+      backward. Empty: parc's recompute, the whole region (its collectives' outputs kept under `compile`).
     """
     attention: str = "flash"
     pp_sends: str = "whole"
     dp_overlap: bool = True
     dp_wire: str | None = None
     nics: int = 0
+    recompute_saves: tuple = ()
 
     ATTENTION = ("flash", "materialized", "materialized-dropout")
     PP_SENDS = ("whole", "scatter-gather")
+    SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
     WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
     def hardware(self, hw: "Hardware") -> "Hardware":
@@ -128,7 +135,8 @@ class System:
         said = [f"{f} {v}" for f, v, d in (("attention", self.attention, "flash"),
                                           ("pp sends", self.pp_sends, "whole"),
                                           ("dp overlap", "off" if not self.dp_overlap else "on", "on"),
-                                          ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0))
+                                          ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0),
+                                          ("recompute saves", ",".join(self.recompute_saves), ""))
                 if v != d]
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
@@ -200,11 +208,13 @@ def _under(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def graph_stats(traced, plan) -> dict:
+def graph_stats(traced, plan, saves: tuple = ()) -> dict:
     """Per-stage counts of ONE micro-batch (elements and FLOPs, not bytes); JSON-ready.
 
     Reads the stage of each node from `meta["parc_stage"]` (set by
-    pipeline_split.assign_stages; absent means stage 0).
+    pipeline_split.assign_stages; absent means stage 0). `saves`: another framework's op-level
+    checkpointing inside the plan's recomputed regions (`System.recompute_saves`, activations.saved_ops):
+    the ops whose outputs it saves are kept and not run again in the backward.
     """
     from parc.analysis import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
@@ -230,6 +240,11 @@ def graph_stats(traced, plan) -> dict:
             in_core[p] = any(_under(p, c) for c in core)
         sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
             or (style is None and in_core[p])
+
+    def instance_of(n):
+        return plan.recompute.instance(path_of.get(n, "")) if patterns else None
+
+    saved = activations.saved_ops(nodes, instance_of, saves) if saves and patterns else frozenset()
     tp_inputs, tp_outputs = set(), set()
     for n in nodes:
         s, p = n.meta.get(STAGE, 0), path_of[n]
@@ -254,7 +269,7 @@ def graph_stats(traced, plan) -> dict:
         if n.target is operator.getitem or any(v in str(n.target) for v in activations.VIEWS):
             continue
         d[f"act_{tag}"] += _elements(n.meta.get("val"))
-        if patterns and plan.recompute.instance(p) is not None:
+        if patterns and plan.recompute.instance(p) is not None and n not in saved:
             d["flops_recomputed"] += f
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
@@ -273,11 +288,11 @@ def graph_stats(traced, plan) -> dict:
             stages[key[1]]["tp_ops_recomputed"] += 1
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
-        instance_of=lambda n: plan.recompute.instance(path_of.get(n, "")) if patterns else None,
+        instance_of=instance_of, saved=saved,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         row_outputs=frozenset(last[key] for key in tp_outputs),
         keep_collectives=getattr(plan, "compile", "none") != "none")  # runtime/recompute_policy.py
-    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of)
+    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved)
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
@@ -308,8 +323,9 @@ def graph_stats(traced, plan) -> dict:
             "tokens_per_sample": tokens}
 
 
-def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of) -> None:
-    """Each stage's `ops` (parc.analysis.compute.op_table): matmul and attention shapes, memory-bound bytes."""
+def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=frozenset()) -> None:
+    """Each stage's `ops` (parc.analysis.compute.op_table): matmul and attention shapes, memory-bound bytes.
+    A `saved` node (op-level checkpointing) is not recomputed."""
     from parc.analysis import activations, compute
     from parc.passes.pipeline_split import STAGE
 
@@ -328,7 +344,8 @@ def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of) -> Non
         return {"column": 1, "vocab": 1, "row": 2}.get(style, 3)
 
     def recomputed_of(n):
-        return bool(plan.recompute.patterns) and plan.recompute.instance(path_of.get(n, "")) is not None
+        return bool(plan.recompute.patterns) and n not in saved \
+            and plan.recompute.instance(path_of.get(n, "")) is not None
 
     for s, d in enumerate(stages):
         mine = [n for n in nodes if n.meta.get(STAGE, 0) == s]
