@@ -54,6 +54,11 @@ MTNLG = "MT-NLG (Smith et al. 2022)"
 # "WPS" tokens per second per GPU, sequence 8192 (Llama 3) / 4096 (Llama 2). Activation checkpointing "full":
 # every layer; "selective layer": every second layer (torchtitan's selective_ac_option "2"); "no": none. Its
 # "selective op" rows are priced with `--recompute-saves` (OP_SAC below: what that policy saves and recomputes).
+# The page does not name its cluster. The repository's multi-node script at the commit that wrote the figures
+# (multinode_trainer.slurm at 1ea476e9f: "This script is optimized for AWS with EFA", "# Enable for A100"
+# FI_PROVIDER=efa, NCCL_IB_DISABLE=1, 96 CPUs a task of 8 GPUs) is AWS's p4de.24xlarge, the 8 × A100-80GB
+# host with 96 vCPUs and 400 Gbit/s of EFA in 4 × 100 Gbit/s links: `--nics 4` at inter=12.5GB/s. Taken as the
+# cluster the figures ran on (an inference from that script, not a statement of the page).
 TITAN_A100 = "torchtitan docs/performance.md (A100)"
 # torchtitan's H100 benchmark (benchmarks/llama3_h100_202412_torchtitan.md, 2024-12): Llama 3.1 8B, FSDP (ZeRO-3)
 # on 8 and on 128 H100s (8 a host, 400 Gbit/s per GPU between hosts), local batch 2, sequence 8192, bf16 without
@@ -71,12 +76,13 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # ("ZERO_STAGE=0 # bf16 must use z0! it implements its own zero stage 1 equivalent", tr11-176B-ml.slurm): fp32
 # gradients, a ZeRO-1 sharded step; Jean Zay has 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs. MT-NLG:
 # DeepSpeed's fp16 ZeRO-1 (assumed: the stage is not in the quoted section), fp16 gradients, Selene's 8 HDR
-# NICs per node. torchtitan: parc's own defaults (flash attention, overlapped FSDP collectives, fp32 reduce).
+# NICs per node. torchtitan: parc's own defaults (flash attention, overlapped FSDP collectives, fp32 reduce); its
+# A100 page's hosts have 4 EFA links of 100 Gbit/s (above).
 OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather", "--no-dp-overlap"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
-         TITAN_A100: (3, [], ""),
+         TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
          TITAN_H100: (3, [], "")}
 
 
