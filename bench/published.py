@@ -44,7 +44,9 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # (2026-12-04, helper cost2: searched the stored pages, docs and code for a text copy of Table 1 to check
 # them against; none was found (the Megatron-LM README shows it as an image), so they stay unverified.
 # Searched again later that evening (helper cost3, stored web pages): the README's text around the table and
-# the paper's abstract, not the table's figures; still unverified.)
+# the paper's abstract, not the table's figures; still unverified. 2026-12-05, helper cost5: stored pages, code and
+# exact strings of the rows searched once more, no copy; consistent with the parameter count 12·l·h² + (V + s)·h,
+# 3.56B for 30 × 3072 and 7.47B for 36 × 4096; heads, batch and throughput not checked by that.)
 MEGATRON = "Megatron-LM 2021 Table 1"
 BLOOM = "BLOOM (BigScience 2022)"
 MTNLG = "MT-NLG (Smith et al. 2022)"
