@@ -63,6 +63,22 @@ def test_matmul_time_from_the_table():
     assert compute.stage_seconds({"mem": [[1e9, 0, 0, 3]]}, hw, "bf16", 1) == pytest.approx(mem)
 
 
+def test_batched_matmul_fills_the_gpu_with_all_its_instances():
+    """A batched matmul (attention's QKᵀ over b·heads, a bmm) launches the tiles of all its instances at once, so
+    it fills the SMs as one matmul of b·m rows does: its efficiency is the table's at (b·m, n, k), not at one
+    instance's (m, n, k) (the table's shapes are of single matmuls, XLA's b = 1 entries)."""
+    hw = replace(cost.hardware("h100"), matmul=(("bf16", 1024, 1024, 128, 0.25), ("bf16", 8192, 1024, 128, 0.6)),
+                 op_overhead=0.0, mem_bw=1e12, matmul_sustained=0.0)
+    f, b = compute.stage_seconds({"mm": [[8, 1024, 1024, 128, 0, 0, 1]]}, hw, "bf16", 1)
+    flops = 2 * 8 * 1024 * 1024 * 128
+    assert f == pytest.approx(flops / (989e12 * 0.6))
+    alone = compute.stage_seconds({"mm": [[1, 1024, 1024, 128, 0, 0, 1]]}, hw, "bf16", 1)[0]
+    assert alone == pytest.approx(flops / 8 / (989e12 * 0.25))   # one instance: the small entry
+    # the backward's two matmuls per instance, dX (m, k, n) and dW (n, k, m), are batched alike
+    assert b == pytest.approx(compute.stage_seconds({"mm": [[1, 8 * 1024, 128, 1024, 0, 0, 1]]}, hw, "bf16", 1)[0]
+                              + compute.stage_seconds({"mm": [[1, 8 * 1024, 128, 1024, 0, 0, 1]]}, hw, "bf16", 1)[0])
+
+
 def test_memory_bound_kinds_without_measured_times():
     """The shipped GPU presets measure no kinds: every kind is bytes over bandwidth, as before kinds existed, and
     a linear's bias (in cuBLAS's epilogue) costs nothing."""

@@ -7,7 +7,8 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
 - `mm`: matmuls as [batch, m, n, k, split, recomputed, count]. `split` says which
   dimension tensor parallelism divides: 0 none, 1 n (column, vocab), 2 k (row),
   3 batch (the attention core's heads). Time: 2·b·m·n·k / (peak · e), e from the
-  preset's efficiency table at that shape and dtype (`matmul_efficiency`). The
+  preset's efficiency table at (b·m, n, k) and the dtype (`matmul_efficiency`; a batched
+  kernel fills the GPU with the tiles of all b instances, `_mm_work`). The
   backward is the two matmuls dX = dY·Wᵀ (m, k, n) and dW = Xᵀ·dY (n, k, m),
   each looked up at its own shape.
 - `attn`: scaled_dot_product_attention as [b·heads, T, hs, causal, split,
@@ -134,8 +135,11 @@ def _kernel(hw, work: float) -> float:
 
 
 def _mm_work(hw, dtype, b, m, n, k) -> float:
+    """Seconds of b (m×k)·(k×n) matmuls in one batched kernel. Its efficiency is the table's at (b·m, n, k): the
+    kernel launches the tiles of all b instances at once, so it fills the SMs in waves as one matmul of b·m rows
+    does, each tile running the same k loop (the table holds single matmuls: XLA's b = 1 entries)."""
     flops = 2 * b * m * n * k
-    return flops / (_peak(hw, dtype) * matmul_efficiency(hw, dtype, m, n, k)) if flops else 0.0
+    return flops / (_peak(hw, dtype) * matmul_efficiency(hw, dtype, b * m, n, k)) if flops else 0.0
 
 
 def _mm_time(hw, dtype, b, m, n, k) -> float:
