@@ -128,6 +128,10 @@ def test_report_flag_prices_the_policy(tmp_path, monkeypatch):
         steps[name] = (rep["utilization"]["hardware_flops_per_step"], rep["memory"]["per_pp_rank"][0])
         if flags:
             assert any("recompute saves matmul-odd,attention" in n for n in rep["notes"])
+    # without a `recompute` line the flag has nothing to act on, and the report says so
+    args = parser().parse_args(["report", "--model", str(LLAMA), "--plan", str(par), "--preset", "a100",
+                                "--recompute-saves", "attention"])
+    assert any("recomputes nothing" in n for n in report.build_from_args(args)["notes"])
     assert steps["none"][0] < steps["op"][0] < steps["full"][0]
     kept = {k: v[1]["activations_kept_bytes"] for k, v in steps.items()}
     assert kept["full"] < kept["op"] < kept["none"]

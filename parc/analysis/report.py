@@ -161,6 +161,8 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         est = cost.estimate(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
                             **system.estimate_options())
     notes += system.notes()
+    if system.recompute_saves and not plan_obj.recompute.patterns:
+        notes.append("--recompute-saves: the plan recomputes nothing (no `recompute` line), so it changes nothing")
     ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
     if ep is not None:
         est = experts.charge(est, ep["row"])
