@@ -38,15 +38,16 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 # SC21 (arXiv:2104.04473), Table 1: A100-80GB (Selene: 8 per node, 8 × 200 Gbit/s HDR), vocab 51200,
 # sequence 2048, mixed precision, full activation recompute; TFLOP/s per GPU counts the recompute
-# (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)). The 1.7B–7.5B rows are the table's first three (tp 1, 2, 4
-# inside a node, pp 1, global batch 512); the issue's own audit quotes the 1.7B row. The 3.6B and 7.5B rows
-# were transcribed from the table as recalled, not re-read against the paper's text: check them there.
-# (2026-12-04, helper cost2: searched the stored pages, docs and code for a text copy of Table 1 to check
-# them against; none was found (the Megatron-LM README shows it as an image), so they stay unverified.
-# Searched again later that evening (helper cost3, stored web pages): the README's text around the table and
-# the paper's abstract, not the table's figures; still unverified. 2026-12-05, helper cost5: stored pages, code and
-# exact strings of the rows searched once more, no copy; consistent with the parameter count 12·l·h² + (V + s)·h,
-# 3.56B for 30 × 3072 and 7.47B for 36 × 4096; heads, batch and throughput not checked by that.)
+# (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)). Each row's run as the paper's authors launched it:
+# examples/sc21/run_table_1.sh in NVIDIA/Megatron-LM ("some of the scripts that were used to produce the results in the
+# Megatron paper", examples/sc21/README.md), one case per row: TP, PP, GBS, layers (NLS), hidden (HS) and heads
+# (NAH) as the rows state them (which checks the 3.6B and 7.5B rows, unverified before against a text copy of
+# the table), and what the table does not say: the micro-batch (MBS: 16, 16, 16, 8, 4, 2, 2, 1, 1, 1), the
+# interleaved schedule (`--num-layers-per-virtual-pipeline-stage` 5, 5, 3, 1 on the 76B, 145B, 310B and 530B: 3, 2,
+# 2 and 3 virtual stages a pp rank; none on the 1T), and the data-parallel wrapper (DDP=torch on the four pp-1
+# rows: PyTorch's DistributedDataParallel, whose bucket all-reduces run under the backward of the last
+# micro-batch (Megatron's schedules run the others under `no_sync`); DDP=local on the others, Megatron's own
+# wrapper, which all-reduces after the backward). `--recompute-method uniform` on every row: full recompute.
 MEGATRON = "Megatron-LM 2021 Table 1"
 BLOOM = "BLOOM (BigScience 2022)"
 MTNLG = "MT-NLG (Smith et al. 2022)"
@@ -71,7 +72,7 @@ TITAN_A100 = "torchtitan docs/performance.md (A100)"
 # found), so the rows stay optimistic by whatever the lower limit costs.
 TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # What each system ran beyond the plan, as `parc report` flags (its "another system's run" group), and its ZeRO
-# stage. Megatron 2021 all-reduced fp16 gradients after the backward (its DDP had no overlap then), sent pipeline
+# stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows, above), sent pipeline
 # values as scatter/gather, and computed attention materialised with dropout on the probabilities (every
 # Megatron / DeepSpeed row predates FlashAttention, May 2022: megatron/model/transformer.py's baddbmm, fused
 # scale-mask-softmax, --attention-dropout 0.1). BLOOM's Megatron-DeepSpeed ran DeepSpeed's bf16 optimizer
@@ -80,7 +81,9 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # DeepSpeed's fp16 ZeRO-1 (assumed: the stage is not in the quoted section), fp16 gradients, Selene's 8 HDR
 # NICs per node. torchtitan: parc's own defaults (flash attention, overlapped FSDP collectives, fp32 reduce); its
 # A100 page's hosts have 4 EFA links of 100 Gbit/s (above).
-OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather", "--no-dp-overlap"]
+# Whether dp's reduction overlaps the backward is a row's `dp_overlap`: False for every GPT row but Megatron's
+# DDP=torch ones (DeepSpeed's pipeline engine, BLOOM's and MT-NLG's, also reduces after the backward).
+OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
@@ -105,6 +108,8 @@ class Row:
     recompute: str = "blocks.*"   # the .par's recompute pattern ("" none)
     fused_norm: bool = False      # llama: torchtitan's norm_type "fused_rmsnorm" (else its unfused "rmsnorm")
     saves: str = ""               # op-level checkpointing in the recomputed regions (`--recompute-saves`)
+    virtual: int = 1              # virtual stages a pp rank (the interleaved 1F1B schedule when > 1)
+    dp_overlap: bool = True       # dp's gradient reduction under the backward (else after it: `--no-dp-overlap`)
 
     @property
     def params(self) -> float:
@@ -116,8 +121,9 @@ class Row:
         return layers * (2 * d * d + 2 * d * kv * (d // heads) + 3 * d * ffn) + 2 * vocab * d
 
 
-def _gpt(name, source, shape, tp, pp, gpus, batch, micro, tflops):
-    return Row(name, source, "gpt", shape, tp, pp, gpus, batch, micro, tflops, "TFLOP/s", "a100")
+def _gpt(name, source, shape, tp, pp, gpus, batch, micro, tflops, virtual=1, dp_overlap=False):
+    return Row(name, source, "gpt", shape, tp, pp, gpus, batch, micro, tflops, "TFLOP/s", "a100",
+               virtual=virtual, dp_overlap=dp_overlap)
 
 
 LLAMA3_8B = (32, 4096, 32, 8, 14336, 128256, 8192)
@@ -137,16 +143,17 @@ TITAN_OP_SAVES = "matmul-odd,attention"
 
 ROWS = [
     # name, source, (layers, hidden, heads, vocab, seq), tp, pp, gpus, global batch, micro, published TFLOP/s
-    _gpt("GPT 1.7B", MEGATRON, (24, 2304, 24, 51200, 2048), 1, 1, 32, 512, 1, 137),
-    _gpt("GPT 3.6B", MEGATRON, (30, 3072, 32, 51200, 2048), 2, 1, 64, 512, 1, 138),
-    _gpt("GPT 7.5B", MEGATRON, (36, 4096, 32, 51200, 2048), 4, 1, 128, 512, 1, 142),
-    _gpt("GPT 18.4B", MEGATRON, (40, 6144, 48, 51200, 2048), 8, 1, 256, 1024, 1, 135),
-    _gpt("GPT 39.1B", MEGATRON, (48, 8192, 64, 51200, 2048), 8, 2, 512, 1536, 1, 138),
-    _gpt("GPT 76.1B", MEGATRON, (60, 10240, 80, 51200, 2048), 8, 4, 1024, 1792, 1, 140),
-    _gpt("GPT 145.6B", MEGATRON, (80, 12288, 96, 51200, 2048), 8, 8, 1536, 2304, 1, 148),
-    _gpt("GPT 310.1B", MEGATRON, (96, 16384, 128, 51200, 2048), 8, 16, 1920, 2160, 1, 155),
-    # micro-batch 1: pp 35 × 280 and pp 64 × 512 schedule slots
-    _gpt("GPT 529.6B", MEGATRON, (105, 20480, 128, 51200, 2048), 8, 35, 2520, 2520, 1, 163),
+    # run_table_1.sh's MBS, virtual stages (NLS / PP / --num-layers-per-virtual-pipeline-stage) and DDP=torch
+    _gpt("GPT 1.7B", MEGATRON, (24, 2304, 24, 51200, 2048), 1, 1, 32, 512, 16, 137, dp_overlap=True),
+    _gpt("GPT 3.6B", MEGATRON, (30, 3072, 32, 51200, 2048), 2, 1, 64, 512, 16, 138, dp_overlap=True),
+    _gpt("GPT 7.5B", MEGATRON, (36, 4096, 32, 51200, 2048), 4, 1, 128, 512, 16, 142, dp_overlap=True),
+    _gpt("GPT 18.4B", MEGATRON, (40, 6144, 48, 51200, 2048), 8, 1, 256, 1024, 8, 135, dp_overlap=True),
+    _gpt("GPT 39.1B", MEGATRON, (48, 8192, 64, 51200, 2048), 8, 2, 512, 1536, 4, 138),
+    _gpt("GPT 76.1B", MEGATRON, (60, 10240, 80, 51200, 2048), 8, 4, 1024, 1792, 2, 140, virtual=3),
+    _gpt("GPT 145.6B", MEGATRON, (80, 12288, 96, 51200, 2048), 8, 8, 1536, 2304, 2, 148, virtual=2),
+    _gpt("GPT 310.1B", MEGATRON, (96, 16384, 128, 51200, 2048), 8, 16, 1920, 2160, 1, 155, virtual=2),
+    # micro-batch 1: pp 35 × 280 × virtual 3 and pp 64 × 512 schedule slots
+    _gpt("GPT 529.6B", MEGATRON, (105, 20480, 128, 51200, 2048), 8, 35, 2520, 2520, 1, 163, virtual=3),
     _gpt("GPT 1008B", MEGATRON, (128, 25600, 160, 51200, 2048), 8, 64, 3072, 3072, 1, 163),
     # BigScience, BLOOM-176B (bigscience.notion.site "BigScience 176B Model"; Le Scao et al. 2022,
     # arXiv:2211.05100 §3.4): 384 A100-80GB on Jean Zay (48 nodes of 8, 4 × 100 Gbit/s Omni-Path per
@@ -203,9 +210,17 @@ def plan_text(row: Row) -> str:
     return (f"mesh dp={dp} pp={row.pp} tp={row.tp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
             (TP_RULES if row.arch == "gpt" else "") +
-            ("pipeline schedule=1f1b stages=auto\n" if row.pp > 1 else "") +
+            (f"pipeline schedule=interleaved_1f1b stages=auto virtual={row.virtual}\n" if row.virtual > 1 else
+             "pipeline schedule=1f1b stages=auto\n" if row.pp > 1 else "") +
             (f"zero stage={zero}\n" if zero else "") +
             (f'recompute "{row.recompute}"\n' if row.recompute else "") + "precision bf16\n")
+
+
+def report_flags(row: Row) -> list[str]:
+    """The `parc report` flags that state the row's system: its source's (`FLAGS`), then its own (op-level
+    checkpointing, dp's reduction after the backward)."""
+    return [*FLAGS[row.source][1], *(("--recompute-saves", row.saves) if row.saves else ()),
+            *(() if row.dp_overlap else ("--no-dp-overlap",))]
 
 
 def predict(row: Row) -> tuple[float, dict]:
@@ -220,7 +235,7 @@ def predict(row: Row) -> tuple[float, dict]:
         par.write_text(plan_text(row))
         model = GPT_MODEL if row.arch == "gpt" else LLAMA_MODEL
         args = parser().parse_args(["report", "--model", str(model), "--plan", str(par), "--preset", row.preset,
-                                    *FLAGS[row.source][1], *(("--recompute-saves", row.saves) if row.saves else ())])
+                                    *report_flags(row)])
         rep = report.build_from_args(args)
     step = rep["utilization"]["step_seconds"]
     if row.unit == "TFLOP/s":

@@ -89,23 +89,25 @@ def test_unknown_values_are_refused_by_the_cli(flag, capsys):
 
 
 def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, monkeypatch):
-    """bench/published.py's first row (Megatron's 1.7B) against `parc report --json` run by hand with the
-    row's plan and its source's flags: the same step, to the last bit."""
+    """bench/published.py's first row (Megatron's 1.7B) and a row whose dp waits for the backward (Megatron's 39.1B,
+    its own DDP) against `parc report --json` run by hand with the row's plan and flags: the same step, to the
+    last bit."""
     spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
     published = importlib.util.module_from_spec(spec)
     sys.modules["published"] = published
     spec.loader.exec_module(published)
-    row = published.ROWS[0]
-    predicted, rep = published.predict(row)
-    monkeypatch.setenv("PARC_BENCH_GPT", ",".join(map(str, row.shape)))
-    plan = tmp_path / "row.par"
-    plan.write_text(published.plan_text(row))
-    capsys.readouterr()
-    assert cli.main(["report", "--model", str(published.GPT_MODEL), "--plan", str(plan), "--preset", row.preset,
-                     *published.FLAGS[row.source][1], "--json"]) == 0
-    by_hand = json.loads(capsys.readouterr().out)
-    assert by_hand["utilization"]["step_seconds"] == rep["utilization"]["step_seconds"]
-    assert any("another system's run" in n and "attention materialized-dropout" in n for n in by_hand["notes"])
+    for row in (published.ROWS[0], next(r for r in published.ROWS if r.name == "GPT 39.1B")):
+        predicted, rep = published.predict(row)
+        monkeypatch.setenv("PARC_BENCH_GPT", ",".join(map(str, row.shape)))
+        plan = tmp_path / "row.par"
+        plan.write_text(published.plan_text(row))
+        capsys.readouterr()
+        assert cli.main(["report", "--model", str(published.GPT_MODEL), "--plan", str(plan), "--preset", row.preset,
+                         *published.report_flags(row), "--json"]) == 0
+        by_hand = json.loads(capsys.readouterr().out)
+        assert by_hand["utilization"]["step_seconds"] == rep["utilization"]["step_seconds"]
+        assert any("not overlapped" in n for n in by_hand["notes"]) == (not row.dp_overlap)
+        assert any("another system's run" in n and "attention materialized-dropout" in n for n in by_hand["notes"])
 
 
 def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_one_op(tmp_path, monkeypatch):
