@@ -39,8 +39,8 @@ TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.p
 # SC21 (arXiv:2104.04473), Table 1: A100-80GB (Selene: 8 per node, 8 × 200 Gbit/s HDR), vocab 51200,
 # sequence 2048, mixed precision, full activation recompute; TFLOP/s per GPU counts the recompute
 # (their eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh)). Each row's run as the paper's authors launched it:
-# examples/sc21/run_table_1.sh in NVIDIA/Megatron-LM ("some of the scripts that were used to produce the results in the
-# Megatron paper", examples/sc21/README.md), one case per row: TP, PP, GBS, layers (NLS), hidden (HS) and heads
+# examples/sc21/run_table_1.sh in NVIDIA/Megatron-LM ("some of the scripts that were used to produce the results
+# in the Megatron paper", examples/sc21/README.md), one case per row: TP, PP, GBS, layers (NLS), hidden (HS) and heads
 # (NAH) as the rows state them (which checks the 3.6B and 7.5B rows, unverified before against a text copy of
 # the table), and what the table does not say: the micro-batch (MBS: 16, 16, 16, 8, 4, 2, 2, 1, 1, 1), the
 # interleaved schedule (`--num-layers-per-virtual-pipeline-stage` 5, 5, 3, 1 on the 76B, 145B, 310B and 530B: 3, 2,
@@ -72,9 +72,9 @@ TITAN_A100 = "torchtitan docs/performance.md (A100)"
 # found), so the rows stay optimistic by whatever the lower limit costs.
 TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # What each system ran beyond the plan, as `parc report` flags (its "another system's run" group), and its ZeRO
-# stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows, above), sent pipeline
-# values as scatter/gather, and computed attention materialised with dropout on the probabilities (every
-# Megatron / DeepSpeed row predates FlashAttention, May 2022: megatron/model/transformer.py's baddbmm, fused
+# stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows,
+# above), sent pipeline values as scatter/gather, and computed attention materialised with dropout on the
+# probabilities (every Megatron / DeepSpeed row predates FlashAttention, May 2022: megatron/model/transformer.py's baddbmm, fused
 # scale-mask-softmax, --attention-dropout 0.1). BLOOM's Megatron-DeepSpeed ran DeepSpeed's bf16 optimizer
 # ("ZERO_STAGE=0 # bf16 must use z0! it implements its own zero stage 1 equivalent", tr11-176B-ml.slurm): fp32
 # gradients, a ZeRO-1 sharded step; Jean Zay has 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs. MT-NLG:
