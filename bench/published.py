@@ -74,15 +74,15 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # What each system ran beyond the plan, as `parc report` flags (its "another system's run" group), and its ZeRO
 # stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows,
 # above), sent pipeline values as scatter/gather, and computed attention materialised with dropout on the
-# probabilities (every Megatron / DeepSpeed row predates FlashAttention, May 2022: megatron/model/transformer.py's baddbmm, fused
-# scale-mask-softmax, --attention-dropout 0.1). BLOOM's Megatron-DeepSpeed ran DeepSpeed's bf16 optimizer
-# ("ZERO_STAGE=0 # bf16 must use z0! it implements its own zero stage 1 equivalent", tr11-176B-ml.slurm): fp32
-# gradients, a ZeRO-1 sharded step; Jean Zay has 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs. MT-NLG:
-# DeepSpeed's fp16 ZeRO-1 (assumed: the stage is not in the quoted section), fp16 gradients, Selene's 8 HDR
-# NICs per node. torchtitan: parc's own defaults (flash attention, overlapped FSDP collectives, fp32 reduce); its
-# A100 page's hosts have 4 EFA links of 100 Gbit/s (above).
-# Whether dp's reduction overlaps the backward is a row's `dp_overlap`: False for every GPT row but Megatron's
-# DDP=torch ones (DeepSpeed's pipeline engine, BLOOM's and MT-NLG's, also reduces after the backward).
+# probabilities (every Megatron / DeepSpeed row predates FlashAttention, May 2022: megatron/model/transformer.py's
+# baddbmm, fused scale-mask-softmax, --attention-dropout 0.1). BLOOM's Megatron-DeepSpeed ran DeepSpeed's bf16
+# optimizer ("ZERO_STAGE=0 # bf16 must use z0! it implements its own zero stage 1 equivalent", tr11-176B-ml.slurm):
+# fp32 gradients, a ZeRO-1 sharded step; Jean Zay has 4 × 100 Gbit/s Omni-Path links per node of 8 GPUs. MT-NLG:
+# DeepSpeed's fp16 ZeRO-1 (assumed: the stage is not in the quoted section), fp16 gradients, Selene's 8 HDR NICs per
+# node. torchtitan: parc's own defaults (flash attention, overlapped FSDP collectives, fp32 reduce); its A100 page's
+# hosts have 4 EFA links of 100 Gbit/s (above). Whether dp's reduction overlaps the backward is a row's
+# `dp_overlap`: False for every GPT row but Megatron's DDP=torch ones (DeepSpeed's pipeline engine, BLOOM's and
+# MT-NLG's, also reduces after the backward).
 OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
