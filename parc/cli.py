@@ -28,8 +28,8 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
-               (--attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics, --recompute-saves: price another
-               framework's run)
+               (--attention, --pp-sends, --pp-engine, --no-dp-overlap, --dp-wire, --nics, --recompute-saves:
+               price another framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
@@ -402,6 +402,10 @@ def parser() -> argparse.ArgumentParser:
     other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")
+    other.add_argument("--pp-engine", choices=System.PP_ENGINES, default="parc",
+                       help="the pipeline's executor: parc (its 1F1B, adjacent sends and receives posted together, "
+                            "transfers under the next compute) or deepspeed (DeepSpeed's pipeline engine: its "
+                            "TrainSchedule's order, each send and receive blocking both ranks; 1F1B plans only)")
     other.add_argument("--no-dp-overlap", action="store_true",
                        help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
     other.add_argument("--dp-wire", choices=tuple(System.WIRE),

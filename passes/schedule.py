@@ -292,6 +292,42 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1,
     return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, order_instants(order_costs)))
 
 
+def deepspeed_train(pp: int, m: int) -> Schedule:
+    """DeepSpeed's pipeline engine's `TrainSchedule` (deepspeed/runtime/pipe/schedule.py, unchanged from the
+    engine's first commit 65c2f974d, 2020-09, to the end of 2022 but for typos), as parc actions: for pricing
+    another framework's run (`parc report --pp-engine deepspeed`), never compiled.
+
+    Every stage walks 2 (m + pp − 1) steps; at a step a stage of the step's parity runs a forward, the other
+    a backward (`_step_to_micro_batch`), or nothing where the micro-batch id is out of range. A forward step
+    posts RecvActivation(this micro-batch) then SendGrad(the previous step's); a backward step
+    SendActivation(the previous step's) then RecvGrad(this micro-batch): an output leaves one step after it
+    is made. Here RECV_F, SEND_B, SEND_F, RECV_B. The engine's transfers are blocking (runtime/pipe/p2p.py:
+    `dist.send`/`dist.recv`, or `dist.broadcast` over a two-rank group before torch 1.8; `async_op` is
+    asserted False): time it with the simulator's `p2p="blocking", send_waits=True`."""
+    actions = []
+    for s in range(pp):
+        seq: list[Action] = []
+        prev = -1
+        for t in range(2 * (m + pp - 1)):
+            forward = t % 2 == s % 2
+            if forward:              # _even_step_forward_id, _odd_step_forward_id
+                k = t // 2 - s // 2
+            elif t % 2 == 0:         # _even_step_backward_id (an odd stage)
+                k = t // 2 - pp + (s + 1) // 2
+            else:                    # _odd_step_backward_id (an even stage)
+                k = (t - 1) // 2 - pp + 1 + s // 2
+            valid, prev_valid = 0 <= k < m, 0 <= prev < m
+            if forward and s > 0:
+                seq += [Action("RECV_F", s, k, s - 1)] * valid + [Action("SEND_B", s, prev, s - 1)] * prev_valid
+            elif not forward and s < pp - 1:
+                seq += [Action("SEND_F", s, prev, s + 1)] * prev_valid + [Action("RECV_B", s, k, s + 1)] * valid
+            if valid:
+                seq.append(Action("F" if forward else "B", s, k))
+            prev = k
+        actions.append(seq)
+    return Schedule("deepspeed_train", pp, m, 1, actions)
+
+
 def order_instants(order_costs: dict | None) -> dict | None:
     """`order_costs` as the small integer instants the sends are placed by ({(kind, stage): n}, the smallest
     cost 2, the largest ≤ 16): costs with the same instants place the same schedule."""

@@ -90,8 +90,8 @@ class Hardware:
 @dataclass(frozen=True)
 class System:
     """What the priced run does differently from parc's runtime: the options `parc report` takes to price a
-    run of another framework (its CLI flags --attention, --pp-sends, --no-dp-overlap, --dp-wire, --nics,
-    --recompute-saves), and bench/published.py's published runs through that same path. The default is
+    run of another framework (its CLI flags --attention, --pp-sends, --pp-engine, --no-dp-overlap, --dp-wire,
+    --nics, --recompute-saves), and bench/published.py's published runs through that same path. The default is
     parc's own runtime.
 
     - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
@@ -99,6 +99,9 @@ class System:
       "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout).
     - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
+    - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
+      transfers under the next compute) or "deepspeed" (DeepSpeed's pipeline engine: its `TrainSchedule`'s
+      instruction order, each transfer blocking both ranks until it is done; `schedule.deepspeed_train`).
     - `dp_overlap`: False for a system whose dp all-reduce (or ZeRO's collectives) waits for the whole backward.
     - `dp_wire`: the dtype of gradients on the dp wire ("fp32", "bf16", "fp16"); None: the plan's layout.
     - `nics`: network links per node (0: the preset's, one per GPU), each at the topology's `inter=`.
@@ -113,9 +116,11 @@ class System:
     dp_wire: str | None = None
     nics: int = 0
     recompute_saves: tuple = ()
+    pp_engine: str = "parc"
 
     ATTENTION = ("flash", "materialized", "materialized-dropout")
     PP_SENDS = ("whole", "scatter-gather")
+    PP_ENGINES = ("parc", "deepspeed")
     SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
     WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -128,12 +133,13 @@ class System:
         return dict(attention="flash" if self.attention == "flash" else "materialized",
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
-                    dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None)
+                    dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine)
 
     def notes(self) -> list[str]:
         """The report's line saying which options differ from parc's runtime (none: no line)."""
         said = [f"{f} {v}" for f, v, d in (("attention", self.attention, "flash"),
                                           ("pp sends", self.pp_sends, "whole"),
+                                          ("pp engine", self.pp_engine, "parc"),
                                           ("dp overlap", "off" if not self.dp_overlap else "on", "on"),
                                           ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0),
                                           ("recompute saves", ",".join(self.recompute_saves), ""))
@@ -543,7 +549,7 @@ def _by_size(rows: list[tuple[float, float]], size: float) -> float:
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
              dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None, attention: str = "flash",
-             attention_dropout: bool = False) -> Estimate:
+             attention_dropout: bool = False, pp_engine: str = "parc") -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -554,11 +560,14 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
     by default each estimate builds and simulates its own. `attention`, `attention_dropout`: the
     attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
-    "materialized" a system that writes the scores out (any before FlashAttention, 2022).
+    "materialized" a system that writes the scores out (any before FlashAttention, 2022). `pp_engine`:
+    "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
+    schedule is a 1F1B, so a plan with another is refused.
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
     from parc.analysis.schedules import Schedules
+    from parc.passes.schedule import deepspeed_train
 
     memo = schedules if schedules is not None else Schedules()
     build_schedule, simulate = memo.build, memo.simulate
@@ -645,8 +654,18 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
             p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
         split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
-        schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
-        sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split)
+        engine = {}
+        if pp_engine == "deepspeed":
+            if name != "1f1b" or virtual != 1:
+                raise ParcError(f"cost model: --pp-engine deepspeed prices DeepSpeed's pipeline engine, whose one "
+                                f"training schedule is a 1F1B (TrainSchedule); this plan's is {name}"
+                                f"{f' with {virtual} virtual stages' if virtual > 1 else ''}",
+                                hint="write `pipeline schedule=1f1b` to price that engine's run")
+            # its order, every transfer blocking both ranks (free transfers below: the same rules at cost 0)
+            schedule, engine = deepspeed_train(pp, acc), {"p2p": "blocking", "send_waits": True}
+        else:
+            schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
+        sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split, **engine)
         if name == "interleaved_1f1b":
             # the unit-cost placement can idle ranks that wait on a slow chunk; placed for the stages' own
             # costs it often does not. The better of the two: the order an executor should use (the
@@ -656,7 +675,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             if other.makespan < sim.makespan:
                 schedule, sim = placed, other
         makespan, bubble, inflight = sim.makespan, sim.bubble_fraction, sim.peak_inflight
-        free = simulate(schedule, cost_f=cost_f, cost_b=cost_b, **split) if any(cost_f + cost_b) else None
+        free = simulate(schedule, cost_f=cost_f, cost_b=cost_b, **split, **engine) if any(cost_f + cost_b) else None
         sched_bubble = free.bubble_fraction if free else \
             simulate(build_schedule(name, pp, acc, virtual), **({"cost_i": 1.0, "cost_w": 1.0} if split else {})
                      ).bubble_fraction

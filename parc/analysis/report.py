@@ -124,7 +124,8 @@ def system_of(args) -> cost.System:
     """The `System` of `parc report`'s flags (cli.py): the one place they are read."""
     saves = tuple(x for x in (args.recompute_saves or "").split(",") if x)
     return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
-                       dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves)
+                       dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves,
+                       pp_engine=args.pp_engine)
 
 
 def build_from_args(args) -> dict:
