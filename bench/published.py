@@ -84,9 +84,13 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # `dp_overlap`: False for every GPT row but Megatron's DDP=torch ones (DeepSpeed's pipeline engine, BLOOM's and
 # MT-NLG's, also reduces after the backward).
 OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather"]
+# BLOOM and MT-NLG ran DeepSpeed's pipeline engine (Megatron-DeepSpeed's GPTModelPipe): its TrainSchedule's order,
+# each send and receive blocking both ranks (deepspeed/runtime/pipe/schedule.py and p2p.py, 2021; its activations
+# and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above)
+DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
-         BLOOM: (1, OLD_MEGATRON + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
-         MTNLG: (1, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
+         BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
+         MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),
          TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
          TITAN_H100: (3, [], "")}
 
@@ -223,8 +227,9 @@ def report_flags(row: Row) -> list[str]:
             *(() if row.dp_overlap else ("--no-dp-overlap",))]
 
 
-def predict(row: Row) -> tuple[float, dict]:
-    """(predicted throughput in the row's unit, the report) through `parc report`'s own code path."""
+def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
+    """(predicted throughput in the row's unit, the report) through `parc report`'s own code path, with the
+    row's `report_flags` (or `flags`)."""
     from parc.analysis import report
     from parc.cli import parser
 
@@ -235,7 +240,7 @@ def predict(row: Row) -> tuple[float, dict]:
         par.write_text(plan_text(row))
         model = GPT_MODEL if row.arch == "gpt" else LLAMA_MODEL
         args = parser().parse_args(["report", "--model", str(model), "--plan", str(par), "--preset", row.preset,
-                                    *report_flags(row)])
+                                    *(report_flags(row) if flags is None else flags)])
         rep = report.build_from_args(args)
     step = rep["utilization"]["step_seconds"]
     if row.unit == "TFLOP/s":
