@@ -30,7 +30,8 @@ FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
 runs over as many NICs as it has ranks on a node, shared with the axis's other groups when a
 node has fewer NICs than GPUs; a tp group across nodes holds them while it runs, so dp's collectives across
 nodes hide under compute only, not under tp's time. The pipeline is timed as
-`parc.passes.simulate` times it (`parc.analysis.schedules.timing`) with each stage's own costs. Assumed, and said in the
+`parc.passes.simulate` times it (`parc.analysis.schedules.timing`) with each stage's own costs (another
+engine's run, `System.pp_engine`: that engine's order under its transfer rules). Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
 overlapping the last backward, ZeRO's overlapping the compute the runtime runs them under
 (`zero_exposed`).
