@@ -26,8 +26,9 @@ Every other op a sequence-sharded value reaches must be one the pass knows is lo
 keep the sequence a dimension, softmax along another dim, dropout: its sequence dim is marked in
 `meta["parc_cp"]` for passes/dropout.py, which keys each token's mask by its global position); anything else
 — an unfused attention (`q @ kᵀ`), a mask or bias built with the sequence's length, slicing along the
-sequence, attention dropout — is refused at its line in the model file, the op and the module named, all
-such errors at once. Tensor parallelism runs after this pass, on the cp-local program (passes/tp_layouts.py
+sequence — is refused at its line in the model file, the op and the module named, all such errors at once.
+Attention dropout (SDPA's `dropout_p`) goes to the ring / all-to-all op as its `p`, the serial probabilities'
+shape in `meta["parc_attention_full"]`; passes/dropout.py keys it. Tensor parallelism runs after this pass, on the cp-local program (passes/tp_layouts.py
 `_cp_attention` shards the ring's heads).
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
@@ -425,14 +426,14 @@ class _Walk:
             raise _Refused("attention with an attn_mask that reads an input or is not exactly the causal triangle "
                            "(or all-keep): context parallelism builds only causal masks (from global positions); "
                            "pass is_causal=True or no mask")
-        if a.get("dropout_p", 0.0):
-            raise _Refused("attention dropout under context parallelism is not proven yet: ring and all-to-all "
-                           "attention draw no keyed dropout of their own (dropout outside the attention is keyed)")
         if a.get("enable_gqa", False) and _shape(q)[-3] != _shape(k)[-3]:
             k, v = (self.repeat_heads(node, t, _shape(q)[-3] // _shape(t)[-3]) for t in (k, v))
         scale = a.get("scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(_shape(q)[-1])
         args = (q, k, v, AXIS, bool(a.get("is_causal", False)), scale, self.cp)
+        p = float(a.get("dropout_p", 0.0) or 0.0)
+        if p:  # attention dropout: passes/dropout.py appends its key (site, shape, shard records) after p
+            args += (p,)
         if self.method == "alltoall" and _shape(q)[-3] % self.cp:
             heads = _shape(q)[-3]
             raise _Refused(f"all-to-all attention scatters heads over cp: {heads} heads are not divisible by "
@@ -444,6 +445,8 @@ class _Walk:
                 ring = self.gm.graph.call_function(parc_ops.ring_attention.default, args)
                 out = self.gm.graph.call_function(operator.getitem, (ring, 0))
         ring.meta["nn_module_stack"] = out.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        if p:  # the serial probabilities' (B, H, L, S) the mask covers, for passes/dropout.py
+            ring.meta["parc_attention_full"] = [*_shape(q)[:-1], _shape(k)[-2]]
         ring.meta["stack_trace"] = out.meta["stack_trace"] = node.meta.get("stack_trace")
         out.meta["val"] = node.meta["val"]  # full shapes during the walk; `_propagate` makes them local
         node.replace_all_uses_with(out)

@@ -9,6 +9,10 @@ run's tensor over the global batch), so data, tensor and sequence parallelism,
 micro-batching, pipeline stages and recompute all draw exactly the masks the
 serial model draws under `--verify` (runtime/serial_reference.py keys it the same way).
 
+Context parallelism's ring and all-to-all attentions (passes/context_parallel.py) carry SDPA's `dropout_p`
+as their argument 7; they get the same key after it (site, the serial (B, H, L, S), elements per sample, tp's
+record of the heads) and cut the serial mask themselves, block by block (runtime/parallel/ring_attention.py).
+
 The call site is (module path, occurrence): the k-th dropout the module runs,
 counted in graph order, which is the eager model's call order. The op's
 constant arguments give the element's global coordinates: the traced (full)
@@ -42,6 +46,8 @@ import torch
 import torch.fx as fx
 
 import parc.runtime.dropout  # noqa: F401 — registers torch.ops.parc.keyed_*
+import parc.runtime.parallel.ring_attention  # noqa: F401 — registers context parallelism's attentions
+import parc.runtime.parallel.ulysses  # noqa: F401
 from parc.errors import ParcError
 from parc.runtime.dropout import LOAD_BALANCED, THIS_CP_RANK, site_id
 from parc.traced import module_path
@@ -49,6 +55,8 @@ from parc.traced import module_path
 aten = torch.ops.aten
 NAME = "dropout"
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# context parallelism's attentions (passes/context_parallel.py): SDPA's dropout_p is their argument 7
+CP_ATTENTION = {torch.ops.parc.ring_attention.default, torch.ops.parc.ulysses_attention.default}
 
 
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
@@ -68,12 +76,13 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
             continue
         path = module_path(node)
         k = seen[path] = seen.get(path, -1) + 1
-        full = _full_shape(full_of[node.name], kind)
+        cp_attention = node.target in CP_ATTENTION
+        full = node.meta["parc_attention_full"] if cp_attention else _full_shape(full_of[node.name], kind)
         if full[0] % plan.micro_batch:
             why = f"its dim 0 ({full[0]}) does not carry the micro-batch's {plan.micro_batch} samples"
             unkeyed.append({"module": path, "op": str(node.target), "why": why})
             continue
-        shard = _shard(node, kind, full, plan, ctx)
+        shard = _cp_attention_shard(node, full, plan, ctx) if cp_attention else _shard(node, kind, full, plan, ctx)
         per_sample = math.prod(full) // plan.micro_batch
         _rewrite(gm, node, kind, p, [site_id(path, k), full, per_sample, shard])
         sites.append({"module": path, "occurrence": k, "kind": kind, "p": p, "shape": full})
@@ -90,6 +99,8 @@ def _kind(node: fx.Node) -> tuple[str | None, float]:
     if node.target is aten.scaled_dot_product_attention.default:
         p = _sdpa_args(node).get("dropout_p", 0.0)
         return ("attention", float(p)) if p > 0 else (None, 0.0)
+    if node.target in CP_ATTENTION and len(node.args) > 7 and node.args[7] > 0:
+        return "attention", float(node.args[7])
     return None, 0.0
 
 
@@ -130,7 +141,28 @@ def _shard(node: fx.Node, kind: str, full: list[int], plan, ctx) -> list[int]:
     return [v for r in records for v in r]
 
 
+def _cp_attention_shard(node: fx.Node, full: list[int], plan, ctx) -> list[int]:
+    """tp's record of a context-parallel attention's heads (`meta["parc_shard"]`, dim 1 of q and of the
+    (B, H, L, S) probabilities), or []. The op cuts the rest itself when it runs: ring attention each block's
+    (query, key) chunks, all-to-all its cp rank's group of heads (runtime/parallel/ring_attention.py
+    `_block_keep`, ulysses.py `_head_keep`)."""
+    q = list(node.args[0].meta["val"].shape)
+    records = []
+    s = node.meta.get("parc_shard")
+    if s is not None:
+        records = [s.dim, plan.mesh.tp, ctx.tp_rank, s.blocks]
+    heads = full[-3] // (plan.mesh.tp if s is not None else 1)
+    if len(q) != len(full) or q[:-3] != full[:-3] or q[-3] != heads or full[-2] % (2 * plan.mesh.cp):
+        raise ParcError(f"dropout: `{node.name}` in module `{module_path(node)}`: local q {q} is not the traced "
+                        f"attention {full} with {heads} heads and 2 × cp {plan.mesh.cp} chunks of the sequence")
+    return records
+
+
 def _rewrite(gm: fx.GraphModule, node: fx.Node, kind: str, p: float, key: list) -> None:
+    if node.target in CP_ATTENTION:  # the op keys its own blocks: its site, full shape, per-sample size, tp's cut
+        node.args = (*node.args[:7], p, *key)
+        node.meta.pop("parc_shard", None)
+        return
     with gm.graph.inserting_before(node):
         if kind == "dropout":  # (output, mask), as aten.native_dropout: backward reads the saved mask
             pair = gm.graph.call_function(torch.ops.parc.keyed_dropout.default, (node.args[0], p, *key))

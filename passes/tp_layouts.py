@@ -420,6 +420,8 @@ class Layouts:
         if not (q == k == v) or q is None or q.dim != 1 or q.blocks != 1:
             self.fail(node, f"context-parallel attention needs q, k, v sharded alike on the heads dim 1, got "
                       f"{q}, {k}, {v}", q or k or v)
+        if len(node.args) > 7 and node.args[7]:  # attention dropout: passes/dropout.py keys it by global heads
+            node.meta["parc_shard"] = q
         if node.target is torch.ops.parc.ring_attention.default:
             return [q, q]
         heads, cp = shape(node.args[0])[1], node.args[6]

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -198,6 +199,43 @@ def key_scope(seed: int, step: int, sample0: int):
 
 def _apply(x: Tensor, keep: Tensor, p: float) -> Tensor:
     return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """One attention-dropout site's constants (passes/dropout.py) and the step's key: the masks of any block
+    of its serial (B, H, L, S) probabilities. Context parallelism's attentions compute the probabilities in
+    pieces (runtime/parallel/ring_attention.py: a (query chunk, key chunk) block at a time;
+    runtime/parallel/ulysses.py: a group of heads), each piece's mask cut from the serial one by `records`
+    appended inside the tp records of `shard`."""
+
+    p: float
+    site: int
+    full: list[int]
+    per_sample: int
+    shard: list[int]
+    key: tuple[int, int, int]
+
+    def keep(self, shape, device, records: list[int]) -> Tensor:
+        return keep_mask(shape, self.p, self.key, self.site, self.full, self.per_sample, [*self.shard, *records],
+                         device)
+
+    def apply(self, x: Tensor, keep: Tensor) -> Tensor:
+        """x · keep / (1 − p), as keyed_dropout's forward and backward compute it."""
+        return _apply(x, keep, self.p)
+
+
+def attention_keys(p: float, site: int, full: list[int] | None, per_sample: int, shard: list[int] | None,
+                   key: list[int] | None = None) -> Keyed | None:
+    """The `Keyed` of a cp attention's trailing dropout arguments (None where p is 0); `key` None: the one set
+    now (`key_scope`), as a compiled backward must read it at run time."""
+    if not p:
+        return None
+    if full is None:
+        raise RuntimeError(f"attention dropout {p} under context parallelism with no keyed site: passes/dropout.py "
+                           "writes its site, full shape and shard records")
+    return Keyed(float(p), site, list(full), per_sample, list(shard or []),
+                 tuple(key) if key is not None else current_key())
 
 
 # --- parc::keyed_dropout ----------------------------------------------------------------

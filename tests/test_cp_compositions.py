@@ -230,12 +230,13 @@ def test_fp16_loss_scaling_matches_serial(tmp_path, scaler, skips):
 
 # `compile` (docs/compile.md): ring and all-to-all attention are opaque custom ops with fakes, registered as ORDERED
 # effects, so the compiled graph keeps every cp rank's ring hops and all-to-alls in the program's order; their
-# backwards are opaque ops too (AOTAutograd traces no communication). tests/models/cp_dropout.py: keyed dropout,
-# whose cp shard record is read when the op runs, compiled as well. aot_eager in the suite (dynamo's capture and
+# backwards are opaque ops too (AOTAutograd traces no communication). tests/models/gpt_dropout.py: keyed dropout,
+# whose cp shard record is read when the op runs, compiled as well, and attention dropout inside the ring and the
+# all-to-all, whose backward reads the step's key when it runs (no key is baked into the compiled graph). aot_eager in the suite (dynamo's capture and
 # AOTAutograd's backward with eager kernels); inductor by hand (PARC_TEST_COMPILE=inductor, docs/context-parallel.md).
 # test_compile_inductor's body also checks that the warm-up changed no training state and that no step compiled
 # again. Tolerances: fp32's above (compiled kernels reorder sums as reductions do).
-CP_DROPOUT = ROOT / "tests" / "models" / "cp_dropout.py"
+CP_DROPOUT = ROOT / "tests" / "models" / "gpt_dropout.py"
 
 
 @pytest.mark.parametrize("mesh,extra,method", [

@@ -1,16 +1,22 @@
 """Context parallelism × keyed dropout (issue 28): a token's mask is the serial model's, keyed by its global
-position (runtime/dropout.py's LOAD_BALANCED record: this cp rank's chunks r and 2·cp−1−r), so a cp plan with
-dropout trains like the serial model; attention dropout stays refused."""
+position (runtime/dropout.py's LOAD_BALANCED record: this cp rank's chunks r and 2·cp−1−r), and the attention's
+dropout mask by global (head, query, key) inside ring blocks and all-to-all's gathered heads, so a cp plan with
+dropout trains like the serial model."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import ROOT, compile_text, gpt_tp_rules, parallel_vs_serial
 from parc.errors import ParcError
 from parc.runtime import dropout as D
+from parc.runtime.launch import spawn
 from parc.runtime.parallel.ring_attention import local_positions
 
-MODEL = ROOT / "tests" / "models" / "cp_dropout.py"  # gpt, dropout 0.1 on embedding and residuals, none in SDPA
+# examples/gpt.py with dropout 0.1 on the embedding, the residual branches and the attention's probabilities
+MODEL = ROOT / "tests" / "models" / "gpt_dropout.py"
 SITE = D.site_id("blocks.0.mlp", 0)
 
 
@@ -44,23 +50,77 @@ PARAM_TOL = 1e-4
 
 
 @pytest.mark.parametrize("mesh,method,rules", [("dp=2 cp=2", "ring", ""),
-                                               ("cp=2 tp=2", "ring", gpt_tp_rules(sequence_parallel=True))])
+                                               ("cp=2 tp=2", "ring", gpt_tp_rules(sequence_parallel=True)),
+                                               ("cp=2 tp=2", "alltoall", gpt_tp_rules())])
 def test_dropout_matches_serial(tmp_path, mesh, method, rules):
     text = (f"mesh {mesh}\nbatch global=4 micro=2\ncontext_parallel {method}\n"
             f"optimizer adamw lr=1e-2 clip=1.0\n{rules}")
     art = compile_text(text, tmp_path / "c", model=MODEL)
-    assert len(art.plan["dropout"]["sites"]) == 9  # the embedding's, and each of 4 blocks' two residual branches
+    sites = art.plan["dropout"]["sites"]  # the embedding's, and each of 4 blocks' attention and two residuals
+    assert len(sites) == 13 and sum(s["kind"] == "attention" for s in sites) == 4, sites
+    op = "ring_attention" if method == "ring" else "ulysses_attention"
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count(f"torch.ops.parc.{op}.default") == 4 and "keyed_attention" not in src
     verdict = parallel_vs_serial(art.root, steps=3)
-    print(mesh, verdict.render())
+    print(mesh, method, verdict.render())
     assert verdict.loss_rel < LOSS_TOL, verdict.render()
     assert verdict.param_rel < PARAM_TOL, verdict.render()
     assert verdict.serial_losses[0] != verdict.serial_losses[-1]
 
+def _attention_dropout_body(ctx, method: str, causal: bool, shape: tuple, tp_cut: bool, fused: bool):
+    """Each rank: ring (or all-to-all) attention with dropout 0.3 on its load-balanced tokens, forward and
+    backward, against runtime/dropout.py's keyed_attention (the serial model's attention dropout, written out)
+    on the whole (q, k, v). `tp_cut`: the rank holds heads [H/2, H) only, as tp rank 1 of 2 would, with tp's
+    record [1, 2, 1, 1] (the heads dim) before the blocks' own. `fused`: ring blocks without dropout would be
+    torch's CPU flash kernel; with dropout every block is written out either way."""
+    import torch.distributed as dist
 
-def test_attention_dropout_refused(tmp_path):
-    text = "mesh cp=2\nbatch global=4 micro=2\ncontext_parallel ring\n"
-    with pytest.raises(ParcError) as e:
-        compile_text(text, tmp_path / "c", model=ROOT / "tests" / "models" / "gpt_dropout.py")
-    d = next(d for d in e.value.diagnostics if "attention dropout" in d.message)
-    assert d.span.file.endswith("gpt.py") and "scaled_dot_product_attention" in \
-        (ROOT / "examples" / "gpt.py").read_text().splitlines()[d.span.line - 1]
+    import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
+    from parc.runtime.parallel import ops, ring_attention
+
+    ring_attention.FUSED_ON_CPU = fused
+    ops.bind_groups(SimpleNamespace(groups={"cp": dist.group.WORLD}))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(shape, generator=g) for _ in range(4))
+    p, site, full = 0.3, D.site_id("blocks.1.attn", 0), [*shape[:-1], shape[-2]]
+    per_sample = full[1] * full[2] * full[3]
+    heads = slice(shape[1] // 2, None) if tp_cut else slice(None)
+    shard = [1, 2, 1, 1] if tp_cut else []
+    with D.key_scope(7, 2, 4):  # seed 7, step 2, this micro-batch's first sample is global sample 4
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = D.keyed_attention(*whole, None, p, causal, None, False, site, full, per_sample, [])
+        (ref * w).sum().backward()
+        pos = local_positions(shape[-2], ctx.rank, ctx.world_size)
+        local = [t[:, heads][..., pos, :].clone().requires_grad_() for t in (q, k, v)]
+        args = (*local, "cp", causal, shape[-1] ** -0.5, ctx.world_size, p, site, full, per_sample, shard)
+        if method == "ring":
+            out = torch.ops.parc.ring_attention(*args)[0]
+        else:
+            out = torch.ops.parc.ulysses_attention(*args)
+        (out * w[:, heads][..., pos, :]).sum().backward()
+    pick = lambda t: t[:, heads][..., pos, :]  # noqa: E731
+    diffs = {"out": ((out - pick(ref)).abs().max() / ref.abs().max()).item()}
+    for name, mine, serial in zip("qkv", local, whole):
+        diffs["d" + name] = ((mine.grad - pick(serial.grad)).abs().max() / serial.grad.abs().max()).item()
+    # without dropout the same attention differs from the dropped one by far more than the tolerance below
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    diffs["undropped"] = ((pick(plain) - pick(ref)).abs().max() / ref.abs().max()).item()
+    return diffs
+
+
+# one attention in fp32 (tests/test_context_parallel.py's ATTN_TOL): the same products, summed blockwise, the
+# probabilities of a block scaled by exp(lse_b − lse) after the mask where the serial one masks the whole row's
+# softmax: ~1e-7 of the values' scale. A block keyed at its local (query, key) chunk, or a head at its local index,
+# drops other elements: of the order of the values themselves.
+ATTN_TOL = 1e-5
+
+
+@pytest.mark.parametrize("method,cp,causal,tp_cut,fused", [
+    ("ring", 2, True, False, True), ("ring", 4, True, True, True), ("ring", 2, False, True, False),
+    ("alltoall", 2, True, True, True), ("alltoall", 4, False, False, True)])
+def test_attention_dropout_is_the_serial_mask(method, cp, causal, tp_cut, fused):
+    shape = (2, 8 if method == "alltoall" and tp_cut else 4, 4 * cp, 4)  # all-to-all: heads / tp divisible by cp
+    for rank, diffs in enumerate(spawn(cp, _attention_dropout_body, method, causal, shape, tp_cut, fused)):
+        undropped = diffs.pop("undropped")
+        assert max(diffs.values()) < ATTN_TOL, (rank, diffs)
+        assert undropped > 100 * ATTN_TOL, (rank, undropped)

@@ -3,7 +3,7 @@
 Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so far (tests/test_context_parallel.py,
 tests/test_cp_compositions.py, tests/test_cp_tp.py, tests/test_cp_dropout.py): cp × dp, × pp (1F1B, GPipe,
 interleaved, zero-bubble), ring and all-to-all attention, fp32, bf16 and fp16, ZeRO 1–3 sharded over dp × cp,
-recompute, checkpoints, keyed dropout (not attention dropout: passes/context_parallel.py refuses it), and
+recompute, checkpoints, keyed dropout (attention dropout too, inside ring blocks and all-to-all heads), and
 cp × tp (with sequence parallelism), alone and with dp, pp, ZeRO 1–3, bf16, fp16 and recompute; `compile`
 (aot_eager and inductor);
 every other feature a plan may state beside cp is refused here, each with its own located diagnostic,

@@ -17,6 +17,10 @@ log-sum-exp of its scores (the online softmax). The backward is a ring too: K an
 way, and each block's dK/dV sum travels one hop behind them, gathering every rank's share, then one more
 hop home to its owner; both transfers overlap a block's compute.
 
+Attention dropout (SDPA's `dropout_p`, keyed by passes/dropout.py): each block draws its part of the serial
+model's mask, cut at its global (query chunk, key chunk) (`_block_keep`), and drops its probabilities before
+they weigh V; the merge is linear in a block's output, so the result is the serial attention's.
+
 Everything here computes in fp32 (a bf16 input is cast up and the outputs cast back), as SDPA's math
 path does on CPU. A block (one chunk pair) runs on CPU as torch's fused flash-attention kernel, which returns
 the block's log-sum-exp with its output, and its backward as that kernel's backward given the merged output
@@ -31,8 +35,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from parc.runtime import eager
+from parc.runtime.dropout import Keyed, attention_keys, current_key
 from parc.runtime.parallel.ops import _note, group, mark_ordered
 
 
@@ -142,15 +148,28 @@ def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
 FUSED_ON_CPU = True  # tests turn it off to hold the written-out blocks (the CUDA path) to SDPA as well
 
 
-def _fused(q: Tensor) -> bool:
-    """Whether a block runs as torch's fused CPU flash-attention kernel: on CPU, for (B, H, T, hs) blocks."""
-    return FUSED_ON_CPU and q.device.type == "cpu" and q.dim() == 4
+def _fused(q: Tensor, drop: Keyed | None = None) -> bool:
+    """Whether a block runs as torch's fused CPU flash-attention kernel: on CPU, for (B, H, T, hs) blocks,
+    without attention dropout (the kernel draws its own mask, or none; it cannot take the keyed one)."""
+    return FUSED_ON_CPU and drop is None and q.device.type == "cpu" and q.dim() == 4
 
 
-def _block_forward(q, k, v, scale, kind):
+def _block_keep(drop: Keyed | None, shape, q_chunk: int, k_chunk: int, cp: int, device) -> Tensor | None:
+    """The serial mask's block of query chunk `q_chunk` × key chunk `k_chunk` (global chunks of 2·cp): the
+    (L, S) dims of the site's (…, L, S) probabilities each cut into 2·cp chunks (runtime/dropout.py records)."""
+    if drop is None:
+        return None
+    n = len(drop.full)
+    return drop.keep(shape, device, [n - 2, 2 * cp, q_chunk, 1, n - 1, 2 * cp, k_chunk, 1])
+
+
+def _block_forward(q, k, v, scale, kind, keep: Tensor | None = None, drop: Keyed | None = None):
     """Log-sum-exp per row and the softmax-weighted values of one chunk pair (fp32); "diag": causal
-    within the pair (a square block: query i sees keys 0..i)."""
-    if _fused(q):
+    within the pair (a square block: query i sees keys 0..i). With `keep` (attention dropout), the block's
+    probabilities are dropped before they weigh the values: exp(s − lse_b) · keep / (1 − p) @ v. The merge
+    rescales a block's output by exp(lse_b − lse), linear, so the merged output is dropout(softmax) @ V: the
+    serial attention's, whose mask is applied after the whole row's softmax."""
+    if _fused(q, drop):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kind == "diag",
                                                                                 scale=scale)
         return lse, out  # lse (…, c) fp32, as the written-out form's
@@ -159,7 +178,8 @@ def _block_forward(q, k, v, scale, kind):
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (…, c); finite: a causal diagonal keeps each row's own key
-    return lse, torch.exp(s - lse.unsqueeze(-1)) @ v
+    probs = torch.exp(s - lse.unsqueeze(-1))
+    return lse, (probs if keep is None else drop.apply(probs, keep)) @ v
 
 
 def _merge(acc, lse_acc, out_b, lse_b):
@@ -171,13 +191,17 @@ def _merge(acc, lse_acc, out_b, lse_b):
 
 
 @eager.custom_op("parc::ring_attention")
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float,
-                   parts: int) -> tuple[Tensor, Tensor]:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float, parts: int,
+                   p: float = 0.0, site: int = 0, full: list[int] | None = None, per_sample: int = 0,
+                   shard: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """SDPA over a sequence sharded across `axis` in the load-balanced layout: q, k, v (…, 2c, hs) local.
     `parts`: the cp degree (the compiler's; the group's size at run time). Returns (out (…, 2c, hs) in q's
-    dtype, lse (…, 2c) fp32, kept for the backward)."""
+    dtype, lse (…, 2c) fp32, kept for the backward). `p` > 0: attention dropout, keyed as passes/dropout.py
+    keys SDPA's (`site`, the serial (B, H, T, T) shape `full`, `per_sample`, tp's `shard` records of the
+    heads): each block's mask is the serial one's block at its global (query, key) chunks."""
     ring = _Ring(axis, "fwd")
     cp = ring.size
+    drop = attention_keys(p, site, full, per_sample, shard)
     qh = _halves(q.float())
     mine = chunk_ids(ring.rank, cp)
     acc, lse = [None, None], [None, None]
@@ -186,8 +210,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, sca
         src = (ring.rank - t) % cp  # whose block this rank holds at hop t
         pending = ring.start(kv) if t < cp - 1 else None  # the next hop overlaps this block's compute
         kh, vh = _halves(kv[0]), _halves(kv[1])
-        for a, b, kind in _pairs(causal, mine, chunk_ids(src, cp)):
-            lse_b, out_b = _block_forward(qh[a], kh[b], vh[b], scale, kind)
+        theirs = chunk_ids(src, cp)
+        for a, b, kind in _pairs(causal, mine, theirs):
+            keep = _block_keep(drop, (*qh[a].shape[:-1], kh[b].shape[-2]), mine[a], theirs[b], cp, q.device)
+            lse_b, out_b = _block_forward(qh[a], kh[b], vh[b], scale, kind, keep, drop)
             acc[a], lse[a] = _merge(acc[a], lse[a], out_b, lse_b)
         if pending is not None:
             kv, reqs = pending
@@ -196,7 +222,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, sca
 
 
 @ring_attention.register_fake
-def _(q, k, v, axis, causal, scale, parts):
+def _(q, k, v, axis, causal, scale, parts, p=0.0, site=0, full=None, per_sample=0, shard=None):
     # contiguous, as the op returns them (`torch.cat`): a compiled graph (`compile`) plans the views after the op
     # from these strides, and q is usually a transposed view
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -204,14 +230,20 @@ def _(q, k, v, axis, causal, scale, parts):
 
 @eager.custom_op("parc::bwd_ring_attention")
 def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, axis: str,
-                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       causal: bool, scale: float, p: float = 0.0, site: int = 0, full: list[int] | None = None,
+                       per_sample: int = 0, shard: list[int] | None = None,
+                       key: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Ring attention's backward (FlashAttention's, block by block). K, V go round the ring as in forward,
     each hop posted before the block computes. The dK, dV of a block are accumulated on its way: at hop t
     this rank adds its share for the block it holds to the sum the previous rank passed on, and passes it
     on; after the last hop each sum arrives home, at its owner. A sum is awaited only after the next
-    block's compute (torch's ring backward does the same), so neither transfer waits on an idle rank."""
+    block's compute (torch's ring backward does the same), so neither transfer waits on an idle rank.
+    With attention dropout each block redraws the forward's mask (`key`: the forward's; None under `compile`,
+    read when this runs) and is written out: dV = (P·M)ᵀ dO, dP = (dO Vᵀ)·M, dS = P (dP − rowsum(dO ∘ O)),
+    M = keep / (1 − p); rowsum(dO ∘ O) is still Σ_j P_ij dP_ij, O being the dropped output."""
     ring = _Ring(axis, "bwd")
     cp = ring.size
+    drop = attention_keys(p, site, full, per_sample, shard, key)
     g32, q32, o32 = grad.float(), q.float(), out.float()
     delta = (g32 * o32).sum(-1)  # (…, 2c): rowsum(dO ∘ O)
     qh, gh, lh, dh, oh = _halves(q32), _halves(g32), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1), _halves(o32)
@@ -225,8 +257,9 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         kh, vh = _halves(kv[0]), _halves(kv[1])
         dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # this rank's share of block src's dK, dV
         dkh, dvh = _halves(dkv[0]), _halves(dkv[1])
-        for a, b, kind in _pairs(causal, mine, chunk_ids(src, cp)):
-            if _fused(q32):  # the fused kernel's backward, given the merged output and log-sum-exp
+        theirs = chunk_ids(src, cp)
+        for a, b, kind in _pairs(causal, mine, theirs):
+            if _fused(q32, drop):  # the fused kernel's backward, given the merged output and log-sum-exp
                 dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gh[a], qh[a], kh[b], vh[b], oh[a], lh[a], 0.0, kind == "diag", scale=scale)
                 dq[a].add_(dq_b)
@@ -234,12 +267,16 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                 dvh[b].add_(dv_b)
                 continue
             s = (qh[a] @ kh[b].transpose(-1, -2)) * scale
-            p = torch.exp(s - lh[a].unsqueeze(-1))
+            probs = torch.exp(s - lh[a].unsqueeze(-1))
             if kind == "diag":
-                n = p.shape[-1]
-                p = p.masked_fill(torch.ones(n, n, dtype=torch.bool, device=p.device).triu(1), 0.0)
-            dvh[b].add_(p.transpose(-1, -2) @ gh[a])
-            ds = p * (gh[a] @ vh[b].transpose(-1, -2) - dh[a].unsqueeze(-1)) * scale
+                n = probs.shape[-1]
+                probs = probs.masked_fill(torch.ones(n, n, dtype=torch.bool, device=probs.device).triu(1), 0.0)
+            dp = gh[a] @ vh[b].transpose(-1, -2)
+            keep = _block_keep(drop, probs.shape, mine[a], theirs[b], cp, q.device)
+            if keep is not None:
+                dp = drop.apply(dp, keep)
+            dvh[b].add_((probs if keep is None else drop.apply(probs, keep)).transpose(-1, -2) @ gh[a])
+            ds = probs * (dp - dh[a].unsqueeze(-1)) * scale
             dq[a].add_(ds @ kh[b])
             dkh[b].add_(ds.transpose(-1, -2) @ qh[a])
         if passed is not None:  # the ranks before this one have summed their shares of block src
@@ -261,20 +298,31 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 
 @bwd_ring_attention.register_fake
-def _(grad, q, k, v, out, lse, axis, causal, scale):
+def _(grad, q, k, v, out, lse, axis, causal, scale, *dropout):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # as the op returns
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, axis, causal, scale, _ = inputs
+    q, k, v, axis, causal, scale, _, *dropout = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1])
-    ctx.args = (axis, causal, scale)
+    ctx.args = (axis, causal, scale, *dropout_backward_args(dropout, q))
+    ctx.inputs = len(inputs)
+
+
+def dropout_backward_args(dropout: list, q: Tensor) -> list:
+    """A cp attention's trailing dropout arguments (p, site, full, per_sample, shard) for its backward op, with
+    the forward's key: eager, the key set now (the forward's micro-batch); traced by `compile` (fake
+    tensors), none, so the compiled backward reads the key when it runs, which the runtime sets to the same
+    micro-batch's around its backward (runtime/dropout.py key_scope). Empty without dropout."""
+    if not dropout or not dropout[0]:
+        return []
+    return [*dropout, None if is_fake(q) else list(current_key())]
 
 
 def _ring_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = eager.call("parc::bwd_ring_attention", grad_out, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, *[None] * (ctx.inputs - 3)
 
 
 eager.register_autograd(ring_attention, _ring_backward, setup_context=_ring_setup)

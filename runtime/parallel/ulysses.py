@@ -11,7 +11,8 @@ one all-to-all brings each rank its tokens back with every head. The backward ga
 gradient the same way, recomputes the attention's probabilities (fp32; a custom op's body runs below
 autograd, so the backward is written out) and sends dQ, dK, dV back: 4 all-to-alls forward, 7 backward
 (q, k and v are gathered again rather than kept: the gathered tensors are not held from forward to backward).
-Needs H divisible by cp.
+Needs H divisible by cp. With attention dropout (passes/dropout.py's key) the attention is written out and each
+gathered head draws the serial mask of its global head (`_head_keep`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parc.runtime import eager
+from parc.runtime.dropout import Keyed, attention_keys
 from parc.runtime.parallel.ops import _note, group, mark_ordered
-from parc.runtime.parallel.ring_attention import local_positions
+from parc.runtime.parallel.ring_attention import dropout_backward_args, local_positions
 
 
 def _order(seq_len: int, cp: int, device) -> Tensor:
@@ -61,56 +63,89 @@ def _sequence_to_heads(y: Tensor, axis: str, phase: str) -> Tensor:
     return recv.transpose(0, 1).reshape(B, cp * Hc, L, hs).contiguous()
 
 
+def _head_keep(drop: Keyed | None, shape, axis: str, device) -> Tensor | None:
+    """The serial mask's part this rank's gathered heads draw: the heads dim (−3 of the site's (…, H, L, S)
+    probabilities), after tp's cut, cut again into cp groups, this rank's the one `_heads_to_sequence` gave it;
+    the tokens are in global order, so (L, S) are whole."""
+    if drop is None:
+        return None
+    g = group(axis)
+    return drop.keep(shape, device, [len(drop.full) - 3, dist.get_world_size(g), dist.get_rank(g), 1])
+
+
+def _probabilities(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
 @eager.custom_op("parc::ulysses_attention")
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float, parts: int) -> Tensor:
-    """SDPA over a cp-sharded sequence by all-to-all (module docstring). `parts`: the cp degree."""
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool, scale: float, parts: int,
+                      p: float = 0.0, site: int = 0, full: list[int] | None = None, per_sample: int = 0,
+                      shard: list[int] | None = None) -> Tensor:
+    """SDPA over a cp-sharded sequence by all-to-all (module docstring). `parts`: the cp degree. `p` > 0:
+    attention dropout keyed as passes/dropout.py keys SDPA's (ring_attention's arguments): written out, each
+    gathered head's mask the serial one's for that global head."""
     # fp32, as ring attention and this op's backward compute, the output rounded once to q's dtype. The inputs' dtypes
     # may differ: compiled under bf16 autocast (`compile`) HF Llama's q, k arrived fp32 beside a bf16 v,
     # and autocast does not reach into a custom op's body to cast them alike for SDPA
+    drop = attention_keys(p, site, full, per_sample, shard)
     whole = [_heads_to_sequence(t, axis, "fwd").float() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
+    if drop is None:
+        out = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
+    else:  # SDPA's kernels draw their own mask: softmax, the keyed mask, @ v, as runtime/dropout.py's keyed_attention
+        probs = _probabilities(whole[0], whole[1], scale, causal)
+        out = drop.apply(probs, _head_keep(drop, probs.shape, axis, q.device)) @ whole[2]
     return _sequence_to_heads(out.to(q.dtype), axis, "fwd")
 
 
 # contiguous, as the op returns them (`_sequence_to_heads` reshapes a transposed buffer): a compiled graph plans the
 # views after the op from these strides
 ulysses_attention.register_fake(
-    lambda q, k, v, axis, causal, scale, parts: torch.empty_like(q, memory_format=torch.contiguous_format))
+    lambda q, k, v, axis, causal, scale, parts, *dropout: torch.empty_like(q, memory_format=torch.contiguous_format))
 
 
 @eager.custom_op("parc::bwd_ulysses_attention")
 def bwd_ulysses_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, axis: str, causal: bool,
-                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                          scale: float, p: float = 0.0, site: int = 0, full: list[int] | None = None,
+                          per_sample: int = 0, shard: list[int] | None = None,
+                          key: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward: the attention recomputed on the gathered heads (written out: a custom op's body runs
-    below autograd), its gradients sent back to the ranks holding their tokens."""
+    below autograd), its gradients sent back to the ranks holding their tokens. With attention dropout the
+    forward's mask is drawn again (`key`: the forward's; None under `compile`, read when this runs):
+    dV = (P·M)ᵀ dO, dP = (dO Vᵀ)·M, M = keep / (1 − p)."""
+    drop = attention_keys(p, site, full, per_sample, shard, key)
     qg, kg, vg = (_heads_to_sequence(t, axis, "bwd").float() for t in (q, k, v))
     g = _heads_to_sequence(grad, axis, "bwd").float()
-    s = (qg @ kg.transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    probs = _probabilities(qg, kg, scale, causal)
     dp = g @ vg.transpose(-1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-    grads = (ds @ kg, ds.transpose(-1, -2) @ qg, p.transpose(-1, -2) @ g)  # dQ, dK, dV
+    keep = _head_keep(drop, probs.shape, axis, q.device)
+    dropped = probs
+    if keep is not None:
+        dp, dropped = drop.apply(dp, keep), drop.apply(probs, keep)
+    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True)) * scale
+    grads = (ds @ kg, ds.transpose(-1, -2) @ qg, dropped.transpose(-1, -2) @ g)  # dQ, dK, dV
     return tuple(_sequence_to_heads(d.to(t.dtype), axis, "bwd") for d, t in zip(grads, (q, k, v)))
 
 
 @bwd_ulysses_attention.register_fake
-def _(grad, q, k, v, axis, causal, scale):
+def _(grad, q, k, v, axis, causal, scale, *dropout):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, axis, causal, scale, _ = inputs
+    q, k, v, axis, causal, scale, _, *dropout = inputs
     ctx.save_for_backward(q, k, v)
-    ctx.args = (axis, causal, scale)
+    ctx.args = (axis, causal, scale, *dropout_backward_args(dropout, q))
+    ctx.inputs = len(inputs)
 
 
 def _backward(ctx, grad):
     q, k, v = ctx.saved_tensors
     dq, dk, dv = eager.call("parc::bwd_ulysses_attention", grad, q, k, v, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, *[None] * (ctx.inputs - 3)
 
 
 eager.register_autograd(ulysses_attention, _backward, setup_context=_setup)
