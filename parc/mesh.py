@@ -117,11 +117,23 @@ def zero_groups(mesh: Mesh, shard: int) -> dict[str, list[list[int]]]:
     dp / shard ranks (the all-reduce of the reduced ranges). Consecutive dp coordinates are the nearest
     ranks the mesh order allows, so a shard group stays inside a node when dp's stride times `shard`
     fits in one (`shard_sizes_in_node`). Assumes `shard` divides dp (grammar/validate.py checks it).
+
+    Under context parallelism (mesh cp > 1) the dp × cp ranks of one tp and pp coordinate hold the same
+    parameters (`dp_cp_groups`), so a shard group is `shard` consecutive dp coordinates × every cp coordinate
+    (shard · cp ranks, dp-major: torchtitan's and Megatron-Core's FSDP over dp_shard × cp), and a replicate
+    group the dp / shard ranks of equal dp % shard and equal cp.
     """
     out: dict[str, list[list[int]]] = {"zero_shard": [], "zero_replicate": []}
-    for dp_group in groups(mesh, "dp"):
-        out["zero_shard"] += [dp_group[i:i + shard] for i in range(0, len(dp_group), shard)]
-        out["zero_replicate"] += [dp_group[j::shard] for j in range(shard)]
+    if mesh.cp == 1:
+        for dp_group in groups(mesh, "dp"):
+            out["zero_shard"] += [dp_group[i:i + shard] for i in range(0, len(dp_group), shard)]
+            out["zero_replicate"] += [dp_group[j::shard] for j in range(shard)]
+    for ranks in dp_cp_groups(mesh) if mesh.cp > 1 else ():
+        at = {(c.dp, c.cp): r for r, c in ((r, coords(mesh, r)) for r in ranks)}
+        out["zero_shard"] += [[at[d, c] for d in range(i, i + shard) for c in range(mesh.cp)]
+                              for i in range(0, mesh.dp, shard)]
+        out["zero_replicate"] += [[at[d, c] for d in range(j, mesh.dp, shard)]
+                                  for j in range(shard) for c in range(mesh.cp)]
     return {k: sorted(v, key=lambda g: g[0]) for k, v in out.items()}
 
 
@@ -131,17 +143,20 @@ def shard_sizes_in_node(mesh: Mesh, gpus_per_node: int) -> list[int]:
     A shard group is K ranks `stride` apart (dp's `_stride`), from a first rank r0 whose dp coordinate is a
     multiple of K; it sits on one node when r0 mod gpn + stride·(K − 1) < gpn. Only r0 mod gpn matters, so
     the residues of every such r0 are built axis by axis (each axis adds c·stride_a, c < its degree; at
-    most gpn residues each) instead of walking the world's ranks for each K."""
+    most gpn residues each) instead of walking the world's ranks for each K. Under context parallelism a
+    shard group also spans every cp coordinate (`zero_groups`): r0's cp coordinate is 0, and the group
+    reaches cp_stride·(cp − 1) further."""
     gpn, dp_stride = gpus_per_node, _stride(mesh, "dp")
+    cp_spread = _stride(mesh, "cp") * (mesh.cp - 1) if mesh.cp > 1 else 0
 
     def residues(k: int) -> set[int]:
         out, stride = {0}, 1
         for a in mesh.order:
-            step, count = (stride * k, mesh.dp // k) if a == "dp" else (stride, mesh.degree(a))
+            step, count = (stride * k, mesh.dp // k) if a == "dp" else (stride, 1 if a == "cp" else mesh.degree(a))
             # c·step mod gpn repeats with period ≤ gpn: no more than gpn values of c are distinct
             out = {(x + c * step) % gpn for x in out for c in range(min(count, gpn))}
             stride *= mesh.degree(a)
         return out
 
     return [k for k in range(1, mesh.dp + 1) if mesh.dp % k == 0 and
-            max(residues(k)) + dp_stride * (k - 1) < gpn]
+            max(residues(k)) + dp_stride * (k - 1) + cp_spread < gpn]

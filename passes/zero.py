@@ -27,7 +27,8 @@ hold the same ranges (replicas). `table["dp"]` stays the whole dp (the mean's
 divisor); `table["shard_size"]` is K.
 
 Context parallelism (mesh cp > 1): the table is cut for the dp × cp ranks of the `dp_cp` group (they hold the
-same parameters); `table["dp"]` stays dp, the mean's divisor (`shard_size` dp·cp).
+same parameters); `table["dp"]` stays dp, the mean's divisor (`shard_size` dp·cp; with HSDP K·cp, the shard
+group of K dp coordinates × every cp coordinate, replicated over dp / K); `table["cp"]` is cp.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ def unit_of(fqn: str) -> str:
 
 
 def shard_size(plan) -> int:
-    """The ranks one copy of ZeRO's state is cut over: `zero shard=K`, else all of dp, times cp under context
-    parallelism (the dp × cp ranks hold the same parameters and reduce their gradients together, so ZeRO
-    shards over all of them, as Megatron-Core's distributed optimizer does)."""
-    return plan.zero.shard or plan.mesh.dp * plan.mesh.cp
+    """The ranks one copy of ZeRO's state is cut over: `zero shard=K` dp ranks, else all of dp, times cp under
+    context parallelism (the dp × cp ranks hold the same parameters and reduce their gradients together, so ZeRO
+    shards over all of them, as Megatron-Core's distributed optimizer does; HSDP's K dp ranks × cp, as torchtitan
+    shards FSDP over dp_shard × cp: parc/mesh.py `zero_groups`)."""
+    return (plan.zero.shard or plan.mesh.dp) * plan.mesh.cp
 
 
 def hsdp(plan) -> bool:
@@ -116,6 +118,8 @@ def run(gm: fx.GraphModule, plan, ctx: PassCtx) -> fx.GraphModule:
     experts = ctx.notes.get("expert_parallel") or {}  # ep slots: partitioned over edp (runtime/parallel/expert_parallel.py)
     dense = [s for s in ctx.traced.state if s.name not in experts]
     ctx.notes["zero"] = partition(gm, dense, ctx.shards, plan.zero.stage, plan.mesh.dp, shard=shard_size(plan))
+    if plan.mesh.cp > 1:  # the ranks holding one copy's ranges are dp · cp / shard_size apart (replicas)
+        ctx.notes["zero"]["cp"] = plan.mesh.cp
     if plan.zero.offload:  # ZeRO-Offload: the runtime keeps masters and optimizer state on the host
         ctx.notes["zero"]["offload"] = plan.zero.offload
     if experts:

@@ -98,15 +98,17 @@ class StepResult:
 
 def zero_groups(table: dict, ctx: ParallelContext) -> tuple[object, int, int, tuple[object, int]]:
     """(group, size, this rank's index in it) ZeRO's ranges are cut over, and (replicate group, index in it):
-    all of dp and (None, 0), or under HSDP (`zero shard=K`) the shard and replicate groups (parc/mesh.py
-    `zero_groups`: consecutive dp coordinates shard, every K-th replicates)."""
+    all of dp (× cp) and (None, 0), or under HSDP (`zero shard=K`) the shard and replicate groups (parc/mesh.py
+    `zero_groups`: consecutive dp coordinates (× every cp coordinate) shard, every K-th replicates)."""
     dp, i, k = ctx.degree["dp"], ctx.coord["dp"], shard_ranks(table)
     cp = ctx.degree.get("cp", 1)
-    if cp > 1:  # context parallelism: cut over the dp × cp ranks that reduce gradients together (passes/zero.py)
+    if k == dp * cp and cp > 1:  # context parallelism: the dp × cp ranks that reduce gradients together
         return ctx.groups["dp_cp"], k, ctx.group_ranks["dp_cp"].index(ctx.rank), (None, 0)
-    if k == dp:
+    if k == dp * cp:
         return ctx.groups["dp"], dp, i, (None, 0)
-    return ctx.groups.get("zero_shard"), k, i % k, (ctx.groups.get("zero_replicate"), i // k)
+    shard, replicate = ctx.group_ranks["zero_shard"], ctx.group_ranks["zero_replicate"]
+    return ctx.groups.get("zero_shard"), k, shard.index(ctx.rank), \
+        (ctx.groups.get("zero_replicate"), replicate.index(ctx.rank))
 
 
 class Trainer:

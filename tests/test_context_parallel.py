@@ -145,14 +145,16 @@ def test_sequence_not_divisible_by_two_cp(tmp_path):
 
 
 def test_compositions_refused_all_at_once(tmp_path):
-    text = ("mesh dp=2 tp=2 pp=2 cp=2\nbatch global=4 micro=1\nzero stage=1 shard=1 offload=cpu\n"
-            "precision fp16\ncontext_parallel ring\npipeline schedule=zb_h1\n")
+    text = ("mesh dp=2 tp=2 pp=2 cp=2 ep=2\nbatch global=4 micro=1\nzero stage=1 shard=1 offload=cpu\n"
+            "precision fp16\ncontext_parallel ring\npipeline schedule=zb_h1\n"
+            'expert_parallel {\n    "blocks.*.moe.experts"\n}\n')
     with pytest.raises(ParcError) as e:
         compile_text(text, tmp_path / "c")
     said = [(d.span.line, d.message) for d in e.value.diagnostics]
-    assert any(line == 3 and "zero stage=1 shard=1 with mesh cp 2" in m and "dp 2 × cp 2 = 4" in m
-               for line, m in said), said
-    assert any(line == 3 and "zero offload=cpu with mesh cp 2" in m for line, m in said), said
+    assert any(line == 7 and "expert_parallel with mesh cp 2" in m for line, m in said), said
+    assert any(line == 1 and "mesh cp 2 with ep 2: an MoE layer's capacity rule" in m for line, m in said), said
+    # HSDP and offload compose with cp (tests/test_cp_compositions.py): neither is refused for cp
+    assert [m for _, m in said if "mesh cp" in m] == [m for _, m in said if "capacity rule" in m], said
     # cp × tp with dp, pp, ZeRO and fp16 is proven (tests/test_cp_tp.py): none of them is refused for cp
     assert not any("× tp" in m for _, m in said), said
 

@@ -34,6 +34,45 @@ def test_zero_over_dp_cp_matches_serial(tmp_path, mesh, stage):
     _check(parallel_vs_serial(art.root, steps=3))
 
 
+def test_hsdp_groups_shard_over_dp_shard_times_cp():
+    # torchtitan's and Megatron-Core's layout: FSDP shards over dp_shard × cp, replicates over the rest of dp
+    from parc import mesh as meshlib
+    from parc.grammar.plan import Mesh
+
+    m = Mesh(dp=4, cp=2, order=("tp", "cp", "pp", "dp"))  # rank = cp + 2·dp
+    g = meshlib.zero_groups(m, 2)
+    assert g["zero_shard"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # dp {0, 1} × cp {0, 1}, dp {2, 3} × cp {0, 1}
+    assert g["zero_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # equal dp % 2 and cp
+    plain = meshlib.zero_groups(Mesh(dp=4), 2)  # without cp: unchanged
+    assert plain == {"zero_shard": [[0, 1], [2, 3]], "zero_replicate": [[0, 2], [1, 3]]}
+
+
+@pytest.mark.parametrize("stage,method", [(3, "ring"), (2, "alltoall")])
+def test_hsdp_matches_serial(tmp_path, stage, method):
+    # `zero shard=1` on dp 2 × cp 2: each dp rank's two cp ranks shard ZeRO's state (ranks {0, 1} and {2, 3}), the two
+    # dp ranks replicate it: the gradients are reduce-scattered over the shard group (summing its cp halves), then
+    # all-reduced over the replicas (summing dp), divided by dp; stage 3 gathers each layer in the shard group
+    art = compile_text(_plan("dp=2 cp=2", f"zero stage={stage} shard=1\n", method), tmp_path / "c")
+    table = art.plan["programs"][art.plan["ranks"][0]["program"]]["zero"]
+    assert table["shard_size"] == 2 and table["dp"] == 2
+    assert art.plan["groups"]["zero_shard"] == [[0, 1], [2, 3]] and art.plan["groups"]["zero_replicate"] == [[0, 2], [1, 3]]
+    verdict = parallel_vs_serial(art.root, steps=3)
+    print("hsdp", stage, method, verdict.render())
+    _check(verdict)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_matches_serial(tmp_path, stage):
+    # ZeRO-Offload (runtime/parallel/offload.py): each rank's range of the dp × cp cut is copied to the host as its
+    # reduce-scatter completes and updated there; nothing in it depends on which ranks reduced the range
+    art = compile_text(_plan("cp=2", f"zero stage={stage} offload=cpu\n"), tmp_path / "c")
+    table = art.plan["programs"][art.plan["ranks"][0]["program"]]["zero"]
+    assert table["shard_size"] == 2 and table["offload"] == "cpu"
+    verdict = parallel_vs_serial(art.root, steps=3)
+    print("offload", stage, verdict.render())
+    _check(verdict)
+
+
 @pytest.mark.parametrize("method", ["ring", "alltoall"])
 def test_recompute_matches_serial(tmp_path, method):
     # each layer's forward, ring or all-to-all attention included, runs again in backward: its collectives
@@ -94,8 +133,6 @@ def _rel(a: dict, b: dict) -> float:
 
 
 def test_checkpoint_resumes_under_another_cp(tmp_path):
-    import torch
-
     from helpers import checkpoint_sessions
     from parc.runtime.launch import spawn
 
@@ -105,6 +142,27 @@ def test_checkpoint_resumes_under_another_cp(tmp_path):
     # cp 2 with ZeRO-2 saves; dp 2 (cp 1) resumes from it; cp 2 all-to-all resumes from dp's checkpoint
     out = spawn(2, checkpoint_sessions, [("cp_zero2", None), ("dp", "cp_zero2"), ("cp_alltoall", "dp")], compiled,
                 str(tmp_path / "ck"))[0]
+    _check_chain(out)
+
+
+def test_checkpoint_of_hsdp_over_cp(tmp_path):
+    # HSDP over dp 2 × cp 2 (ZeRO-3, each dp rank's cp pair shards, the dp pair replicates) saves; dp 4 with ZeRO-1
+    # resumes from it; HSDP over cp resumes from dp 4's checkpoint: a shard group's ranges are read at their index
+    from helpers import checkpoint_sessions
+    from parc.runtime.launch import spawn
+
+    plans = {"hsdp_cp": _plan("dp=2 cp=2", "zero stage=3 shard=1\n").replace("micro=2", "micro=1"),
+             "dp4": _plan("dp=4", "zero stage=1\n").replace("context_parallel ring\n", "").replace("micro=2", "micro=1")}
+    compiled = {n: str(compile_text(t, tmp_path / n).root) for n, t in plans.items()}
+    _check_chain(spawn(4, checkpoint_sessions, [("hsdp_cp", None), ("dp4", "hsdp_cp"), ("hsdp_cp", "dp4")], compiled,
+                       str(tmp_path / "ck"))[0])
+
+
+def _check_chain(out: list[dict]) -> None:
+    """Each session of tests/helpers.py `checkpoint_sessions` loaded exactly what the one before saved and took
+    the same next step."""
+    import torch
+
     for src, dst in zip(out, out[1:]):
         assert dst["first"] == 2
         assert src["saved"].keys() == dst["saved"].keys()

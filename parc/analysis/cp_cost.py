@@ -41,10 +41,12 @@ def localize(plan, stats: dict) -> tuple[object, dict]:
 
 
 def as_data_parallel(plan):
-    """`plan` with its dp × cp ranks as dp, cp 1, the accumulation kept (the dp it was derived from is not dp')."""
+    """`plan` with its dp × cp ranks as dp, cp 1, the accumulation kept (the dp it was derived from is not dp');
+    HSDP's `zero shard=K` becomes K · cp, the ranks its shard groups hold (parc/mesh.py `zero_groups`)."""
     m = plan.mesh
     batch = replace(plan.batch, accumulation=plan.accumulation)
-    return replace(plan, mesh=replace(m, dp=m.dp * m.cp, cp=1), batch=batch)
+    zero = replace(plan.zero, shard=plan.zero.shard * m.cp) if plan.zero.shard else plan.zero
+    return replace(plan, mesh=replace(m, dp=m.dp * m.cp, cp=1), batch=batch, zero=zero)
 
 
 def local_stats(stats: dict, cp: int) -> dict:

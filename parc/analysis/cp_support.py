@@ -2,7 +2,8 @@
 
 Start here when `parc compile` refuses a plan with `mesh … cp=N`. Proven so far (tests/test_context_parallel.py,
 tests/test_cp_compositions.py, tests/test_cp_tp.py, tests/test_cp_dropout.py): cp × dp, × pp (1F1B, GPipe,
-interleaved, zero-bubble), ring and all-to-all attention, fp32, bf16 and fp16, ZeRO 1–3 sharded over dp × cp,
+interleaved, zero-bubble), ring and all-to-all attention, fp32, bf16 and fp16, ZeRO 1–3 sharded over dp × cp
+(HSDP: over K dp × cp, replicated over dp / K), ZeRO-Offload,
 recompute, checkpoints, keyed dropout (attention dropout too, inside ring blocks and all-to-all heads), and
 cp × tp (with sequence parallelism), alone and with dp, pp, ZeRO 1–3, bf16, fp16 and recompute; `compile`
 (aot_eager and inductor);
@@ -44,21 +45,17 @@ def diagnostics(plan: Plan) -> list[Diagnostic]:
             refuse("context_parallel needs mesh cp > 1: with cp 1 the sequence is not split", "context_parallel",
                    plan.context_parallel, "add cp=N to the mesh, or drop the line")
         return out
-    later = "not yet proven with context parallelism (docs/context-parallel.md lists what is)"
-    for axis, key in (("ep", "mesh.ep"),):
-        if m.degree(axis) > 1:
-            refuse(f"mesh cp {m.cp} with {axis} {m.degree(axis)}: {later}", key, m,
-                   f"use {axis}=1 with cp, or cp=1")
-    # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP's shard groups and offload are not proven
-    if plan.zero.stage > 0 and plan.zero.shard:
-        refuse(f"zero stage={plan.zero.stage} shard={plan.zero.shard} with mesh cp {m.cp}: ZeRO shards over all "
-               f"dp {m.dp} × cp {m.cp} = {m.dp * m.cp} ranks, but HSDP's shard and replicate groups are cut from "
-               f"the dp groups alone (parc/mesh.py zero_groups, runtime/train.py); HSDP's shard groups are {later}",
-               "zero.shard", plan.zero, "drop `shard=` with cp")
-    if plan.zero.stage > 0 and plan.zero.offload:
-        refuse(f"zero offload={plan.zero.offload} with mesh cp {m.cp}: {later}", "zero.offload", plan.zero,
-               "drop `offload=` with cp")
+    # expert parallelism: an MoE layer's capacity rule ranks all of a forward's tokens against each other (which
+    # are dropped depends on every token's route, docs/moe.md "Why it is exact"), and a cp rank holds T / cp of them
+    moe = ("an MoE layer's capacity rule ranks every token of the micro-batch against the others (which tokens an "
+           "expert drops depends on all their routes, docs/moe.md), but a cp rank holds T / cp of them; cp × ep is "
+           "not built (docs/context-parallel.md)")
+    if m.ep > 1:
+        refuse(f"mesh cp {m.cp} with ep {m.ep}: {moe}", "mesh.ep", m, "use ep=1 with cp, or cp=1")
+    # ZeRO 1–3 shard over the dp × cp ranks (passes/zero.py); HSDP (`shard=K`) over K dp × cp (parc/mesh.py
+    # zero_groups), replicated over dp / K; ZeRO-Offload's host step updates this rank's ranges of that cut,
+    # whatever group reduced them
     if plan.expert_parallel.patterns:
-        refuse(f"expert_parallel with mesh cp {m.cp}: {later}", "expert_parallel", plan.expert_parallel,
+        refuse(f"expert_parallel with mesh cp {m.cp}: {moe}", "expert_parallel", plan.expert_parallel,
                "drop the `expert_parallel` block with cp")
     return out

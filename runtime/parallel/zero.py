@@ -793,7 +793,7 @@ def analytic_comm_parts(table: dict, accumulation: int = 1, elem: int = 4, backw
     without HSDP), and, under HSDP, "all_reduce" of this rank's ranges across the replicate group (the module
     docstring's formulas)."""
     psi, n, s = _bucket_numel(table), shard_ranks(table), table["stage"]
-    replicas = table["dp"] // n
+    replicas = table["dp"] * table.get("cp", 1) // n  # HSDP (× cp: passes/zero.py)
     gathered = psi * (gather_elem or elem) * (n - 1) // n
     out = {"reduce_scatter": (1 if s == 1 else accumulation) * psi * elem * (n - 1) // n}
     if s < 3:
