@@ -28,8 +28,8 @@ keep the sequence a dimension, softmax along another dim, dropout: its sequence 
 — an unfused attention (`q @ kᵀ`), a mask or bias built with the sequence's length, slicing along the
 sequence — is refused at its line in the model file, the op and the module named, all such errors at once.
 Attention dropout (SDPA's `dropout_p`) goes to the ring / all-to-all op as its `p`, the serial probabilities'
-shape in `meta["parc_attention_full"]`; passes/dropout.py keys it. Tensor parallelism runs after this pass, on the cp-local program (passes/tp_layouts.py
-`_cp_attention` shards the ring's heads).
+shape in `meta["parc_attention_full"]`; passes/dropout.py keys it. Tensor parallelism runs after this pass, on
+the cp-local program (passes/tp_layouts.py `_cp_attention` shards the ring's heads).
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
 shapes in `meta["val"]`; parc/analysis/cp_support.py has refused every feature cp does not compose with.

@@ -55,7 +55,8 @@ def test_hsdp_matches_serial(tmp_path, stage, method):
     art = compile_text(_plan("dp=2 cp=2", f"zero stage={stage} shard=1\n", method), tmp_path / "c")
     table = art.plan["programs"][art.plan["ranks"][0]["program"]]["zero"]
     assert table["shard_size"] == 2 and table["dp"] == 2
-    assert art.plan["groups"]["zero_shard"] == [[0, 1], [2, 3]] and art.plan["groups"]["zero_replicate"] == [[0, 2], [1, 3]]
+    groups = art.plan["groups"]
+    assert groups["zero_shard"] == [[0, 1], [2, 3]] and groups["zero_replicate"] == [[0, 2], [1, 3]]
     verdict = parallel_vs_serial(art.root, steps=3)
     print("hsdp", stage, method, verdict.render())
     _check(verdict)
@@ -152,7 +153,8 @@ def test_checkpoint_of_hsdp_over_cp(tmp_path):
     from parc.runtime.launch import spawn
 
     plans = {"hsdp_cp": _plan("dp=2 cp=2", "zero stage=3 shard=1\n").replace("micro=2", "micro=1"),
-             "dp4": _plan("dp=4", "zero stage=1\n").replace("context_parallel ring\n", "").replace("micro=2", "micro=1")}
+             "dp4": _plan("dp=4", "zero stage=1\n").replace("context_parallel ring\n", "")
+             .replace("micro=2", "micro=1")}
     compiled = {n: str(compile_text(t, tmp_path / n).root) for n, t in plans.items()}
     _check_chain(spawn(4, checkpoint_sessions, [("hsdp_cp", None), ("dp4", "hsdp_cp"), ("hsdp_cp", "dp4")], compiled,
                        str(tmp_path / "ck"))[0])
@@ -290,7 +292,8 @@ def test_fp16_loss_scaling_matches_serial(tmp_path, scaler, skips):
 # effects, so the compiled graph keeps every cp rank's ring hops and all-to-alls in the program's order; their
 # backwards are opaque ops too (AOTAutograd traces no communication). tests/models/gpt_dropout.py: keyed dropout,
 # whose cp shard record is read when the op runs, compiled as well, and attention dropout inside the ring and the
-# all-to-all, whose backward reads the step's key when it runs (no key is baked into the compiled graph). aot_eager in the suite (dynamo's capture and
+# all-to-all, whose backward reads the step's key when it runs (no key is baked into the compiled graph).
+# aot_eager in the suite (dynamo's capture and
 # AOTAutograd's backward with eager kernels); inductor by hand (PARC_TEST_COMPILE=inductor, docs/context-parallel.md).
 # test_compile_inductor's body also checks that the warm-up changed no training state and that no step compiled
 # again. Tolerances: fp32's above (compiled kernels reorder sums as reductions do).
