@@ -53,7 +53,9 @@ PARAM_TOL = 1e-4
                                                ("cp=2 tp=2", "ring", gpt_tp_rules(sequence_parallel=True)),
                                                ("cp=2 tp=2", "alltoall", gpt_tp_rules()),
                                                # 1F1B: each action's micro-batch keys its rings' masks
-                                               ("pp=2 cp=2", "ring", "zero stage=1\n")])
+                                               ("pp=2 cp=2", "ring", "zero stage=1\n"),
+                                               # each layer's ring runs again in backward: the same masks
+                                               ("cp=2", "ring", 'recompute "blocks.*"\n')])
 def test_dropout_matches_serial(tmp_path, mesh, method, rules):
     text = (f"mesh {mesh}\nbatch global=4 micro=2\ncontext_parallel {method}\n"
             f"optimizer adamw lr=1e-2 clip=1.0\n{rules}")
@@ -63,6 +65,7 @@ def test_dropout_matches_serial(tmp_path, mesh, method, rules):
     op = "ring_attention" if method == "ring" else "ulysses_attention"
     src = "".join(f.read_text() for f in (art.root / "programs").glob("stage*_tp0.py"))
     assert src.count(f"torch.ops.parc.{op}.default") == 4 and "keyed_attention" not in src
+    assert src.count("def recompute_blocks_") == (4 if "recompute" in rules else 0)  # each layer's region
     verdict = parallel_vs_serial(art.root, steps=3)
     print(mesh, method, verdict.render())
     assert verdict.loss_rel < LOSS_TOL, verdict.render()
