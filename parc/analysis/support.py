@@ -16,8 +16,8 @@ the serial model, is refused here with the reason. What is proven (tests/):
   expert parallelism with pp (1F1B, GPipe) and dp, fp32          test_moe_pp
   ep with ZeRO-1/2 (experts cut over edp), clip=, bf16 and fp16  test_moe_zero
   ZeRO-Offload (zero offload=cpu), stages 1–3, fp32/bf16, with tp and pp (as ZeRO is) test_zero_offload
-  context parallelism (mesh cp, ring, alltoall) with dp, pp, ZeRO 1–3, recompute, bf16, checkpoints
-                                                                test_context_parallel, test_cp_compositions (the rest: cp_support)
+  context parallelism (mesh cp, ring, alltoall) with dp, pp, ZeRO 1–3, HSDP, offload, recompute, bf16, checkpoints,
+  keyed and attention dropout          test_context_parallel, test_cp_compositions, test_cp_dropout (the rest: cp_support)
 
 The rest of what `parc compile` refuses needs the model: `parc.compiler.pass_errors`
 runs the compiler's passes as compile does, without writing anything, so that
