@@ -206,19 +206,24 @@ def loss_spreads(parallel: list[float], serial: list[float], reference: list[flo
 
 @dataclass
 class LowPrecisionVerdict:
-    """`--verify` under bf16/fp16: the parallel run against the serial run of the same precision, both measured
-    from the serial fp32 run (see LOW_PRECISION_FACTOR). Each check's worst `Spread`; a check passes while its
-    parallel distance is within its allowed one."""
+    """`--verify` under bf16/fp16. Losses and first-step gradients: the parallel run against the serial run of the
+    same precision, both measured from the serial fp32 run (see LOW_PRECISION_FACTOR), each check's worst
+    `Spread`, passing while within its allowed distance. Parameters: against the serial optimizer replayed on the
+    parallel run's own gradients (runtime/verify_replay.py `Drift`), the worst tensor's difference against its
+    allowance (fp32 rounding), passing while within it."""
     precision: str
     loss: Spread | None
     worst_grad: Spread | None    # None: first-step gradients not compared
-    worst_param: Spread | None
+    worst_param: Drift | None    # None: parameters not compared (no replay: a resumed run has no step 0)
     serial_losses: list[float]
 
     @property
     def failed(self) -> list[str]:
-        checks = (("loss", self.loss), ("gradients", self.worst_grad), ("parameters", self.worst_param))
-        return [name for name, s in checks if s is not None and not s.ratio <= 1.0]
+        out = [name for name, s in (("loss", self.loss), ("gradients", self.worst_grad))
+               if s is not None and not s.ratio <= 1.0]
+        if self.worst_param is not None and not self.worst_param.ratio <= 1.0:
+            out.append("parameters")
+        return out
 
     @property
     def ok(self) -> bool:
@@ -231,7 +236,7 @@ class LowPrecisionVerdict:
 
     @property
     def param_rel(self) -> float:
-        return self.worst_param.parallel if self.worst_param else 0.0
+        return self.worst_param.ratio if self.worst_param else 0.0
 
     def render(self) -> str:
         failed = self.failed
@@ -239,29 +244,35 @@ class LowPrecisionVerdict:
 
         def one(what, s):
             return f"{what} {s.ratio:.2f} of allowed (worst {s.render()})" if s else f"{what} not compared"
+        params = (f"parameters {self.worst_param.ratio:.2f} of allowed, against the serial optimizer replayed on "
+                  f"this run's gradients (worst {self.worst_param.render()})"
+                  if self.worst_param else "parameters not compared")
         line = (f"verify {word}: {self.precision} against serial {self.precision}, both from serial fp32 (allowed: "
                 f"{LOW_PRECISION_FACTOR:g} × serial's distance + a floor) — {one('losses', self.loss)}; "
-                f"{one('first-step gradients', self.worst_grad)}; {one('parameters', self.worst_param)}")
+                f"{one('first-step gradients', self.worst_grad)}; {params}")
         if not failed:
             return line
-        culprit, what = ((self.worst_grad, "first-step gradient") if "gradients" in failed
-                         else (self.worst_param, "parameter") if "parameters" in failed else (self.loss, "value"))
-        return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its scale "
-                       f"from fp32 where serial {self.precision}'s is {culprit.serial:.1e} "
-                       f"(max |Δ| {culprit.abs:.1e})")
+        if "gradients" in failed or "parameters" not in failed:
+            culprit, what = (self.worst_grad, "first-step gradient") if "gradients" in failed else (self.loss, "value")
+            return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its "
+                           f"scale from fp32 where serial {self.precision}'s is {culprit.serial:.1e} "
+                           f"(max |Δ| {culprit.abs:.1e})")
+        w = self.worst_param
+        return line + (f"\nverify: worst tensor {w.name} — its parameter is {w.abs:.1e} from what the serial "
+                       f"optimizer makes of this run's own gradients, {w.ratio:.1f}× the rounding allowed (the "
+                       f"replay moved it by {w.movement:.1e}): an update lost, stale or applied otherwise")
 
 
 def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],
-                          reference_losses: list[float], parallel_state: dict[str, torch.Tensor],
-                          serial_state: dict[str, torch.Tensor], reference_state: dict[str, torch.Tensor],
-                          grads: tuple[dict, dict, dict] | None = None) -> LowPrecisionVerdict:
+                          reference_losses: list[float], grads: tuple[dict, dict, dict] | None = None,
+                          replayed: list[Drift] | None = None) -> LowPrecisionVerdict:
     """`grads`: step 0's gradients of the parallel, serial same-precision and serial fp32 runs (None: not
-    compared, a resumed run)."""
+    compared, a resumed run). `replayed`: the parallel run's parameters against the optimizer replayed on its
+    gradients, worst first (runtime/verify_replay.py `OptimizerReplay.check`; None: not compared)."""
     loss = loss_spreads(parallel_losses, serial_losses, reference_losses)
-    params = spreads(parallel_state, serial_state, reference_state, LOW_PRECISION_FLOOR)
     worst_grad = spreads(*grads, LOW_PRECISION_GRAD_FLOOR)[0] if grads and grads[0] is not None else None
-    return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad, params[0] if params else None,
-                               serial_losses)
+    return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad,
+                               replayed[0] if replayed else None, serial_losses)
 
 
 @dataclass
