@@ -98,11 +98,12 @@ class OptimizerReplay:
         if step != self.steps:
             raise RuntimeError(f"optimizer replay: got step {step}'s gradients after {self.steps} steps")
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            if name in self.unread:
+            if name in self.unread or not p.requires_grad:  # a frozen one: serial's optimizer skips it too
                 p.grad = None
             elif name in grads:  # a tied tensor: one of its names is in `grads`; each sets the same gradient
                 p.grad = grads[name].detach().to(p.dtype).clone()
-        missing = [n for n, p in self.model.named_parameters() if p.grad is None and n not in self.unread]
+        missing = [n for n, p in self.model.named_parameters()
+                   if p.grad is None and p.requires_grad and n not in self.unread]
         if missing:
             raise RuntimeError(f"optimizer replay: the parallel run gave no gradient for {missing[:5]}")
         found = None
