@@ -109,6 +109,7 @@ def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: dict, 
     schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
     step_unless(optimizer, found)
 
+
 class _Fp16Steps:
     """fp16's loss scaling in the serial run, as each parallel rank does it: each micro-batch's loss times
     S / accumulation before backward (the rank's fp16 gradients, runtime/train.py `_backward`), the sum over

@@ -74,21 +74,21 @@ TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": BF16_TO
 # Low precision (bf16, fp16): the standard comparison for low-precision kernels (FlashAttention's and Megatron's
 # tests): a third run, the serial model in fp32 on the same batches from the same weights, is the reference, and
 # the parallel run's distance to it must be within FACTOR × the serial low-precision run's distance to it, plus a
-# floor: each step's loss and each first-step gradient tensor (`spreads`). Why not parallel against serial bf16 with a fixed tolerance: the serial bf16 run is
-# itself one sample of bf16 rounding, and where a discontinuity amplifies rounding (a top-k router choosing another
-# expert for a token whose two scores round to the other order; a gradient that is a sum cancelling to little)
-# both bf16 runs sit far from fp32 and from each other (diffllama's `lambda_q2` gradient: 0.49 of its scale apart),
-# while a run computing something else sits far from fp32 where serial bf16 is near it. FACTOR 3: two independent
-# samples of the same rounding differ from the reference by comparable amounts, and the parallel run rounds more
-# (tp's bf16 partial sums before their all-reduce, about one rounding more per sharded matmul): the worst tensor
-# measured on the zoo sat 2.2× serial's distance (flex_olmo's k_norm gradient under tp 2, 6.2e-2 against 2.9e-2;
-# bench/zoo/bf16_diag.py), where FlashAttention's 2 would leave no margin. A missing share of a gradient (a tp
-# sum, a micro-batch) is O(1) of its scale where serial bf16 is ~1e-2 of it: a q_norm weight without its tp sum
-# measured 15× past its bound (tests/test_verify_grads.py).
-# Not the parameters: after Adam steps an element whose gradient is below bf16's rounding moves ±lr by rounding's
-# sign, and whether serial bf16 flips any of a small tensor's elements is chance, so serial's distance is no
-# measure of the parallel run's (a correct dp 1 run failed 19× past it). The parameters are held instead to the
-# serial optimizer replayed on the parallel run's own gradients, exact to fp32 rounding (runtime/verify_replay.py).
+# floor: each step's loss and each first-step gradient tensor (`spreads`). Why not parallel against serial bf16 with
+# a fixed tolerance: the serial bf16 run is itself one sample of bf16 rounding, and where a discontinuity amplifies
+# rounding (a top-k router choosing another expert for a token whose two scores round to the other order; a gradient
+# that is a sum cancelling to little) both bf16 runs sit far from fp32 and from each other (diffllama's `lambda_q2`
+# gradient: 0.49 of its scale apart), while a run computing something else sits far from fp32 where serial bf16 is
+# near it. FACTOR 3: two independent samples of the same rounding differ from the reference by comparable amounts,
+# and the parallel run rounds more (tp's bf16 partial sums before their all-reduce, about one rounding more per
+# sharded matmul): the worst tensor measured on the zoo sat 2.2× serial's distance (flex_olmo's k_norm gradient
+# under tp 2, 6.2e-2 against 2.9e-2; bench/zoo/bf16_diag.py), where FlashAttention's 2 would leave no margin. A
+# missing share of a gradient (a tp sum, a micro-batch) is O(1) of its scale where serial bf16 is ~1e-2 of it: a
+# q_norm weight without its tp sum measured 15× past its bound (tests/test_verify_grads.py). Not the parameters:
+# after Adam steps an element whose gradient is below bf16's rounding moves ±lr by rounding's sign, and whether
+# serial bf16 flips any of a small tensor's elements is chance, so serial's distance is no measure of the parallel
+# run's (a correct dp 1 run failed 19× past it). The parameters are held instead to the serial optimizer replayed on
+# the parallel run's own gradients, exact to fp32 rounding (runtime/verify_replay.py).
 LOW_PRECISION_FACTOR = 3.0
 # The floors, as fractions of the reference's scale (the tensor's largest |fp32| element, floored as
 # `rank_tensors` floors; a loss's |fp32| value): where the serial low-precision run happens to land on the fp32

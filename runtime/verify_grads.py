@@ -4,11 +4,12 @@ Start here: `FirstGrads`, then `check`. parc.run gives every rank's Trainer `Fir
 as its `grad_observer`: the trainer calls it at every step when every gradient is complete (the dp
 reduction, tp-partial and tied sums done: runtime/train.py `_complete_grads`) and before clipping and
 the optimizer; it keeps the first step's (and under bf16/fp16 hands every step's to the optimizer
-replay, runtime/verify_replay.py). It gathers each parameter's gradient whole, as `Trainer.gathered_state` gathers the
-parameters (tp shards along their dim, ZeRO ranges over dp, experts over ep, pp stages onto rank 0),
-and rank 0 keeps them. `check` then runs one step of the serial reference (runtime/serial_reference.py)
-from the same weights on the same global batch, takes its gradients at the same point (`of_model`),
-and ranks the tensors by runtime/verify.py's `rank_tensors`.
+replay, runtime/verify_replay.py). It gathers each parameter's gradient whole, as
+`Trainer.gathered_state` gathers the parameters (tp shards along their dim, ZeRO ranges over dp,
+experts over ep, pp stages onto rank 0), and rank 0 keeps them. `check` then runs one step of the
+serial reference (runtime/serial_reference.py) from the same weights on the same global batch, takes
+its gradients at the same point (`of_model`), and ranks the tensors by runtime/verify.py's
+`rank_tensors`.
 
 Why the first step: its gradients come from identical weights, so they differ only by summation order,
 and nothing stands between a wrong gradient and the check. Parameters after a few AdamW steps differ
