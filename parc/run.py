@@ -277,7 +277,15 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"--resume {args.resume} holds {first} steps already; ask for more with --steps")
         if lead:
             print(said, flush=True)
-    parallel_grads = verify_grads.FirstGrads()  # --verify: step 0's gradients (a resumed run has no step 0)
+    low_precision = art.plan["plan"]["precision"] != "fp32" and args.tolerance is None
+    replay = None  # bf16/fp16 --verify: the serial optimizer stepped with this run's gradients (rank 0)
+    if args.verify and first == 0 and low_precision and lead:
+        from parc.runtime.verify_replay import OptimizerReplay
+
+        replay = OptimizerReplay(user, art.plan, args.seed, args.weights,
+                                 skips=art.plan["plan"]["precision"] == "fp16" or args.on_nonfinite == "skip")
+    # --verify: step 0's gradients (a resumed run has no step 0), and under bf16/fp16 every step's for the replay
+    parallel_grads = verify_grads.FirstGrads((replay.feed if replay else _ignore) if low_precision else None)
     if args.verify and first == 0:
         trainer.grad_observer = parallel_grads.of_trainer
     from parc.runtime.divergence import Guard
@@ -369,11 +377,13 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         state = trainer.gathered_state()
         if lead:
+            # bf16/fp16: one forward per micro-batch, as the ranks run them: bf16 rounds each micro-batch's
+            # gradient before the fp32 sum, so the grouping decides the rounding (runtime/verify_grads.py)
             serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
                                                                 batch_of=trainer.data.whole,
-                                                                weights=args.weights)
+                                                                weights=args.weights, per_micro_batch=low_precision)
             precision = art.plan["plan"]["precision"]
-            if precision == "fp32" or args.tolerance is not None:
+            if not low_precision:
                 worst_grad = verify_grads.check(parallel_grads, user, art.plan, args.seed, trainer.data.whole,
                                                 args.weights)
                 verdict = verifier.compare(losses, serial_losses, state, serial_state,
@@ -381,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
                                            worst_grad, verify_grads.GRAD_TOLERANCES[precision])
             else:  # bf16/fp16: both runs measured from the serial model in fp32 (runtime/verify.py)
                 verdict = _verify_low_precision(user, art.plan, args, trainer.data.whole, losses, serial_losses,
-                                                state, serial_state, parallel_grads)
+                                                state, parallel_grads, replay)
             print(verdict.render(), flush=True)
             status = 0 if verdict.ok else 1
         flag = [status]
@@ -393,23 +403,28 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _verify_low_precision(user, plan_json, args, batch_of, losses, serial_losses, state, serial_state,
-                          parallel_grads):
+def _ignore(step: int, grads: dict) -> None:
+    """What the ranks other than 0 do with each step's gathered gradients under --verify's replay: nothing."""
+
+
+def _verify_low_precision(user, plan_json, args, batch_of, losses, serial_losses, state, parallel_grads, replay):
     """--verify's verdict under bf16/fp16 (runtime/verify.py `compare_low_precision`): the serial model trained
-    again in fp32 on the same batches from the same weights is the reference both runs are measured from."""
+    again in fp32 on the same batches from the same weights is the reference the losses and first-step gradients
+    are measured from; the parameters are held to the optimizer replayed on this run's gradients
+    (runtime/verify_replay.py)."""
     from parc.runtime import verify as verifier
     from parc.runtime import verify_grads
 
     fp32 = verify_grads.in_precision(plan_json, "fp32")
-    ref_losses, ref_state = verifier.train_serial(user, fp32, args.seed, args.steps, batch_of=batch_of,
-                                                  weights=args.weights)
+    ref_losses, _ = verifier.train_serial(user, fp32, args.seed, args.steps, batch_of=batch_of, weights=args.weights,
+                                          per_micro_batch=True)
     grads = None
     if parallel_grads.grads is not None:
         grads = (parallel_grads.grads,
                  verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights),
                  verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights, "fp32"))
-    return verifier.compare_low_precision(plan_json["plan"]["precision"], losses, serial_losses, ref_losses,
-                                          state, serial_state, ref_state, grads)
+    return verifier.compare_low_precision(plan_json["plan"]["precision"], losses, serial_losses, ref_losses, grads,
+                                          replay.check(state) if replay else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,13 +41,8 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
     as every model declaring PER_MICRO_BATCH is run (runtime/verify_grads.py: bf16 rounds each
     micro-batch's gradient, so the grouping decides the rounding).
     `scale_log`: under fp16, (the loss scale the step ran with, whether it was skipped) is appended per step."""
-    from parc.runtime.train import make_optimizer
-    from parc.runtime.checkpoint.weights import reference
-
-    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
+    model, optimizer = serial_model(user, plan_json, seed, weights)
     cfg = plan_json["plan"]["optimizer"]
-    decay = param_groups.decays(param_groups.classify(model), cfg)
-    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
     global_batch = plan_json["plan"]["batch"]["global"]
     batch_of = batch_of or (lambda step: user.get_batch(step, global_batch))
     losses = []
@@ -81,20 +76,38 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
         found = fp16.unscale(model, total) if fp16 else None
         if step == 0 and grad_observer is not None:
             grad_observer(model)
-        if cfg["grad_clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
-        schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
+        if fp16 and scale_log is not None:
+            scale_log.append((fp16.scaler.scale.item(), bool(found.item())))
+        update(model, optimizer, cfg, step, found)
         if fp16:
-            if scale_log is not None:
-                scale_log.append((fp16.scaler.scale.item(), bool(found.item())))
-            step_unless(optimizer, found)
             fp16.scaler.update(found)
-        else:
-            optimizer.step()
         losses.append(total)
     # every name of a tied parameter (wte.weight and lm_head.weight are one tensor): the trace may
     # have kept either name
     return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def serial_model(user, plan_json: dict, seed: int, weights=None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The serial model, built under `seed` (or given --weights `weights` whole), and the plan's optimizer over
+    it with the parallel run's weight-decay groups (runtime/param_groups.py)."""
+    from parc.runtime.train import make_optimizer
+    from parc.runtime.checkpoint.weights import reference
+
+    model = reference(user, seed, weights) if weights is not None else build_reference(user, seed)
+    cfg = plan_json["plan"]["optimizer"]
+    decay = param_groups.decays(param_groups.classify(model), cfg)
+    optimizer = make_optimizer(param_groups.torch_groups([(p, decay[n]) for n, p in model.named_parameters()]), cfg)
+    return model, optimizer
+
+
+def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: dict, step: int,
+           found: torch.Tensor | None = None) -> None:
+    """Step `step`'s update from the gradients in `model`'s `.grad`: clipped to the plan's global norm, at the lr
+    schedule's lr, skipped where `found` > 0 (fp16's overflow: runtime/optim_step.py)."""
+    if cfg["grad_clip"] is not None:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
+    schedule_lr.set_lr(optimizer, schedule_lr.lr_at(cfg, step))
+    step_unless(optimizer, found)
 
 
 class _Fp16Steps:

@@ -198,8 +198,9 @@ class Trainer:
             name_of = {e["fqn"]: e["name"] for e in self.entry["state"]}
             self.tied = [(name_of[fqn], pg) for fqn, pg in pipeline.tied_groups(plan, ctx.rank)]
             self.tied_elsewhere = grad_norm.tied_elsewhere(plan, ctx.coord["pp"], self.entry)
-        # --verify: called once, with this trainer, when the first step's gradients are complete (reduced over
-        # every axis) and not yet clipped or applied; every rank must be given one (runtime/verify_grads.py)
+        # --verify: called at every step, with this trainer, when the step's gradients are complete (reduced over
+        # every axis, unscaled under fp16) and not yet clipped or applied; every rank must be given one
+        # (runtime/verify_grads.py)
         self.grad_observer = None
         # parc.run's hung-rank watchdog (runtime/watchdog.py): called with (step, "data") before this rank
         # fetches its batch (user code that may hang) and (step, "compute") once it has it
@@ -303,8 +304,7 @@ class Trainer:
         if self.scaler:  # fp16: unscaled before anything reads them (--verify's observer, the norm, the step)
             self._multiplied(self.scaler.unscale_(updated))
         if self.grad_observer is not None:
-            observe, self.grad_observer = self.grad_observer, None
-            observe(self)
+            self.grad_observer(self)
         found = None
         if skip_nonfinite or self.scaler:  # a device flag: the optimizer leaves params and state as they were
             found = grad_norm.nonfinite(total, updated, self.ctx)  # where it is set (fp16: an overflow)

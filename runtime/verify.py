@@ -10,6 +10,10 @@ batch, with no micro-batching and no communication. Three checks, each named whe
               (runtime/verify_grads.py): a wrong gradient shows as itself, not through an optimizer;
   parameters  after the last step, ‖a − b‖₂ / ‖b‖₂ over the whole model.
 
+Under bf16/fp16 (`compare_low_precision`, after the constants below) the losses and first-step gradients are
+measured from a serial fp32 run, and the parameters against the serial optimizer replayed on the parallel run's
+own gradients (runtime/verify_replay.py).
+
 Why parameters are judged model-wide: some parameters have a gradient that is zero in exact arithmetic
 (an attention key bias: softmax ignores a shift of its row). In fp32 that gradient is rounding noise,
 and Adam divides it by its own magnitude, so any two summation orders move such an entry by a different
@@ -34,10 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from parc.runtime.serial_reference import train_serial  # noqa: F401  (the reference --verify trains; tests import it here)
+
+if TYPE_CHECKING:
+    from parc.runtime.verify_replay import Drift
 
 # fp32: the parallel run sums the same products in another order (micro-batch
 # means, then a dp all-reduce) — rounding differences of ~1e-7 relative per op,
@@ -66,27 +74,30 @@ TOLERANCES = {"fp32": DEFAULT_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": BF16_TO
 # Low precision (bf16, fp16): the standard comparison for low-precision kernels (FlashAttention's and Megatron's
 # tests): a third run, the serial model in fp32 on the same batches from the same weights, is the reference, and
 # the parallel run's distance to it must be within FACTOR × the serial low-precision run's distance to it, plus a
-# floor, per tensor (`spreads`). Why not parallel against serial bf16 with a fixed tolerance: the serial bf16 run is
-# itself one sample of bf16 rounding, and where a discontinuity amplifies rounding (a top-k router choosing another
-# expert for a token whose two scores round to the other order; a gradient that is a sum cancelling to little)
-# both bf16 runs sit far from fp32 and from each other (diffllama's `lambda_q2` gradient: 0.49 of its scale apart),
-# while a run computing something else sits far from fp32 where serial bf16 is near it. FACTOR 3: two independent
-# samples of the same rounding differ from the reference by comparable amounts, and the parallel run rounds more
-# (tp's bf16 partial sums before their all-reduce, about one rounding more per sharded matmul): the worst tensor
-# measured on the zoo sat 2.2× serial's distance (flex_olmo's k_norm gradient under tp 2, 6.2e-2 against 2.9e-2;
-# bench/zoo/bf16_diag.py), where FlashAttention's 2 would leave no margin. A missing share of a gradient (a tp
-# sum, a micro-batch) is O(1) of its scale where serial bf16 is ~1e-2 of it: a q_norm weight without its tp sum
-# measured 15× past its bound (tests/test_verify_grads.py).
+# floor: each step's loss and each first-step gradient tensor (`spreads`). Why not parallel against serial bf16 with
+# a fixed tolerance: the serial bf16 run is itself one sample of bf16 rounding, and where a discontinuity amplifies
+# rounding (a top-k router choosing another expert for a token whose two scores round to the other order; a gradient
+# that is a sum cancelling to little) both bf16 runs sit far from fp32 and from each other (diffllama's `lambda_q2`
+# gradient: 0.49 of its scale apart), while a run computing something else sits far from fp32 where serial bf16 is
+# near it. FACTOR 3: two independent samples of the same rounding differ from the reference by comparable amounts,
+# and the parallel run rounds more (tp's bf16 partial sums before their all-reduce, about one rounding more per
+# sharded matmul): the worst tensor measured on the zoo sat 2.2× serial's distance (flex_olmo's k_norm gradient
+# under tp 2, 6.2e-2 against 2.9e-2; bench/zoo/bf16_diag.py), where FlashAttention's 2 would leave no margin. A
+# missing share of a gradient (a tp sum, a micro-batch) is O(1) of its scale where serial bf16 is ~1e-2 of it: a
+# q_norm weight without its tp sum measured 15× past its bound (tests/test_verify_grads.py). Not the parameters:
+# after Adam steps an element whose gradient is below bf16's rounding moves ±lr by rounding's sign, and whether
+# serial bf16 flips any of a small tensor's elements is chance, so serial's distance is no measure of the parallel
+# run's (a correct dp 1 run failed 19× past it). The parameters are held instead to the serial optimizer replayed on
+# the parallel run's own gradients, exact to fp32 rounding (runtime/verify_replay.py).
 LOW_PRECISION_FACTOR = 3.0
 # The floors, as fractions of the reference's scale (the tensor's largest |fp32| element, floored as
 # `rank_tensors` floors; a loss's |fp32| value): where the serial low-precision run happens to land on the fp32
 # value (a gradient bf16 never rounds, a tensor no step touched), the parallel run may still round once where
 # serial does not. Gradients: bf16's unit roundoff is 2**-8 = 3.9e-3 of a value; 1e-2 is between two and three
-# roundings, a tenth of the smallest missing share measured (0.33, runtime/verify_grads.py). Losses and
-# parameters: 1e-3 of their scale. A loss is one number, so one bf16 run may land near the fp32 loss by chance
-# where the other does not: two bf16 runs' losses measured up to 3.4e-4 apart on the zoo (exaone4; axk1's
-# serial bf16 loss 2.7e-5 from fp32 where its tp run's is 1.7e-4). Parameters are judged after the same
-# optimizer steps, their differences lr × the gradients' (which are checked per tensor above).
+# roundings, a tenth of the smallest missing share measured (0.33, runtime/verify_grads.py). Losses: 1e-3 of
+# their value. A loss is one number, so one bf16 run may land near the fp32 loss by chance where the other does
+# not: two bf16 runs' losses measured up to 3.4e-4 apart on the zoo (exaone4; axk1's serial bf16 loss 2.7e-5 from
+# fp32 where its tp run's is 1.7e-4).
 LOW_PRECISION_GRAD_FLOOR = 1e-2
 LOW_PRECISION_FLOOR = 1e-3
 
@@ -206,19 +217,24 @@ def loss_spreads(parallel: list[float], serial: list[float], reference: list[flo
 
 @dataclass
 class LowPrecisionVerdict:
-    """`--verify` under bf16/fp16: the parallel run against the serial run of the same precision, both measured
-    from the serial fp32 run (see LOW_PRECISION_FACTOR). Each check's worst `Spread`; a check passes while its
-    parallel distance is within its allowed one."""
+    """`--verify` under bf16/fp16. Losses and first-step gradients: the parallel run against the serial run of the
+    same precision, both measured from the serial fp32 run (see LOW_PRECISION_FACTOR), each check's worst
+    `Spread`, passing while within its allowed distance. Parameters: against the serial optimizer replayed on the
+    parallel run's own gradients (runtime/verify_replay.py `Drift`), the worst tensor's difference against its
+    allowance (fp32 rounding), passing while within it."""
     precision: str
     loss: Spread | None
     worst_grad: Spread | None    # None: first-step gradients not compared
-    worst_param: Spread | None
+    worst_param: Drift | None    # None: parameters not compared (no replay: a resumed run has no step 0)
     serial_losses: list[float]
 
     @property
     def failed(self) -> list[str]:
-        checks = (("loss", self.loss), ("gradients", self.worst_grad), ("parameters", self.worst_param))
-        return [name for name, s in checks if s is not None and not s.ratio <= 1.0]
+        out = [name for name, s in (("loss", self.loss), ("gradients", self.worst_grad))
+               if s is not None and not s.ratio <= 1.0]
+        if self.worst_param is not None and not self.worst_param.ratio <= 1.0:
+            out.append("parameters")
+        return out
 
     @property
     def ok(self) -> bool:
@@ -231,7 +247,7 @@ class LowPrecisionVerdict:
 
     @property
     def param_rel(self) -> float:
-        return self.worst_param.parallel if self.worst_param else 0.0
+        return self.worst_param.ratio if self.worst_param else 0.0
 
     def render(self) -> str:
         failed = self.failed
@@ -239,29 +255,35 @@ class LowPrecisionVerdict:
 
         def one(what, s):
             return f"{what} {s.ratio:.2f} of allowed (worst {s.render()})" if s else f"{what} not compared"
+        params = (f"parameters {self.worst_param.ratio:.2f} of allowed, against the serial optimizer replayed on "
+                  f"this run's gradients (worst {self.worst_param.render()})"
+                  if self.worst_param else "parameters not compared")
         line = (f"verify {word}: {self.precision} against serial {self.precision}, both from serial fp32 (allowed: "
                 f"{LOW_PRECISION_FACTOR:g} × serial's distance + a floor) — {one('losses', self.loss)}; "
-                f"{one('first-step gradients', self.worst_grad)}; {one('parameters', self.worst_param)}")
+                f"{one('first-step gradients', self.worst_grad)}; {params}")
         if not failed:
             return line
-        culprit, what = ((self.worst_grad, "first-step gradient") if "gradients" in failed
-                         else (self.worst_param, "parameter") if "parameters" in failed else (self.loss, "value"))
-        return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its scale "
-                       f"from fp32 where serial {self.precision}'s is {culprit.serial:.1e} "
-                       f"(max |Δ| {culprit.abs:.1e})")
+        if "gradients" in failed or "parameters" not in failed:
+            culprit, what = (self.worst_grad, "first-step gradient") if "gradients" in failed else (self.loss, "value")
+            return line + (f"\nverify: worst tensor {culprit.name} — its {what} is {culprit.parallel:.1e} of its "
+                           f"scale from fp32 where serial {self.precision}'s is {culprit.serial:.1e} "
+                           f"(max |Δ| {culprit.abs:.1e})")
+        w = self.worst_param
+        return line + (f"\nverify: worst tensor {w.name} — its parameter is {w.abs:.1e} from what the serial "
+                       f"optimizer makes of this run's own gradients, {w.ratio:.1f}× the rounding allowed (the "
+                       f"replay moved it by {w.movement:.1e}): an update lost, stale or applied otherwise")
 
 
 def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],
-                          reference_losses: list[float], parallel_state: dict[str, torch.Tensor],
-                          serial_state: dict[str, torch.Tensor], reference_state: dict[str, torch.Tensor],
-                          grads: tuple[dict, dict, dict] | None = None) -> LowPrecisionVerdict:
+                          reference_losses: list[float], grads: tuple[dict, dict, dict] | None = None,
+                          replayed: list[Drift] | None = None) -> LowPrecisionVerdict:
     """`grads`: step 0's gradients of the parallel, serial same-precision and serial fp32 runs (None: not
-    compared, a resumed run)."""
+    compared, a resumed run). `replayed`: the parallel run's parameters against the optimizer replayed on its
+    gradients, worst first (runtime/verify_replay.py `OptimizerReplay.check`; None: not compared)."""
     loss = loss_spreads(parallel_losses, serial_losses, reference_losses)
-    params = spreads(parallel_state, serial_state, reference_state, LOW_PRECISION_FLOOR)
     worst_grad = spreads(*grads, LOW_PRECISION_GRAD_FLOOR)[0] if grads and grads[0] is not None else None
-    return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad, params[0] if params else None,
-                               serial_losses)
+    return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad,
+                               replayed[0] if replayed else None, serial_losses)
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """`--verify`'s gradient check: the first step's gradients of the parallel run against the serial model's.
 
 Start here: `FirstGrads`, then `check`. parc.run gives every rank's Trainer `FirstGrads.of_trainer`
-as its `grad_observer`: the trainer calls it once, in step 0, when every gradient is complete (the dp
+as its `grad_observer`: the trainer calls it at every step when every gradient is complete (the dp
 reduction, tp-partial and tied sums done: runtime/train.py `_complete_grads`) and before clipping and
-the optimizer. It gathers each parameter's gradient whole, as `Trainer.gathered_state` gathers the
-parameters (tp shards along their dim, ZeRO ranges over dp, experts over ep, pp stages onto rank 0),
-and rank 0 keeps them. `check` then runs one step of the serial reference (runtime/serial_reference.py)
-from the same weights on the same global batch, takes its gradients at the same point (`of_model`),
-and ranks the tensors by runtime/verify.py's `rank_tensors`.
+the optimizer; it keeps the first step's (and under bf16/fp16 hands every step's to the optimizer
+replay, runtime/verify_replay.py). It gathers each parameter's gradient whole, as
+`Trainer.gathered_state` gathers the parameters (tp shards along their dim, ZeRO ranges over dp,
+experts over ep, pp stages onto rank 0), and rank 0 keeps them. `check` then runs one step of the
+serial reference (runtime/serial_reference.py) from the same weights on the same global batch, takes
+its gradients at the same point (`of_model`), and ranks the tensors by runtime/verify.py's
+`rank_tensors`.
 
 Why the first step: its gradients come from identical weights, so they differ only by summation order,
 and nothing stands between a wrong gradient and the check. Parameters after a few AdamW steps differ
@@ -50,16 +52,25 @@ GRAD_TOLERANCES = {"fp32": FP32_GRAD_TOLERANCE, "bf16": BF16_GRAD_TOLERANCE, "fp
 
 class FirstGrads:
     """One run's first-step gradients by model FQN, whole, on CPU (`grads`: None until observed; in the
-    parallel run, on rank 0 only)."""
+    parallel run, on rank 0 only). `each_step(step, grads)`: gather every step's gradients, and hand them to it
+    on rank 0 (the optimizer replay, runtime/verify_replay.py); every rank must be given one, or none (a
+    gather is collective), rank 0's is the one called. Without it only the first step is gathered."""
 
-    def __init__(self):
+    def __init__(self, each_step=None):
         self.grads: dict[str, torch.Tensor] | None = None
+        self.each_step = each_step
+        self.observed = False
 
     def of_trainer(self, trainer) -> None:
-        """The parallel run's `Trainer.grad_observer`: collective, every rank calls it."""
+        """The parallel run's `Trainer.grad_observer`: collective, every rank calls it, at every step."""
+        if self.observed and self.each_step is None:
+            return
         grads = trainer.gathered_state(grads=True)
-        if trainer.ctx.rank == 0:  # a copy: the gathered tensors may alias the buffers the next step zeroes
+        if trainer.ctx.rank == 0 and not self.observed:  # a copy: the next step zeroes the buffers they may alias
             self.grads = {k: v.detach().clone() for k, v in grads.items()}
+        if trainer.ctx.rank == 0 and self.each_step is not None:
+            self.each_step(trainer.current_step, grads)
+        self.observed = True
 
     def of_model(self, model: torch.nn.Module) -> None:
         """The serial run's `grad_observer`: every name of a tied parameter, one tensor for all its names

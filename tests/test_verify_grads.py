@@ -153,13 +153,13 @@ def test_low_precision_passes_rounding_noise_and_fails_a_missing_share():
     assert spreads(parallel, serial, reference, floor=1e-2)[0].name == "q_norm"
     assert "q_norm: 5.0e-01 of its scale from fp32, serial 1.0e-02; allowed 3 × 1.0e-02 + 1e-02 = 4.0e-02" \
         in ranked["q_norm"].render()
-    verdict = compare_low_precision("bf16", [2.0], [2.0005], [2.0], parallel, serial, reference,
-                                    (parallel, serial, reference))
-    assert verdict.failed == ["gradients", "parameters"] and verdict.worst_grad.name == "q_norm"
+    verdict = compare_low_precision("bf16", [2.0], [2.0005], [2.0], (parallel, serial, reference))
+    assert verdict.failed == ["gradients"] and verdict.worst_grad.name == "q_norm"
     assert "verify: worst tensor q_norm — its first-step gradient is 5.0e-01 of its scale from fp32 where serial " \
            "bf16's is 1.0e-02" in verdict.render()
-    ok = compare_low_precision("bf16", [2.001], [2.0005], [2.0], serial, serial, reference, None)
+    ok = compare_low_precision("bf16", [2.001], [2.0005], [2.0], None)
     assert ok.ok and ok.worst_grad is None and "first-step gradients not compared" in ok.render()
+    assert "parameters not compared" in ok.render()
 
 
 def test_verify_under_bf16_passes_a_tp_plan_and_fails_a_missing_tp_sum(tmp_path):

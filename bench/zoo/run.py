@@ -7,9 +7,10 @@ Start at `run(family, plan, source, out)`. Its result's `status` is one of
 - PASS: compiled, and 3 steps equal serial by parc's own `--verify` checks (runtime/verify.py `compare`,
   runtime/verify_grads.py): losses, the model-wide parameter difference, and every tensor's first-step gradient
   against its own scale. Under bf16 (`tp2_bf16`), --verify's low-precision check (runtime/verify.py
-  `compare_low_precision`): the serial model trained in fp32 is the reference, and per step's loss, per
-  first-step gradient and per final parameter the parallel run's distance to it must be within 3× the serial
-  bf16 run's plus a floor; every top-k router's choice is pinned to the fp32 run's (routing.py: a flip is a
+  `compare_low_precision`): the serial model trained in fp32 is the reference, and per step's loss and per
+  first-step gradient the parallel run's distance to it must be within 3× the serial bf16 run's plus a floor;
+  the final parameters must equal, to fp32 rounding, the serial optimizer replayed on the run's own gradients
+  (runtime/verify_replay.py); every top-k router's choice is pinned to the fp32 run's (routing.py: a flip is a
   discontinuity that one bf16 rounding decides), and `routing` says how many tokens each run would have routed
   elsewhere;
 - REFUSED: a ParcError before training (`reason`: its first line, `where`: its file:line:col), or no tp rules
@@ -39,9 +40,14 @@ STEPS = 3
 def _train_body(ctx, root: str, pin=None):
     from parc.runtime.train import Trainer
     from parc.runtime.verify_grads import FirstGrads
+    from parc.runtime.verify_replay import OptimizerReplay
 
     trainer = Trainer.load(root, 0)
-    grads = FirstGrads()
+    precision = trainer.art.plan["plan"].get("precision", "fp32")
+    # low precision: every step's gradients go to the serial optimizer replayed on rank 0 (runtime/verify_replay.py)
+    replay = OptimizerReplay(trainer.user, trainer.art.plan, 0, skips=precision == "fp16") \
+        if precision != "fp32" and ctx.rank == 0 else None
+    grads = FirstGrads((replay.feed if replay else lambda step, grads: None) if precision != "fp32" else None)
     trainer.grad_observer = grads.of_trainer  # step 0's complete gradients, gathered whole on rank 0
     with (log := routing.Routing(pin)):  # low precision: the fp32 run's top-k choices replayed (routing.py)
         local = [trainer.step(s).loss for s in range(STEPS)]
@@ -49,7 +55,7 @@ def _train_body(ctx, root: str, pin=None):
     losses = trainer.global_losses(local)
     state = trainer.gathered_state()
     return {"losses": losses, "state": state if ctx.rank == 0 else None, "grads": grads.grads,
-            "unpinned": log.said()}
+            "replayed": replay.check(state) if replay else None, "unpinned": log.said()}
 
 
 def _serial(user, plan_json: dict, precision: str, pin=None) -> dict:
@@ -116,8 +122,8 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
             low = _serial(user, art.plan, precision, pin)
             phase = "train"
             got = spawn(spec.world_size, _train_body, str(out / "compiled"), pin, timeout=300)[0]
-            verdict = compare_low_precision(precision, got["losses"], low["losses"], ref["losses"], got["state"],
-                                            low["state"], ref["state"], (got["grads"], low["grads"], ref["grads"]))
+            verdict = compare_low_precision(precision, got["losses"], low["losses"], ref["losses"],
+                                            (got["grads"], low["grads"], ref["grads"]), got["replayed"])
             serial_losses = low["losses"]
             result["routing"] = (f"pinned to fp32's top-k: parallel's own choice differed for {got['unpinned']}, "
                                  f"serial {precision}'s for {low['routing'].said()}" if pin else "-")
@@ -144,7 +150,9 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
         return {**result, "status": "CRASH", "reason": last[:400], "where": phase,
                 "traceback": "".join(tb)[-3000:], "seconds": round(time.monotonic() - t0, 1)}
     ok = verdict.ok and serial_losses[0] != serial_losses[-1]  # and the model trained
-    worst = verdict.worst_grad or verdict.worst_param
+    # the tensor the verdict points at: a failed check's, the gradients' first (no optimizer between them and a cause)
+    worst = (verdict.worst_param if "parameters" in verdict.failed and "gradients" not in verdict.failed
+             else verdict.worst_grad or verdict.worst_param)
     return {**result, "status": "PASS" if ok else "WRONG", "error": verdict.render().replace("\n", " "),
             "loss_rel": verdict.loss_rel, "param_rel": verdict.param_rel,
             "worst_grad": [worst.name, worst.rel] if worst else None, "seconds": round(time.monotonic() - t0, 1)}
