@@ -285,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
         replay = OptimizerReplay(user, art.plan, args.seed, args.weights,
                                  skips=art.plan["plan"]["precision"] == "fp16" or args.on_nonfinite == "skip")
     # --verify: step 0's gradients (a resumed run has no step 0), and under bf16/fp16 every step's for the replay
-    parallel_grads = verify_grads.FirstGrads((replay.feed if replay else _ignore) if low_precision else None)
+    parallel_grads = verify_grads.FirstGrads((replay.feed if replay else _ignore) if low_precision else None,
+                                             skips=art.plan["plan"]["precision"] == "fp16")
     if args.verify and first == 0:
         trainer.grad_observer = parallel_grads.of_trainer
     from parc.runtime.divergence import Guard
@@ -379,9 +380,11 @@ def run(args: argparse.Namespace) -> int:
         if lead:
             # bf16/fp16: one forward per micro-batch, as the ranks run them: bf16 rounds each micro-batch's
             # gradient before the fp32 sum, so the grouping decides the rounding (runtime/verify_grads.py)
+            scale_log = []  # fp16: (scale, skipped) per step of the serial run
             serial_losses, serial_state = verifier.train_serial(user, art.plan, args.seed, args.steps,
                                                                 batch_of=trainer.data.whole,
-                                                                weights=args.weights, per_micro_batch=low_precision)
+                                                                weights=args.weights, per_micro_batch=low_precision,
+                                                                scale_log=scale_log)
             precision = art.plan["plan"]["precision"]
             if not low_precision:
                 worst_grad = verify_grads.check(parallel_grads, user, art.plan, args.seed, trainer.data.whole,
@@ -390,8 +393,9 @@ def run(args: argparse.Namespace) -> int:
                                            args.tolerance or verifier.TOLERANCES[precision],
                                            worst_grad, verify_grads.GRAD_TOLERANCES[precision])
             else:  # bf16/fp16: both runs measured from the serial model in fp32 (runtime/verify.py)
+                skipped = [step for step, (_, skip) in enumerate(scale_log) if skip]
                 verdict = _verify_low_precision(user, art.plan, args, trainer.data.whole, losses, serial_losses,
-                                                state, parallel_grads, replay)
+                                                state, parallel_grads, replay, skipped)
             print(verdict.render(), flush=True)
             status = 0 if verdict.ok else 1
         flag = [status]
@@ -407,24 +411,36 @@ def _ignore(step: int, grads: dict) -> None:
     """What the ranks other than 0 do with each step's gathered gradients under --verify's replay: nothing."""
 
 
-def _verify_low_precision(user, plan_json, args, batch_of, losses, serial_losses, state, parallel_grads, replay):
+def _verify_low_precision(user, plan_json, args, batch_of, losses, serial_losses, state, parallel_grads, replay,
+                          skipped: list[int]):
     """--verify's verdict under bf16/fp16 (runtime/verify.py `compare_low_precision`): the serial model trained
     again in fp32 on the same batches from the same weights is the reference the losses and first-step gradients
     are measured from; the parameters are held to the optimizer replayed on this run's gradients
-    (runtime/verify_replay.py)."""
+    (runtime/verify_replay.py).
+    `skipped`: fp16's steps the serial fp16 run skipped on overflow while its loss scale came down. The fp32
+    reference skips them too (else it trains from step 0 while both fp16 runs stand still), and the gradients
+    compared are those of the first step it did not skip, where the parallel run must have its first finite ones:
+    a parallel run that overflows where serial does not, or the reverse, fails here."""
     from parc.runtime import verify as verifier
     from parc.runtime import verify_grads
 
     fp32 = verify_grads.in_precision(plan_json, "fp32")
     ref_losses, _ = verifier.train_serial(user, fp32, args.seed, args.steps, batch_of=batch_of, weights=args.weights,
-                                          per_micro_batch=True)
-    grads = None
-    if parallel_grads.grads is not None:
+                                          per_micro_batch=True, skip_steps=frozenset(skipped))
+    precision = plan_json["plan"]["precision"]
+    step = next((s for s in range(args.steps) if s not in skipped), None)  # None: serial applied no step
+    grads, mismatch = None, None
+    if parallel_grads.observed and parallel_grads.step != step:  # observed: not a resumed run
+        mismatch = (f"the serial {precision} run's first step with finite gradients is "
+                    f"{'none' if step is None else f'step {step}'}, this run's is "
+                    f"{'none' if parallel_grads.step is None else f'step {parallel_grads.step}'}: its gradients "
+                    f"overflowed {precision} where serial's did not, or the reverse")
+    elif parallel_grads.grads is not None:
         grads = (parallel_grads.grads,
-                 verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights),
-                 verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights, "fp32"))
-    return verifier.compare_low_precision(plan_json["plan"]["precision"], losses, serial_losses, ref_losses, grads,
-                                          replay.check(state) if replay else None)
+                 verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights, None, step, skipped),
+                 verify_grads.serial_grads(user, plan_json, args.seed, batch_of, args.weights, "fp32", step, skipped))
+    return verifier.compare_low_precision(precision, losses, serial_losses, ref_losses, grads,
+                                          replay.check(state) if replay else None, step, mismatch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,14 +29,16 @@ from parc.runtime.optim_step import step_unless
 
 def train_serial(user, plan_json: dict, seed: int, steps: int,
                  batch_of=None, weights=None, grad_observer=None,
-                 per_micro_batch: bool = False, scale_log: list | None = None
-                 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                 per_micro_batch: bool = False, scale_log: list | None = None, observe_step: int = 0,
+                 skip_steps=()) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`batch_of(step)`: the whole global batch of `step` from the run's data source (runtime/data.py;
     default the model file's get_batch). The optimizer's weight-decay groups and lr schedule are the
     parallel run's (runtime/param_groups.py, runtime/schedule_lr.py).
     `weights`: the run's --weights (runtime/checkpoint/weights.py), loaded whole into the serial model.
-    `grad_observer(model)`: called once, after step 0's backward and before clipping and the update (the
-    parallel run's `Trainer.grad_observer` is called at the same point; runtime/verify_grads.py).
+    `grad_observer(model)`: called once, after step `observe_step`'s backward and before clipping and the update
+    (the parallel run's `Trainer.grad_observer` is called at the same point; runtime/verify_grads.py).
+    `skip_steps`: steps whose update is skipped whatever their gradients (the fp32 reference of an fp16 run skips
+    the steps the serial fp16 run skipped on overflow, so that both start the next step from the same weights).
     `per_micro_batch`: one forward and backward per micro-batch of the plan, summed into the gradients,
     as every model declaring PER_MICRO_BATCH is run (runtime/verify_grads.py: bf16 rounds each
     micro-batch's gradient, so the grouping decides the rounding).
@@ -74,7 +76,9 @@ def train_serial(user, plan_json: dict, seed: int, steps: int,
                     (loss * (micro / global_batch)).backward()  # the mean over the global batch's forwards
             total += loss.item() * micro / global_batch
         found = fp16.unscale(model, total) if fp16 else None
-        if step == 0 and grad_observer is not None:
+        if step in skip_steps:
+            found = torch.ones(())
+        if step == observe_step and grad_observer is not None:
             grad_observer(model)
         if fp16 and scale_log is not None:
             scale_log.append((fp16.scaler.scale.item(), bool(found.item())))

@@ -227,11 +227,17 @@ class LowPrecisionVerdict:
     worst_grad: Spread | None    # None: first-step gradients not compared
     worst_param: Drift | None    # None: parameters not compared (no replay: a resumed run has no step 0)
     serial_losses: list[float]
+    # fp16: the step whose gradients are compared, the first the serial fp16 run did not skip on overflow (the loss
+    # scale comes down over the first steps); `grads_mismatch`: why the parallel run has none at that step
+    grads_step: int | None = 0   # None: every step overflowed in serial, none applied
+    grads_mismatch: str | None = None
 
     @property
     def failed(self) -> list[str]:
         out = [name for name, s in (("loss", self.loss), ("gradients", self.worst_grad))
                if s is not None and not s.ratio <= 1.0]
+        if self.grads_mismatch and "gradients" not in out:
+            out.append("gradients")
         if self.worst_param is not None and not self.worst_param.ratio <= 1.0:
             out.append("parameters")
         return out
@@ -258,9 +264,19 @@ class LowPrecisionVerdict:
         params = (f"parameters {self.worst_param.ratio:.2f} of allowed, against the serial optimizer replayed on "
                   f"this run's gradients (worst {self.worst_param.render()})"
                   if self.worst_param else "parameters not compared")
+        grads = (f"step {self.grads_step}'s gradients (steps before it overflowed in serial {self.precision} "
+                 f"and were skipped)" if self.grads_step else "first-step gradients")
+        if self.grads_step is None:
+            grads = f"gradients not compared (every step overflowed in serial {self.precision} and was skipped)"
+        elif self.grads_mismatch or self.worst_grad is None:
+            grads += " not compared"
+        else:
+            grads = one(grads, self.worst_grad)
         line = (f"verify {word}: {self.precision} against serial {self.precision}, both from serial fp32 (allowed: "
                 f"{LOW_PRECISION_FACTOR:g} × serial's distance + a floor) — {one('losses', self.loss)}; "
-                f"{one('first-step gradients', self.worst_grad)}; {params}")
+                f"{grads}; {params}")
+        if self.grads_mismatch:
+            return line + f"\nverify: {self.grads_mismatch}"
         if not failed:
             return line
         if "gradients" in failed or "parameters" not in failed:
@@ -276,14 +292,16 @@ class LowPrecisionVerdict:
 
 def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],
                           reference_losses: list[float], grads: tuple[dict, dict, dict] | None = None,
-                          replayed: list[Drift] | None = None) -> LowPrecisionVerdict:
-    """`grads`: step 0's gradients of the parallel, serial same-precision and serial fp32 runs (None: not
-    compared, a resumed run). `replayed`: the parallel run's parameters against the optimizer replayed on its
-    gradients, worst first (runtime/verify_replay.py `OptimizerReplay.check`; None: not compared)."""
+                          replayed: list[Drift] | None = None, grads_step: int | None = 0,
+                          grads_mismatch: str | None = None) -> LowPrecisionVerdict:
+    """`grads`: step `grads_step`'s gradients of the parallel, serial same-precision and serial fp32 runs (None: not
+    compared, a resumed run; `grads_mismatch`: why they could not be, a failure). `replayed`: the parallel run's
+    parameters against the optimizer replayed on its gradients, worst first (runtime/verify_replay.py
+    `OptimizerReplay.check`; None: not compared)."""
     loss = loss_spreads(parallel_losses, serial_losses, reference_losses)
     worst_grad = spreads(*grads, LOW_PRECISION_GRAD_FLOOR)[0] if grads and grads[0] is not None else None
     return LowPrecisionVerdict(precision, loss[0] if loss else None, worst_grad,
-                               replayed[0] if replayed else None, serial_losses)
+                               replayed[0] if replayed else None, serial_losses, grads_step, grads_mismatch)
 
 
 @dataclass

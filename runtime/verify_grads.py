@@ -54,11 +54,16 @@ class FirstGrads:
     """One run's first-step gradients by model FQN, whole, on CPU (`grads`: None until observed; in the
     parallel run, on rank 0 only). `each_step(step, grads)`: gather every step's gradients, and hand them to it
     on rank 0 (the optimizer replay, runtime/verify_replay.py); every rank must be given one, or none (a
-    gather is collective), rank 0's is the one called. Without it only the first step is gathered."""
+    gather is collective), rank 0's is the one called. Without it only the first step is gathered.
+    `skips` (with `each_step`: fp16, or `--on-nonfinite skip`): a step whose gradients are not finite is skipped
+    by the run, so `grads` are those of the first step that is not (`step`; fp16's first steps often overflow
+    while the loss scale comes down)."""
 
-    def __init__(self, each_step=None):
+    def __init__(self, each_step=None, skips: bool = False):
         self.grads: dict[str, torch.Tensor] | None = None
+        self.step: int | None = None
         self.each_step = each_step
+        self.skips = skips and each_step is not None
         self.observed = False
 
     def of_trainer(self, trainer) -> None:
@@ -66,8 +71,10 @@ class FirstGrads:
         if self.observed and self.each_step is None:
             return
         grads = trainer.gathered_state(grads=True)
-        if trainer.ctx.rank == 0 and not self.observed:  # a copy: the next step zeroes the buffers they may alias
-            self.grads = {k: v.detach().clone() for k, v in grads.items()}
+        if trainer.ctx.rank == 0 and self.grads is None and (
+                not self.skips or all(bool(torch.isfinite(v).all()) for v in grads.values())):
+            self.grads = {k: v.detach().clone() for k, v in grads.items()}  # a copy: the next step zeroes them
+            self.step = trainer.current_step
         if trainer.ctx.rank == 0 and self.each_step is not None:
             self.each_step(trainer.current_step, grads)
         self.observed = True
@@ -94,14 +101,15 @@ def check(parallel: FirstGrads, user, plan_json: dict, seed: int, batch_of=None,
 
 
 def serial_grads(user, plan_json: dict, seed: int, batch_of=None, weights=None,
-                 precision: str | None = None) -> dict[str, torch.Tensor]:
-    """Step 0's gradients of the serial model, one step per micro-batch (`train_serial`'s arguments), in
-    `precision` (default the plan's; "fp32" gives the low-precision check's reference, runtime/verify.py)."""
+                 precision: str | None = None, step: int = 0, skipped=()) -> dict[str, torch.Tensor]:
+    """Step `step`'s gradients of the serial model, one step per micro-batch (`train_serial`'s arguments), in
+    `precision` (default the plan's; "fp32" gives the low-precision check's reference, runtime/verify.py), the
+    steps before it whose update is in `skipped` skipped (fp16's overflowed first steps)."""
     if precision is not None:
         plan_json = in_precision(plan_json, precision)
     serial = FirstGrads()
-    train_serial(user, plan_json, seed, 1, batch_of=batch_of, weights=weights, grad_observer=serial.of_model,
-                 per_micro_batch=True)
+    train_serial(user, plan_json, seed, step + 1, batch_of=batch_of, weights=weights, grad_observer=serial.of_model,
+                 per_micro_batch=True, observe_step=step, skip_steps=frozenset(skipped))
     return serial.grads
 
 

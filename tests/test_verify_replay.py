@@ -109,3 +109,26 @@ def test_a_shard_whose_update_is_lost_fails_naming_its_tensor(tmp_path):
     assert worst and float(worst[3]) > 100, said
     # rank 1 holds the second half of ZeRO-1's flat ranges: the later layers and the head
     assert re.fullmatch(r"model\.layers\.1\..*|lm_head\.weight", worst[1]), said
+
+
+def test_fp16_steps_skipped_on_overflow_leave_the_first_applied_step_to_compare(tmp_path):
+    """fp16 from a loss scale of 2**21: step 0 overflows in the parallel run and in serial fp16 alike and both skip
+    it. The fp32 reference skips it too, and the gradients compared are step 1's, the first step applied; before,
+    step 0's gradients (inf in both fp16 runs) read "inf of allowed" and failed a correct run."""
+    art = compile_text("mesh dp=1\nbatch global=8 micro=2\nprecision fp16 initial_scale_power=21 hysteresis=1\n"
+                       "optimizer adamw lr=1e-3\n", tmp_path / "c", NORM_CAST)
+    status, said = spawn(1, _verify_body, str(art.root), None)[0]
+    assert re.search(r"step +0 .* grad norm (inf|nan)\n", said) and status == 0, said  # step 0 overflowed
+    assert re.search(r"step 1's gradients \(steps before it overflowed in serial fp16 and were skipped\) "
+                     r"[0-9.]+ of allowed", said), said
+
+
+def test_a_run_that_overflows_elsewhere_than_serial_fails():
+    from parc.runtime.verify import compare_low_precision
+    verdict = compare_low_precision("fp16", [1.0], [1.0], [1.0], None, None, 1,
+                                    "the serial fp16 run's first step with finite gradients is step 1, this run's is "
+                                    "step 0")
+    assert not verdict.ok and verdict.failed == ["gradients"]
+    assert "step 1's gradients (steps before it overflowed in serial fp16 and were skipped) not compared" in \
+        verdict.render()
+    assert "this run's is step 0" in verdict.render()
