@@ -101,9 +101,10 @@ def _positions_from_buffer(model, holder: list):
     model.forward = forward
 
 
-def contenders(compiled: str) -> tuple[dict, object, object]:
-    """In a rank: ({"parc": step, "torch": step}, parc's Trainer, torch's model); each step trains the next
-    global batch and returns its loss."""
+def contenders(compiled: str) -> tuple[dict, object, object, object]:
+    """In a rank: ({"parc": step, "torch": step}, parc's Trainer, torch's model, losses); each step trains the
+    next global batch and returns this rank's part of its loss, unread (no step waits on another rank for its
+    log: torchtitan's loop reads the loss at log points); `losses(name, parts)` reads the steps' losses."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -124,9 +125,9 @@ def contenders(compiled: str) -> tuple[dict, object, object]:
     counter = {"parc": 0, "torch": 0}
 
     def parc_step():
-        loss = trainer.step(counter["parc"]).loss
+        share = trainer.step(counter["parc"]).loss  # this rank's share of the loss (passes/context_parallel.py)
         counter["parc"] += 1
-        return float(loss)
+        return share
 
     def torch_step():
         ((idx, tgt),) = trainer.local_batches(counter["torch"])  # one micro-batch: the whole (B, T)
@@ -146,12 +147,20 @@ def contenders(compiled: str) -> tuple[dict, object, object]:
             offset += g.numel()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        whole = loss.detach().clone()
-        dist.all_reduce(whole)  # the micro-batch's loss, as parc's cp_sum makes it on every rank
         counter["torch"] += 1
-        return float(whole) / cp
+        return loss.detach()
 
-    return {"parc": parc_step, "torch": torch_step}, trainer, model
+    def losses(name: str, local: list) -> list[float]:
+        """The micro-batch losses of steps whose per-rank values are `local`, read after the steps as a
+        training loop reads them at a log point: parc's shares summed over cp (`Trainer.global_losses`),
+        torch's per-rank means averaged (equal token counts: their mean is the serial mean)."""
+        if name == "parc":
+            return trainer.global_losses(local)
+        stacked = torch.stack(local)
+        dist.all_reduce(stacked)
+        return (stacked / cp).tolist()
+
+    return {"parc": parc_step, "torch": torch_step}, trainer, model, losses
 
 
 def _profiles(steps_of: dict, rows: int = 12) -> dict[str, str]:
@@ -167,10 +176,10 @@ def _profiles(steps_of: dict, rows: int = 12) -> dict[str, str]:
 
 
 def _body(ctx, compiled: str, rounds: int, steps: int, check_steps: int, profile: bool):
-    steps_of, trainer, model = contenders(compiled)
+    steps_of, trainer, model, read = contenders(compiled)
     parc_step, torch_step = steps_of["parc"], steps_of["torch"]
     # agreement first, from the same weights on the same batches
-    losses = {"parc": [parc_step() for _ in range(check_steps)], "torch": [torch_step() for _ in range(check_steps)]}
+    losses = {name: read(name, [step() for _ in range(check_steps)]) for name, step in steps_of.items()}
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses["parc"], losses["torch"]))
     ours = trainer.gathered_state()
     theirs = dict(model.named_parameters())

@@ -439,7 +439,7 @@ def _cp_backward(mesh: dict, calls: dict[str, int]) -> list[str]:
     lines = []
     if calls.get("ring_attention"):
         lines.append(f"backward: bwd_ring_attention × {calls['ring_attention']} (autograd): K, V, dK, dV "
-                     f"{_count(cp - 1, 'hop')} round the cp ring, dK, dV 1 home")
+                     f"{_count(cp - 1, 'hop')} round the cp ring (dK, dV summed on their way home)")
     if calls.get("ulysses_attention"):
         lines.append(f"backward: bwd_ulysses_attention × {calls['ulysses_attention']} (autograd): 7 all-to-alls "
                      "over cp each")

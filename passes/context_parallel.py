@@ -71,6 +71,10 @@ POINTWISE = {
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
     aten.dropout.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
     aten._log_softmax.default, aten.cos.default, aten.sin.default,
+    # comparisons and selection, elementwise (a loss's mask of the targets: `where(t < 32, -100, t)`)
+    *(getattr(aten, op).Scalar for op in ("eq", "ne", "lt", "le", "gt", "ge")),
+    *(getattr(aten, op).Tensor for op in ("eq", "ne", "lt", "le", "gt", "ge")),
+    aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
 }
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
@@ -88,6 +92,23 @@ class Seq:
 
     dim: int
     merged: int = 1
+
+
+@dataclass(frozen=True)
+class Share:
+    """A value of which each cp rank holds a share: summed over the cp ranks, it is the serial value (a loss
+    reduced over this rank's tokens). Ops linear in it keep it a share; any other use sums it over cp first
+    (`parc.cp_sum`). A share reaching the output is left to the runtime to sum (`Trainer.global_losses`),
+    so no rank waits for the others in the forward for a value only the log reads."""
+
+
+SHARE = Share()
+# ops linear in their share operands (the others replicated): the result is a share of the serial result
+SHARE_SCALED = {aten.div.Tensor, aten.div.Scalar, aten.mul.Scalar}  # share ∘ replicated, share first
+SHARE_KEPT = {aten.neg.default, aten.clone.default, aten.alias.default, aten.detach.default}
+SHARE_SUMMED = {aten.add.Tensor, aten.sub.Tensor}  # share ± share
+# ops through which the targets are the batch input's own values (`_whole_input`)
+SAME_VALUES = VIEWS | {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default}
 
 
 class _Refused(Exception):
@@ -122,6 +143,8 @@ class _Walk:
         self.attentions = 0
         self.positions = 0
         self.masks = 0  # attention masks folded into is_causal (`_fold_constant_masks`)
+        self.loss_share = False  # the output is this rank's share of the loss (`Share`)
+        self.counted = {"whole": 0, "summed": 0}  # how each mean's count of targets was made (`token_count`)
         self.seq_len = self._sequence_length()
         self.local = self.seq_len // cp if self.seq_len else 0
 
@@ -142,13 +165,19 @@ class _Walk:
             return self.placeholder(node)
         if node.op == "output":
             (result,) = node.args
-            if any(self.lay.get(a) is not None for a in result if isinstance(a, fx.Node)):
+            lays = [self.lay.get(a) for a in result if isinstance(a, fx.Node)]
+            if any(isinstance(lay, Seq) for lay in lays):
                 raise _Refused("the loss is still split along the sequence: parc cannot tell what sums it over cp")
+            self.loss_share = any(lay == SHARE for lay in lays)
             return None
         if node.op != "call_function":
             return None
         if node.target is aten.arange.default or node.target is aten.arange.start:
             return self.arange(node)
+        if any(self.lay.get(a) == SHARE for a in node.all_input_nodes):
+            if self.keeps_share(node):
+                return SHARE
+            self.sum_shares(node)
         ins = [a for a in node.all_input_nodes if self.lay.get(a) is not None]
         if not ins:
             return None  # nothing split along the sequence reaches it: it runs whole on every cp rank
@@ -484,36 +513,75 @@ class _Walk:
         with g.inserting_before(node):
             local = g.call_function(aten.cross_entropy_loss.default,
                                     (x, target, None, 2, ignore, smoothing or 0.0))
-            total = g.call_function(parc_ops.cp_sum.default, (local, AXIS))
-            out = total
+            out = local
             if reduction == 1:
-                kept = g.call_function(aten.ne.Scalar, (target, ignore))
-                count = g.call_function(aten.sum.dim_IntList, (kept, [0]), {"dtype": torch.float32})
-                all_count = g.call_function(parc_ops.cp_sum.default, (count, AXIS))
-                out = g.call_function(aten.div.Tensor, (total, all_count))
-        for n in (local, total, out):
+                out = g.call_function(aten.div.Tensor, (local, self.token_count(target, ignore)))
+        for n in (local, out):
             n.meta["stack_trace"] = node.meta.get("stack_trace")
             n.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(out)
         g.erase_node(node)
         self.ctx.count(NAME)
+        self.lay[out] = SHARE
         return None
 
+    def token_count(self, target: fx.Node, ignore: int) -> fx.Node:
+        """The micro-batch's count of targets other than `ignore` (fp32, exact below 2**24), what the serial
+        mean divides by. When the targets are a batch input's values seen through views (`SAME_VALUES`), it
+        is counted on that input whole (the program takes the whole micro-batch): no communication, known
+        before the forward. Otherwise this rank's count, summed over cp (an all-reduce in the forward)."""
+        g = self.gm.graph  # inserted where the caller inserts (before the loss)
+        whole = _whole_input(target)
+        kept = g.call_function(aten.ne.Scalar, (target if whole is None else whole, ignore))
+        count = g.call_function(aten.sum.default, (kept,), {"dtype": torch.float32})
+        if whole is not None:
+            self.counted["whole"] += 1
+            return count
+        self.counted["summed"] += 1
+        return g.call_function(parc_ops.cp_sum.default, (count, AXIS))
+
     def reduce_all(self, node: fx.Node):
-        """`x.mean()` / `x.sum()` over a split value: the local sum, summed over cp (÷ the serial count)."""
+        """`x.mean()` / `x.sum()` over a split value: this rank's sum (÷ the serial count), a share."""
         x = node.args[0]
         g = self.gm.graph
         with g.inserting_before(node):
-            local = g.call_function(aten.sum.default, (x,), dict(node.kwargs))
-            out = g.call_function(parc_ops.cp_sum.default, (local, AXIS))
+            out = local = g.call_function(aten.sum.default, (x,), dict(node.kwargs))
             if node.target is aten.mean.default:
-                out = g.call_function(aten.div.Scalar, (out, float(math.prod(_shape(x)))))
+                out = g.call_function(aten.div.Scalar, (local, float(math.prod(_shape(x)))))
         for n in (local, out):
             n.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(out)
         g.erase_node(node)
         self.ctx.count(NAME)
+        self.lay[out] = SHARE
         return None
+
+    def keeps_share(self, node: fx.Node) -> bool:
+        """Whether `node` is linear in its share operands (`Share`), the others replicated: then its result
+        is a share of the serial result."""
+        t, lays = node.target, [self.lay.get(a) if isinstance(a, fx.Node) else None for a in node.args]
+        if t in SHARE_KEPT:
+            return True
+        if t in SHARE_SCALED:
+            return lays[0] == SHARE and all(lay is None for lay in lays[1:])
+        if t is aten.mul.Tensor:  # one share, one replicated factor
+            return set(lays[:2]) == {SHARE, None}
+        if t in SHARE_SUMMED:
+            return lays[:2] == [SHARE, SHARE]
+        return False
+
+    def sum_shares(self, node: fx.Node) -> None:
+        """A use of a share that is not linear in it: each share operand summed over cp first (an all-reduce
+        in the forward, its backward the identity: every rank's share gets the one sum's gradient)."""
+        g = self.gm.graph
+        for a in dict.fromkeys(node.all_input_nodes):
+            if self.lay.get(a) != SHARE:
+                continue
+            with g.inserting_before(node):
+                total = g.call_function(parc_ops.cp_sum.default, (a, AXIS))
+            total.meta["val"] = a.meta["val"]
+            node.replace_input_with(a, total)
+            self.lay[total] = None
 
     # --- diagnostics -----------------------------------------------------------------------------
 
@@ -534,7 +602,9 @@ class _Walk:
 
     def summary(self) -> dict:
         return {"method": self.method, "cp": self.cp, "seq_len": self.seq_len, "inputs": self.sharded_inputs,
-                "attentions": self.attentions, "positions": self.positions, "masks_folded": self.masks}
+                "attentions": self.attentions, "positions": self.positions, "masks_folded": self.masks,
+                # true: each cp rank's loss is its share, summed over cp by the runtime (Trainer.global_losses)
+                "loss_share": self.loss_share, "token_counts": self.counted}
 
 
 def _fold_constant_masks(gm: fx.GraphModule) -> int:
@@ -589,6 +659,15 @@ def _evaluate(gm: fx.GraphModule, chain: set, target: fx.Node) -> torch.Tensor:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[target])
     return fx.GraphModule(gm, g)()
+
+
+def _whole_input(target: fx.Node) -> fx.Node | None:
+    """The whole batch input whose values `target` holds this rank's part of, seen only through views and
+    copies (`SAME_VALUES`) of its `cp_shard`; None when anything else computed it."""
+    n = target
+    while n.op == "call_function" and n.target in SAME_VALUES:
+        n = n.args[0]
+    return n.args[0] if n.op == "call_function" and n.target is parc_ops.cp_shard.default else None
 
 
 def _op(node: fx.Node) -> str:

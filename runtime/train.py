@@ -87,7 +87,9 @@ def check_batch(batch, inputs: list[dict], step: int, batch_cfg: dict, dp: int, 
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor   # this rank's mean micro-batch loss, detached
+    # this rank's mean micro-batch loss, detached; under context parallelism its share of it, the cp ranks' shares
+    # summing to the loss (passes/context_parallel.py `Share`): read the loss through `Trainer.global_losses`
+    loss: torch.Tensor
     seconds: float
     grad_norm: torch.Tensor | None = None  # the global norm before clipping (with `clip=`, or asked for), 0-dim
     # `step(skip_nonfinite=True)`: 1.0 where the step was non-finite and skipped (nothing was updated), a 0-dim
@@ -118,6 +120,8 @@ class Trainer:
         plan = art.plan
         self.name = plan["ranks"][ctx.rank]["program"]
         self.pp = plan["mesh"]["pp"]
+        # context parallelism: each cp rank's program returns its share of the loss (`global_losses` sums them)
+        self.loss_share = bool((plan.get("context_parallel") or {}).get("loss_share"))
         self.entry = self._entry_of(ctx.rank)
         mode = plan["plan"].get("compile", "none")  # runtime/compiled.py; uncompiled: runtime/eager.py
         self.forward = load_program(art.programs[self.name], ctx.device, str(art.root / self.entry["file"]),
@@ -402,6 +406,8 @@ class Trainer:
         stacked = torch.stack(local)
         if self.pp > 1:  # only the last stage computed a loss; the others hold zeros
             dist.all_reduce(stacked, group=self.ctx.groups["pp"])
+        if self.loss_share:  # each cp rank holds its share (summed here, at a log point, not in every forward)
+            dist.all_reduce(stacked, group=self.ctx.groups["cp"])
         if self.ctx.degree["dp"] > 1:
             dist.all_reduce(stacked, group=self.ctx.groups["dp"])
             stacked /= self.ctx.degree["dp"]

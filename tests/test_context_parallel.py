@@ -23,6 +23,7 @@ ATTN_TOL = 1e-5
 
 UNFUSED = ROOT / "tests" / "models" / "cp_unfused.py"
 POSBIAS = ROOT / "tests" / "models" / "cp_posbias.py"
+MODELS = ROOT / "tests" / "models"
 
 
 def _ring_body(ctx, causal: bool, shape: tuple, method: str = "ring", fused: bool = True):
@@ -106,12 +107,16 @@ def test_program_shards_sequence_and_rings_attention(tmp_path):
     assert "scaled_dot_product_attention" not in src
     assert src.count("torch.ops.parc.cp_shard") == 2  # idx and targets
     assert "torch.ops.parc.cp_positions" in src and "aten.arange" not in src  # wpe reads global positions
-    assert src.count("torch.ops.parc.cp_sum") == 2  # the loss's sum and its count of targets
+    # no all-reduce in the forward: each rank's loss is its share (summed by Trainer.global_losses), and the
+    # mean's count of targets is taken on the whole targets input every rank holds
+    assert "torch.ops.parc.cp_sum" not in src
+    assert "aten.ne.Scalar(batch_1, -100)" in src
     plan = art.plan
     assert plan["groups"]["cp"] == [[0, 1], [2, 3]] and plan["groups"]["dp"] == [[0, 2], [1, 3]]
     assert plan["groups"]["dp_cp"] == [[0, 1, 2, 3]]
     assert plan["context_parallel"] == {"method": "ring", "cp": 2, "seq_len": 32, "inputs": ["batch_0", "batch_1"],
-                                        "attentions": 4, "positions": 1, "masks_folded": 0}
+                                        "attentions": 4, "positions": 1, "masks_folded": 0, "loss_share": True,
+                                        "token_counts": {"whole": 1, "summed": 0}}
 
 
 def test_plan_language_round_trips():
@@ -222,8 +227,8 @@ def test_report_prices_cp(tmp_path, method):
     assert rows[("dp×cp", "all-reduce")]["group"] == 4  # gradients over dp 2 × cp 2
     # examples/gpt.py, micro 2: 4 attentions of b·h = 2·4 heads, T 32, hs 16; one local K block is
     # 8 · 16 · 16 = 2048 elements
-    if method == "ring":  # fwd (cp−1)·2 blocks, bwd (cp−1)·4 + 2 blocks, fp32: 8 blocks · 2048 · 4 B · 4 layers
-        assert rows[("cp", "send/recv")]["bytes_per_rank"] == 8 * 2048 * 4 * 4
+    if method == "ring":  # fwd (cp−1)·2 blocks, bwd (cp−1)·4 blocks, fp32: 6 blocks · 2048 · 4 B · 4 layers
+        assert rows[("cp", "send/recv")]["bytes_per_rank"] == 6 * 2048 * 4 * 4
     else:  # 4 + 7 all-to-alls of a block, (cp−1)/cp of it sent, fp32
         assert rows[("cp", "all-to-all")]["bytes_per_rank"] == 11 * 2048 * 4 * 4 // 2
     assert rep["plan"]["cp"] == 2 and any("context parallelism cp 2" in n for n in rep["notes"])
@@ -239,6 +244,23 @@ def test_report_prices_cp_per_pp_rank_under_virtual_stages(tmp_path):
                         ("interleaved", "pipeline schedule=interleaved_1f1b virtual=2\n")):
         rep = report.build(compile_text(_plan("pp=2 cp=2", extra), tmp_path / name).root, preset="h100")
         sent[name] = next(c["bytes_per_rank"] for c in rep["communication"]["rows"] if c["axis"] == "cp")
-    # test_report_prices_cp's ring arithmetic: 8 blocks of 2048 fp32 elements an attention, for 2 layers a pp
+    # test_report_prices_cp's ring arithmetic: 6 blocks of 2048 fp32 elements an attention, for 2 layers a pp
     # rank × 2 micro-batches (global 4 = micro 2 × accumulation 2)
-    assert sent["interleaved"] == sent["1f1b"] == 8 * 2048 * 4 * 2 * 2, sent
+    assert sent["interleaved"] == sent["1f1b"] == 6 * 2048 * 4 * 2 * 2, sent
+
+
+@pytest.mark.parametrize("model,share,counts", [
+    # uneven ignore_index masks (rank 0's chunk 0 holds no target): each rank's loss is its share, the mean's
+    # count taken on the whole targets input, no collective in the forward
+    ("cp_masked_loss.py", True, {"whole": 1, "summed": 0}),
+    # log(1 + mean) over targets the model computes: the mean summed over cp before the log, its count of
+    # targets summed over cp (`parc.cp_sum`, all-reduces in the forward)
+    ("cp_loss_after.py", False, {"whole": 0, "summed": 1}),
+])
+def test_loss_forms_match_serial(tmp_path, model, share, counts):
+    art = compile_text(_plan("cp=2"), tmp_path / "c", MODELS / model)
+    assert art.plan["context_parallel"]["loss_share"] is share
+    assert art.plan["context_parallel"]["token_counts"] == counts
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert src.count("torch.ops.parc.cp_sum") == (0 if share else 2)
+    _check(parallel_vs_serial(art.root, steps=3))

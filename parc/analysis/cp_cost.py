@@ -14,7 +14,8 @@ too), and holds the same parameters as the other cp ranks of its sample group. S
 plus the cp traffic itself (`comms`), per rank per step, each attention of each micro-batch:
 
   ring:        forward  (cp−1) hops × K, V blocks                          b·h·(T/cp)·hs fp32 each
-               backward (cp−1) hops × K, V, dK, dV blocks + 1 hop home of dK, dV
+               backward (cp−1) hops × K, V, dK, dV blocks (each block's dK, dV summed on its way home:
+               its owner keeps its own share, so cp − 1 transfers a block)
                (recomputed layers run the forward ring again in their backward)
   all-to-all:  forward 4 (q, k, v scattered by head, the output back), backward 7 (q, k, v and the output's
                gradient again, dQ, dK, dV back), each moving (cp−1)/cp of a b·h·(T/cp)·hs tensor
@@ -81,9 +82,9 @@ def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None 
         for bh, t, hs, causal, split, rec, count in (d.get("ops") or {}).get("attn", ()):
             block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
             again = 2 if rec else 1  # a recomputed layer runs its forward communication again
-            if ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 + 2 (dK, dV home); fp32
-                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4 + 2) * block * RING_BYTES
-                calls += count * acc * ((cp - 1) * again + cp)
+            if ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 (K, V and the dK, dV sums); fp32
+                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4) * block * RING_BYTES
+                calls += count * acc * (cp - 1) * (again + 1)
             else:  # 4 all-to-alls forward, 7 backward, each sending (cp−1)/cp of a block
                 volume += count * acc * (4 * again + 7) * block * act_b
                 calls += count * acc * (4 * again + 7)
@@ -127,7 +128,7 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
         f"context parallelism cp {m.cp} ({plan.context_parallel.method}): each rank computes and keeps the "
         f"activations of T/{m.cp} tokens of every sample; gradients reduce over dp {m.dp} × cp {m.cp} = "
         f"{m.dp * m.cp} ranks (ZeRO shards over them); "
-        + ("the ring's K/V blocks ((cp−1) hops forward, (cp−1) and one home hop of dK/dV backward, fp32)"
+        + ("the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward, fp32)"
            if ring else "4 all-to-alls per attention forward and 7 backward")
         + " are charged to the step, not overlapped"
         + (" (an upper bound for the forward ring, whose hops are posted before each block computes)" if ring else ""))

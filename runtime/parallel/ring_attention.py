@@ -14,8 +14,8 @@ so the two overlap. Each (query chunk, key chunk) pair is skipped when the key c
 the query chunk (causal), computed without a mask when wholly before, with a triangle on the diagonal:
 masks from global positions. The partial results of one query row are merged exactly with the
 log-sum-exp of its scores (the online softmax). The backward is a ring too: K and V travel the same
-way, and each block's dK/dV sum travels one hop behind them, gathering every rank's share, then one more
-hop home to its owner; both transfers overlap a block's compute.
+way, and each block's dK/dV sum travels one hop behind them, gathering the other ranks' shares on its way
+home to its owner, which kept its own (cp − 1 transfers a block); both transfers overlap a block's compute.
 
 Attention dropout (SDPA's `dropout_p`, keyed by passes/dropout.py): each block draws its part of the serial
 model's mask, cut at its global (query chunk, key chunk) (`_block_keep`), and drops its probabilities before
@@ -234,10 +234,13 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        per_sample: int = 0, shard: list[int] | None = None,
                        key: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Ring attention's backward (FlashAttention's, block by block). K, V go round the ring as in forward,
-    each hop posted before the block computes. The dK, dV of a block are accumulated on its way: at hop t
-    this rank adds its share for the block it holds to the sum the previous rank passed on, and passes it
-    on; after the last hop each sum arrives home, at its owner. A sum is awaited only after the next
-    block's compute (torch's ring backward does the same), so neither transfer waits on an idle rank.
+    each hop posted before the block computes. The dK, dV of a block are summed on their way to its owner:
+    the owner keeps its own share (hop 0); the rank holding the block at hop 1 sends its share on, each
+    later one adds its share to the sum the previous rank passed and sends it on, and the rank of the last
+    hop sends it home: cp − 1 transfers a block, each rank's own share never leaving it. A sum is awaited
+    only after the next block's compute (torch's ring backward orders them the same way, with one transfer
+    more: it sends the owner's share round too), so neither transfer waits on an idle rank; the owner's
+    full block pair is computed last, while the sums come home.
     With attention dropout each block redraws the forward's mask (`key`: the forward's; None under `compile`,
     read when this runs) and is written out: dV = (P·M)ᵀ dO, dP = (dO Vᵀ)·M, dS = P (dP − rowsum(dO ∘ O)),
     M = keep / (1 − p); rowsum(dO ∘ O) is still Σ_j P_ij dP_ij, O being the dropped output."""
@@ -249,16 +252,12 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     qh, gh, lh, dh, oh = _halves(q32), _halves(g32), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1), _halves(o32)
     dq = [torch.zeros_like(h) for h in qh]
     mine = chunk_ids(ring.rank, cp)
-    kv = [k.float().contiguous(), v.float().contiguous()]
-    passed = None  # (the dK, dV sums in flight to this rank, their requests)
-    for t in range(cp):
-        src = (ring.rank - t) % cp  # whose K, V this rank holds at hop t
-        next_kv = ring.start(kv) if t < cp - 1 else None
-        kh, vh = _halves(kv[0]), _halves(kv[1])
-        dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # this rank's share of block src's dK, dV
-        dkh, dvh = _halves(dkv[0]), _halves(dkv[1])
-        theirs = chunk_ids(src, cp)
-        for a, b, kind in _pairs(causal, mine, theirs):
+
+    def blocks(pairs, theirs, kv, dkv) -> None:
+        """The pairs' dQ into `dq`, their dK, dV into `dkv`: the shares of the block whose K, V is `kv` and whose
+        global chunks are `theirs`."""
+        kh, vh, dkh, dvh = _halves(kv[0]), _halves(kv[1]), _halves(dkv[0]), _halves(dkv[1])
+        for a, b, kind in pairs:
             if _fused(q32, drop):  # the fused kernel's backward, given the merged output and log-sum-exp
                 dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gh[a], qh[a], kh[b], vh[b], oh[a], lh[a], 0.0, kind == "diag", scale=scale)
@@ -279,21 +278,43 @@ def bwd_ring_attention(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             ds = probs * (dp - dh[a].unsqueeze(-1)) * scale
             dq[a].add_(ds @ kh[b])
             dkh[b].add_(ds.transpose(-1, -2) @ qh[a])
-        if passed is not None:  # the ranks before this one have summed their shares of block src
-            sums, reqs = passed
-            _Ring.finish(reqs)
-            dkv[0].add_(sums[0])
-            dkv[1].add_(sums[1])
-        if cp > 1:  # on to the next rank, which holds block src at hop t + 1 (after the last hop: its owner)
+
+    kv = home = [k.float().contiguous(), v.float().contiguous()]
+    own = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # this rank's share of its own block's dK, dV
+    # the own block's pairs: all but one now, while the first K, V hop travels; the last full one after the
+    # last hop, while the other ranks' shares of this block travel home (nothing else is left to overlap it)
+    first = list(_pairs(causal, mine, mine))
+    full_pairs = [pair for pair in first if pair[2] == "full"]
+    late = full_pairs[-1:] if cp > 1 and len(first) > 1 else []
+    passed = None  # (the sums in flight to this rank, their requests)
+    for t in range(cp):
+        src = (ring.rank - t) % cp  # whose K, V this rank holds at hop t
+        next_kv = ring.start(kv) if t < cp - 1 else None
+        if t == 0:  # stays here: the other shares come home to it
+            blocks([pair for pair in first if pair not in late], mine, kv, own)
+        else:
+            dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # this rank's share of block src's dK, dV
+            theirs = chunk_ids(src, cp)
+            blocks(_pairs(causal, mine, theirs), theirs, kv, dkv)
+            if passed is not None:  # the ranks of hops 1 … t − 1 have summed their shares of block src
+                sums, reqs = passed
+                _Ring.finish(reqs)
+                dkv[0].add_(sums[0])
+                dkv[1].add_(sums[1])
+            # on to the next rank, which holds block src at hop t + 1 (after the last hop: its owner); the
+            # receive posted with it is the previous rank's sum of the block this rank holds next
             passed = ring.start(dkv)
         if next_kv is not None:
             kv, reqs = next_kv
             _Ring.finish(reqs)
-    if cp > 1:  # block r's sum, round the whole ring
-        (dk, dv), reqs = passed
+    if late:
+        blocks(late, mine, home, own)
+    if passed is not None:  # every other rank's share of this rank's block, summed on its way round
+        sums, reqs = passed
         _Ring.finish(reqs)
-    else:
-        dk, dv = dkv
+        own[0].add_(sums[0])
+        own[1].add_(sums[1])
+    dk, dv = own
     return torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
