@@ -127,9 +127,9 @@ def test_written_plan_checks_compiles_and_trains_like_serial(tiny, tmp_path, cap
      "--gpus 12 is not divisible by --nodes 5: 12 = 2 × 5 + 2"),
     (["--gpus", "12", "--global-batch", "8"], "--gpus 12 do not fill whole H100-80GB nodes of 8: 12 = 1 × 8 + 4"),
     (["--gpus", "4", "--global-batch", "0"], "--global-batch 0: need at least 1 sample per step"),
-    # 64 GPUs now have a plan at global batch 2 (dp 2 × pp 4 × cp 8); 256 do not: dp ≤ 2, tp and pp ≤ 4, cp ≤ 16
-    # (sequence 32 over 2·cp chunks) without tp, so at most 2 × 16 × 4 = 128 ranks
-    (["--gpus", "256", "--global-batch", "2"], "no plan for 256 GPUs and global batch 2"),
+    # 256 GPUs now have a plan at global batch 2 (dp 2 × tp 2 × pp 4 × cp 16); 1024 do not: dp ≤ 2, tp and pp ≤ 4
+    # (4 heads, 4 layers), cp ≤ 16 (sequence 32 over 2·cp chunks), so at most 2 × 4 × 4 × 16 = 512 ranks
+    (["--gpus", "1024", "--global-batch", "2"], "no plan for 1024 GPUs and global batch 2"),
 ])
 def test_bad_input_is_one_clear_line(argv, said, capsys):
     assert cli.main(["plan", str(GPT), *argv]) == 2

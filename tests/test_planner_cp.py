@@ -47,3 +47,18 @@ def test_no_attention_no_cp_candidates():
     from types import SimpleNamespace as NS
 
     assert planner.attention_length(NS(gm=NS(graph=NS(nodes=[])))) is None
+
+
+def test_cp_with_tp_is_searched_and_compiles(every):
+    # cp × tp (tests/test_cp_tp.py) is in the search: priced, with and without sequence parallelism, and the
+    # best such plan is one compile's passes accept; on this model and cluster it does not win (cp 16
+    # all-to-all with ZeRO-3 needs no tp), but it fits
+    from parc.trace import load_user_module, trace
+
+    both = [c for c in every.ranked if c.plan.mesh.cp > 1 and c.plan.mesh.tp > 1]
+    assert both and {c.plan.tensor_parallel.sequence_parallel for c in both} == {False, True}
+    assert {c.plan.context_parallel.method for c in both} == {"ring", "alltoall"}
+    assert planner._pass_refusal(trace(load_user_module(LONG), 1), both[0].plan) is None, both[0].describe()
+    # all-to-all scatters a tp rank's heads over cp: 32 heads / tp 8 = 4 do not divide over cp 8
+    assert any(c.plan.mesh.tp == 8 and c.plan.mesh.cp == 8 and "32 heads / tp 8 = 4 are not divisible by cp 8"
+               in c.reason for c in every.dropped)

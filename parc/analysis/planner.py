@@ -9,8 +9,8 @@ on meta), then:
    gate/up → down); the token embedding and a head as wide as the vocabulary are `vocab`; norms
    `replicate`. A model whose structure does not fit gets no tp > 1 candidate, with the reason;
 2. enumerates dp × tp × pp × schedule (× virtual stages) × micro-batch × ZeRO stage × recompute ×
-   sequence parallelism (`_plans`), and for a model with self-attention cp × dp × pp (`_cp_plans`, priced by
-   cp_cost as `parc report` prices them); each is a `Plan` built in code, dropped with its reason when
+   sequence parallelism (`_plans`), and for a model with self-attention cp × tp × dp × pp (`_cp_plans`, priced
+   by cp_cost as `parc report` prices them); each is a `Plan` built in code, dropped with its reason when
    the mesh, batch or widths do not divide, or when `validate` or `support.check` refuse it (what `parc check` and `parc compile` would say);
 3. gives each survivor the per-stage statistics `cost.graph_stats` would (`_Stats`): those are
    computed for one stage and for one stage per layer, and any pp × virtual split is assembled from
@@ -410,7 +410,7 @@ def _plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: in
                                     pipeline=pipe, zero=Zero(zero, shard),
                                     recompute=Recompute((f"{prefix}.*",) if rec and prefix else ()),
                                     precision=precision))
-    return out + _cp_plans(traced, gpus, topo, global_batch, precision, dropped)
+    return out + _cp_plans(traced, layout, gpus, topo, global_batch, precision, dropped)
 
 
 CP_SCHEDULES = ("1f1b", "gpipe")   # the pipelines proven with cp (parc/analysis/cp_support.py)
@@ -428,13 +428,23 @@ def attention_length(traced) -> int | None:
     return lengths.pop() if len(lengths) == 1 and -1 not in lengths else None
 
 
-def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: str, dropped: list) -> list[Plan]:
+def attention_heads(traced) -> int | None:
+    """The fewest query heads of the model's fused attentions (all-to-all attention scatters them over cp)."""
+    heads = [n.args[0].meta["val"].shape[-3] for n in traced.gm.graph.nodes
+             if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+    return min(heads) if heads else None
+
+
+def _cp_plans(traced, layout: TPLayout, gpus: int, topo: Topology, global_batch: int, precision: str,
+              dropped: list) -> list[Plan]:
     """Context-parallel candidates (`mesh … cp=N`, `context_parallel ring|alltoall`) for a model with
     self-attention over one length T: each cp > 1 dividing the GPUs whose 2·cp chunks divide T (the causal
-    load balancing both methods use), over dp × pp with what cp composes with today (cp_support.py), except
-    tp (cp × tp composes, tests/test_cp_tp.py, but the search does not try it yet): pipelines 1F1B and GPipe,
-    ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core
-    (`tp,cp,pp,dp`: cp ranks adjacent, on one node while cp ≤ its GPUs)."""
+    load balancing both methods use), over tp × dp × pp with what cp composes with today (cp_support.py,
+    tests/test_cp_tp.py): tp with and without sequence parallelism, within a node (tp is the innermost axis,
+    `tp,cp,pp,dp`: a tp group across nodes is priced at their NICs and never wins there, `_plans` tries it
+    without cp), all-to-all only where the heads a tp rank holds divide over cp; pipelines 1F1B and GPipe,
+    ZeRO 0–3 over dp × cp without `shard=`; the cp order of Megatron-Core (`tp,cp,pp,dp`: cp ranks next to
+    tp's, on one node while tp × cp ≤ its GPUs)."""
     from parc.passes.pipeline_split import _layer_prefix
 
     t = attention_length(traced)
@@ -442,6 +452,9 @@ def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: s
         return []
     L = traced.num_layers
     prefix = _layer_prefix(traced.module_paths, L)
+    heads = attention_heads(traced)
+    tps = [tp for tp in _divisors(topo.gpus_per_node) if tp == 1 or not layout.why_not and
+           all(w % tp == 0 for w in layout.widths)]  # `_plans` says why the others cannot be
     out = []
     for cp in _divisors(gpus)[1:]:
         if t % (2 * cp):
@@ -449,23 +462,32 @@ def _cp_plans(traced, gpus: int, topo: Topology, global_batch: int, precision: s
                                      f"cp {cp}: sequence length {t} is not divisible by 2 × cp = {2 * cp} "
                                      f"({t} = {t // (2 * cp)} × {2 * cp} + {t % (2 * cp)})"))
             continue
-        for pp in _divisors(gpus // cp):
-            dp = gpus // (cp * pp)
-            mesh = Mesh(dp, pp, 1, order=CP_DEFAULT_ORDER, cp=cp)
-            if pp > 1 and (prefix is None or pp > L):
-                dropped.append(Candidate(Plan(mesh=mesh), f"pp {pp} > {L} layers" if prefix else
-                                         "pp > 1 needs repeated layers to cut between"))
-                continue
-            if global_batch % dp:
-                dropped.append(Candidate(Plan(mesh=mesh), f"global batch {global_batch} is not a multiple of dp {dp}"))
-                continue
-            pipes = [None] if pp == 1 else [Pipeline(s) for s in CP_SCHEDULES]
-            micros = [m for m in MICROS if (global_batch // dp) % m == 0]
-            for micro, pipe, zero, rec, method in itertools.product(micros, pipes, (0, 1, 2, 3), (False, True),
-                                                                    CP_METHODS):
-                out.append(Plan(mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
-                                zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
-                                recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
+        for tp in (tp for tp in tps if (gpus // cp) % tp == 0):
+            methods = [m for m in CP_METHODS if m != "alltoall" or (heads // tp) % cp == 0]
+            if len(methods) < len(CP_METHODS):
+                dropped.append(Candidate(Plan(mesh=Mesh(tp=tp, cp=cp, order=CP_DEFAULT_ORDER),
+                                              context_parallel=ContextParallel("alltoall")),
+                                         f"all-to-all attention scatters heads over cp: {heads} heads / tp {tp} = "
+                                         f"{heads // tp} are not divisible by cp {cp}"))
+            for pp in _divisors(gpus // (cp * tp)):
+                dp = gpus // (cp * tp * pp)
+                mesh = Mesh(dp, pp, tp, order=CP_DEFAULT_ORDER, cp=cp)
+                if pp > 1 and (prefix is None or pp > L):
+                    dropped.append(Candidate(Plan(mesh=mesh), f"pp {pp} > {L} layers" if prefix else
+                                             "pp > 1 needs repeated layers to cut between"))
+                    continue
+                if global_batch % dp:
+                    dropped.append(Candidate(Plan(mesh=mesh), f"global batch {global_batch} is not a multiple of "
+                                                              f"dp {dp}"))
+                    continue
+                pipes = [None] if pp == 1 else [Pipeline(s) for s in CP_SCHEDULES]
+                micros = [m for m in MICROS if (global_batch // dp) % m == 0]
+                for micro, pipe, zero, rec, sp, method in itertools.product(
+                        micros, pipes, (0, 1, 2, 3), (False, True), (False, True) if tp > 1 else (False,), methods):
+                    out.append(Plan(mesh=mesh, topology=topo, batch=Batch(global_batch, micro), pipeline=pipe,
+                                    zero=Zero(zero), precision=precision, context_parallel=ContextParallel(method),
+                                    tensor_parallel=TensorParallel(layout.rules if tp > 1 else (), sp),
+                                    recompute=Recompute((f"{prefix}.*",) if rec and prefix else ())))
     return out
 
 
