@@ -11,7 +11,10 @@ its ring (`_templated_ring_attention`: K/V rotated, block results merged by thei
 backward). Positions are a buffer it shards, as torchtitan passes `freqs_cis` (the model's own
 `arange(T)` would read local positions under torch's API: parc's pass rewrites it, torch cannot see it).
 The peer's loss is each rank's mean over its tokens (equal counts: the mean of the two is the serial mean)
-and its gradients one flat all-reduce over cp, divided by cp; parc's are its buckets' all-reduce over dp × cp.
+and its gradients one flat all-reduce over cp, divided by cp; parc's loss is each rank's share of the mean
+(passes/context_parallel.py `Share`) and its gradients its buckets' all-reduce over dp × cp. Neither step
+reads its loss across ranks: both are read after the checked steps, as a training loop reads them at a
+log point (parc: `Trainer.global_losses`).
 
 **Why torch needs two kernels added here.** As shipped (torch 2.13), `context_parallel` does not run on CPU:
 on a CPU tensor SDPA dispatches to `aten._scaled_dot_product_flash_attention_for_cpu`, which its dispatch
