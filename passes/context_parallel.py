@@ -16,10 +16,12 @@ of it in the load-balanced order (runtime/parallel/ring_attention.py: chunks r a
   on the serial graph first; exactly causal, it becomes `is_causal=True` (all-keep: no mask) and its ops go
   (`_fold_constant_masks`); `enable_gqa` with fewer kv heads repeats each kv head before the ring;
 - view / reshape / expand sizes along the sequence become local;
-- a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum,
-  summed over cp by `parc.cp_sum` (all-reduce forward, identity backward), divided by the whole
-  micro-batch's count: every cp rank returns the serial micro-batch's loss, exact under uneven
-  `ignore_index` masks.
+- a reduction over the sequence (the loss: `cross_entropy` mean, `mean`, `sum`) becomes this rank's sum
+  divided by the whole micro-batch's count (`token_count`: on the whole targets input where it can, with
+  no communication): this rank's share of the serial loss (`Share`), exact under uneven `ignore_index`
+  masks. Ops linear in a share keep it one; any other use sums it over cp first with `parc.cp_sum`
+  (all-reduce forward, identity backward). A share reaching the output stays one: the runtime sums the
+  ranks' losses over cp when it reads them (plan.json `context_parallel.loss_share`), outside the forward.
 
 Every other op a sequence-sharded value reaches must be one the pass knows is local along the sequence
 (pointwise, linear, layer norm, reductions / cat / slices along other dims, embedding lookups, views that
@@ -33,8 +35,9 @@ the cp-local program (passes/tp_layouts.py `_cp_attention` shards the ring's hea
 
 Assumes: the graph is `parc.trace`'s (state placeholders, then inputs; output `(loss,)`) with full
 shapes in `meta["val"]`; parc/analysis/cp_support.py has refused every feature cp does not compose with.
-Guarantees: the program computes, on every cp rank, the serial micro-batch's loss; its parameter
-gradients, summed over cp, are the serial micro-batch's; `meta["val"]` holds local shapes (re-propagated:
+Guarantees: the program computes, on every cp rank, the serial micro-batch's loss, or with `loss_share`
+this rank's share of it (the cp ranks' shares sum to it); its parameter gradients, summed over cp, are the
+serial micro-batch's; `meta["val"]` holds local shapes (re-propagated:
 a wrong rewrite fails at compile time); `ctx.notes["context_parallel"]` records what was rewritten.
 """
 
