@@ -152,8 +152,25 @@ def _paired(parallel: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]):
     return [(fqn, parallel[fqn], ref) for fqn, ref in serial.items() if fqn in parallel]
 
 
+class Judged:
+    """A measured distance (`measured`) against what is allowed (`allowed`), both given by the subclass: `Spread`
+    (three-way, low precision) and runtime/verify_replay.py's `Drift` (the optimizer replay)."""
+    measured: float
+    allowed: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / allowed: ≤ 1 passes; nan counts as infinite."""
+        r = self.measured / self.allowed if self.allowed > 0 else (0.0 if self.measured == 0 else math.inf)
+        return math.inf if r != r else r
+
+    @property
+    def rel(self) -> float:  # what `Worst.rel` is to the exact comparison: the figure a verdict is judged by
+        return self.ratio
+
+
 @dataclass
-class Spread:
+class Spread(Judged):
     """One tensor (or one step's loss) under low precision: `parallel` and `serial` are the parallel run's and the
     serial same-precision run's distances to the fp32 reference, max|x − fp32| / the reference's scale; it passes
     while `parallel` ≤ `factor` × `serial` + `floor` (`allowed`)."""
@@ -169,14 +186,8 @@ class Spread:
         return self.factor * self.serial + self.floor
 
     @property
-    def ratio(self) -> float:
-        """parallel / allowed: ≤ 1 passes; nan counts as infinite."""
-        r = self.parallel / self.allowed if self.allowed > 0 else (0.0 if self.parallel == 0 else math.inf)
-        return math.inf if r != r else r
-
-    @property
-    def rel(self) -> float:  # what `Worst.rel` is to the exact comparison: the figure a verdict is judged by
-        return self.ratio
+    def measured(self) -> float:
+        return self.parallel
 
     def render(self) -> str:
         return (f"{self.name}: {self.parallel:.1e} of its scale from fp32, serial {self.serial:.1e}; allowed "

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from parc.runtime.serial_reference import serial_model, update
+from parc.runtime.verify import Judged
 
 # fp32 on both sides from the same gradients, so a difference is measured against what the replay itself did
 # to the tensor: its movement, max |replayed − initial| (`Drift`). An Adam update is lr · m̂ / (√v̂ + eps), the
@@ -49,7 +50,7 @@ ULPS_PER_STEP = 2
 
 
 @dataclass
-class Drift:
+class Drift(Judged):
     """One tensor: the parallel run's parameter against the replay's, max |Δ| (`abs`); the replay's movement over
     the run, max |replayed − initial| (`movement`); `allowed` = TOLERANCE × movement + steps × ULPS_PER_STEP ulps of
     the tensor's largest element (`ulps`)."""
@@ -63,14 +64,8 @@ class Drift:
         return TOLERANCE * self.movement + self.ulps
 
     @property
-    def ratio(self) -> float:
-        """abs / allowed: ≤ 1 passes; nan counts as infinite."""
-        r = self.abs / self.allowed if self.allowed > 0 else (0.0 if self.abs == 0 else math.inf)
-        return math.inf if r != r else r
-
-    @property
-    def rel(self) -> float:  # what `Worst.rel` is to the exact comparison: the figure a verdict is judged by
-        return self.ratio
+    def measured(self) -> float:
+        return self.abs
 
     def render(self) -> str:
         return (f"{self.name}: max |Δ| {self.abs:.1e} from the replay, which moved it by {self.movement:.1e}; "
