@@ -57,6 +57,16 @@ def _serial(user, plan_json: dict, precision: str, force=None):
     return {"grads": grads.grads, "topk": log.indices, "scores": log.scores}
 
 
+def compile_plan(family: str, plan: str, out: Path) -> tuple[plans.Spec, Path]:
+    """The zoo's `plan` for `family` compiled under out/parallel, with the tp rules the zoo derives for it."""
+    spec = plans.PLANS[plan]
+    block = None
+    if spec.tp:
+        r = rules.derive(family, "hf", families.model_file(family, out / "rules"))
+        block = rules.block(r, spec.sequence_parallel)
+    return spec, _compile(family, spec, out / "parallel", block)
+
+
 def _compile(family: str, spec: plans.Spec, out: Path, tp_block: str | None) -> Path:
     from parc.compiler import compile_model
     from parc.grammar.parser import parse
@@ -98,12 +108,7 @@ def diagnose(family: str, plan: str = "tp2_bf16", out: Path | None = None, force
     from parc.trace import load_user_module
 
     out = Path(out or tempfile.mkdtemp(prefix=f"bf16diag_{family}_"))
-    spec = plans.PLANS[plan]
-    block = None
-    if spec.tp:
-        r = rules.derive(family, "hf", families.model_file(family, out / "rules"))
-        block = rules.block(r, spec.sequence_parallel)
-    par_root = _compile(family, spec, out / "parallel", block)
+    spec, par_root = compile_plan(family, plan, out)
     one = plans.Spec("dp=1", spec.batch, extra=spec.extra.replace("zero stage=3\n", ""))
     one_root = _compile(family, one, out / "one", None)
     art = artifact.load(par_root)

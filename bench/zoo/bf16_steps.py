@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.zoo import families, plans, rules
-from bench.zoo.bf16_diag import _compile
+from bench.zoo import plans
+from bench.zoo.bf16_diag import compile_plan
 
 
 def _rank_body(ctx, root: str, steps: int):
@@ -79,12 +79,7 @@ def diagnose(family: str, plan: str = "tp2_bf16", steps: int = 3, out: Path | No
     from parc.trace import load_user_module
 
     out = Path(out or tempfile.mkdtemp(prefix=f"bf16steps_{family}_"))
-    spec = plans.PLANS[plan]
-    block = None
-    if spec.tp:
-        r = rules.derive(family, "hf", families.model_file(family, out / "rules"))
-        block = rules.block(r, spec.sequence_parallel)
-    root = _compile(family, spec, out / "parallel", block)
+    spec, root = compile_plan(family, plan, out)
     art = artifact.load(root)
     user = load_user_module(art.root / "model" / "model.py")
     precision = art.plan["plan"].get("precision", "fp32")
