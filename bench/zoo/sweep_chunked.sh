@@ -8,7 +8,8 @@
 #
 # PLANS, SOURCES (hf), CHUNK (families per chunk, 4), LOCK (a flock file, default $TMPDIR/parc-zoo.lock: share it with other heavy jobs), FIRST (families swept first, e.g.
 # one per attention / norm / MLP variant; then the rest in transformers' order). Families whose tiny config
-# is UNBUILT in the results file are skipped (they fail in plain PyTorch under every plan). Then
+# is UNBUILT in the results file are skipped (they fail in plain PyTorch under every plan), and so are families
+# whose every case is in the results already (no interpreter started for a chunk that would run nothing). Then
 # `python -m bench.zoo.sweep --docs --plans none` writes the table.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -21,9 +22,15 @@ FIRST=${FIRST:-}
 SNAP=$(mktemp -d /tmp/zoo_snapshot_XXXX)
 FAMS=$(cd "$ROOT" && "$PY" -c "
 import json
-from bench.zoo import families, sweep
-unbuilt = {r['family'] for r in sweep.load()['results'] if r['status'] == 'UNBUILT'}
-print(' '.join(dict.fromkeys(f for f in '''$FIRST'''.split() + list(families.families()) if f not in unbuilt)))")
+from bench.zoo import families, plans, sweep
+rows = sweep.load()['results']
+unbuilt = {r['family'] for r in rows if r['status'] == 'UNBUILT'}
+have = {sweep._key(r) for r in rows}
+def done(f):  # every case of the family already in the results (--resume would skip it: no chunk for it)
+    return all((f, p, s) in have for p in '$PLANS'.split(',')
+               for s in ('$SOURCES'.split(',') if plans.PLANS[p].tp else ['-']))
+print(' '.join(dict.fromkeys(f for f in '''$FIRST'''.split() + list(families.families())
+                             if f not in unbuilt and not done(f))))")
 set -- $FAMS
 while [ $# -gt 0 ]; do
   chunk=$(echo "${@:1:$CHUNK}" | tr ' ' ','); shift $(( $# < CHUNK ? $# : CHUNK ))
