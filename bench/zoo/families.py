@@ -73,7 +73,9 @@ class Family:
 
 @functools.cache
 def families() -> dict[str, Family]:
-    """model_type → Family, in the order of transformers' config mapping, then the encoder and the classifier."""
+    """model_type → Family, in the order of transformers' config mapping, then the encoder and the classifier.
+    Imports every family's config module and the chosen ones' model modules (~2.5 s); `family(name)` imports
+    only one family's."""
     import transformers
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -84,15 +86,31 @@ def families() -> dict[str, Family]:
         config_class = getattr(transformers, config_name, None)
         if lm is None or config_class is None or not getattr(config_class, "base_model_tp_plan", None):
             continue
-        model_class = getattr(transformers, lm)
-        # Llama-4's causal LM is built from its text config, not the composite one the mapping names
-        config_class = getattr(model_class, "config_class", None) or config_class
-        out[mt] = Family(mt, config_class, model_class, "causal")
-    for mt, (config_name, lm) in EXTRA.items():
-        out[mt] = Family(mt, getattr(transformers, config_name), getattr(transformers, lm), "causal")
-    out[ENCODER] = Family(ENCODER, transformers.EuroBertConfig, transformers.EuroBertForMaskedLM, "masked")
-    out[VISION] = Family(VISION, transformers.ViTConfig, transformers.ViTForImageClassification, "image")
+        out[mt] = family(mt)
+    for mt in [*EXTRA, ENCODER, VISION]:
+        out[mt] = family(mt)
     return out
+
+
+@functools.cache
+def family(name: str) -> Family:
+    """One family of `families()`, importing only its own modules: each rank of a zoo run loads the model file,
+    which needs one family, and `families()` there cost ~2.5 s a rank (15 s of an 8-rank run's 17 on 2 cores)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if name == ENCODER:
+        return Family(ENCODER, transformers.EuroBertConfig, transformers.EuroBertForMaskedLM, "masked")
+    if name == VISION:
+        return Family(VISION, transformers.ViTConfig, transformers.ViTForImageClassification, "image")
+    if name in EXTRA:
+        config_name, lm = EXTRA[name]
+        return Family(name, getattr(transformers, config_name), getattr(transformers, lm), "causal")
+    model_class = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name])
+    # Llama-4's causal LM is built from its text config, not the composite one the mapping names
+    config_class = getattr(model_class, "config_class", None) or getattr(transformers, CONFIG_MAPPING_NAMES[name])
+    return Family(name, config_class, model_class, "causal")
 
 
 def _layer_types(default: list) -> list:
@@ -102,7 +120,7 @@ def _layer_types(default: list) -> list:
 
 
 def tiny_config(name: str):
-    fam = families()[name]
+    fam = family(name)
     if fam.kind == "image":
         return fam.config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                                 image_size=IMAGE, patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0,
@@ -144,7 +162,7 @@ MAX_PARAMS = 2_000_000  # a tiny config has ~0.2M; more means a size field under
 
 def build(name: str) -> nn.Module:
     """The family's tiny model (on the current default device), sdpa attention where the family has it."""
-    fam = families()[name]
+    fam = family(name)
     cfg = tiny_config(name)
     with torch.device("meta"):  # the size first: a config TINY does not shrink would fill the memory
         try:
@@ -175,7 +193,7 @@ def check(name: str) -> str | None:
 
 
 def get_batch(name: str):
-    kind = families()[name].kind
+    kind = family(name).kind
 
     def batch(step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(step)
@@ -192,7 +210,7 @@ def get_batch(name: str):
 
 
 def loss_fn(name: str):
-    fam = families()[name]
+    fam = family(name)
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(fam.model_class.forward).parameters else {}
 
     def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
