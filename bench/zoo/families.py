@@ -53,6 +53,11 @@ OVERRIDES: dict[str, dict] = {
     # Falcon's "new decoder architecture" (Falcon-40B/180B): grouped fused qkv, whose keys and values are
     # selected by list indexing, `qkv[..., [-2], :]`, a constant torch's indexing makes from Python data
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
+    # Kolibri 1.1: its indexer scores keys with at most the query heads of one kv head (4 // 2 = 2, the default
+    # 12 does not validate); its dense MLP layers have their own width (3,584 by default); and its sparse path's
+    # local, sink, top-k and pool sizes are set under the 16 tokens so that the selection of keys is run
+    "kolibri1_1": {"index_num_heads": 2, "mlp_only_intermediate_size": 128, "index_num_local_tokens": 4,
+                   "index_num_sink_tokens": 2, "index_topk": 4, "index_pool_size": 8, "index_compression": 2},
 }
 
 # families whose config declares no tensor-parallel plan, kept for what their code exercises:
