@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from parc.runtime.serial_reference import train_serial  # noqa: F401  (the reference --verify trains; tests import it here)
 
-if TYPE_CHECKING:
-    from parc.runtime.verify_replay import Drift
 
 # fp32: the parallel run sums the same products in another order (micro-batch
 # means, then a dp all-reduce) — rounding differences of ~1e-7 relative per op,
@@ -236,7 +233,8 @@ class LowPrecisionVerdict:
     precision: str
     loss: Spread | None
     worst_grad: Spread | None    # None: first-step gradients not compared
-    worst_param: Drift | None    # None: parameters not compared (no replay: a resumed run has no step 0)
+    # runtime/verify_replay.py `Drift` (which imports this module: typed by its base here)
+    worst_param: Judged | None   # None: parameters not compared (no replay: a resumed run has no step 0)
     serial_losses: list[float]
     # fp16: the step whose gradients are compared, the first the serial fp16 run did not skip on overflow (the loss
     # scale comes down over the first steps); `grads_mismatch`: why the parallel run has none at that step
@@ -303,7 +301,7 @@ class LowPrecisionVerdict:
 
 def compare_low_precision(precision: str, parallel_losses: list[float], serial_losses: list[float],
                           reference_losses: list[float], grads: tuple[dict, dict, dict] | None = None,
-                          replayed: list[Drift] | None = None, grads_step: int | None = 0,
+                          replayed: list[Judged] | None = None, grads_step: int | None = 0,
                           grads_mismatch: str | None = None) -> LowPrecisionVerdict:
     """`grads`: step `grads_step`'s gradients of the parallel, serial same-precision and serial fp32 runs (None: not
     compared, a resumed run; `grads_mismatch`: why they could not be, a failure). `replayed`: the parallel run's
