@@ -330,8 +330,11 @@ class _user_errors:
     def __exit__(self, typ, exc, tb):
         if exc is None or isinstance(exc, TraceError) or not isinstance(exc, Exception):
             return False
-        span = _user_span(self.path, exc)
-        where = _failing_module(self.model, tb)
+        where, at, depth = _failing_module(self.model, tb)
+        mine = [i for i, f in enumerate(traceback.extract_tb(tb)) if Path(f.filename).resolve() == self.path]
+        if at is not None and depth <= max(mine, default=-1):
+            at = None  # the user's own line is as deep: it is the one to show
+        span = at or _user_span(self.path, exc) or Span(str(self.path), 1, 1)
         first = (str(exc).strip().splitlines() or [typ.__name__])[0]
         subject = f"module `{where}`" if where else ("the model" if self.model is not None else "the model file")
         raise TraceError(f"{self.doing} failed in {subject}: {typ.__name__}: {first}", span,
@@ -339,7 +342,7 @@ class _user_errors:
 
 
 def _user_span(path: Path, exc: BaseException) -> Span | None:
-    """The innermost frame in the user's file, else a `File "...", line N` in torch's message."""
+    """The innermost frame in the user's file, else a `File "...", line N` in torch's message (None: neither)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path]
     if isinstance(exc, SyntaxError) and exc.lineno and Path(exc.filename or "").resolve() == path:
         return Span(str(path), exc.lineno, exc.offset or 1)
@@ -351,21 +354,35 @@ def _user_span(path: Path, exc: BaseException) -> Span | None:
     for file, line in re.findall(r'File "([^"]+)", line (\d+)', str(exc))[::-1]:
         if Path(file).resolve() == path:
             return Span(str(path), int(line), 1)
-    return Span(str(path), 1, 1)
+    return None
 
 
-def _failing_module(model: torch.nn.Module | None, tb) -> str:
-    """The innermost module whose forward was running when the error was raised ('' if none)."""
+def _failing_module(model: torch.nn.Module | None, tb) -> tuple[str, Span | None, int]:
+    """The innermost module whose forward was running when the error was raised ('' if none); and the line
+    of the innermost model code outside torch's own files it was at, with that frame's depth in `tb`: where a
+    model defined in a library (a transformers family the model file imports) is located, deeper than the
+    user's `loss_fn` line that called it."""
     if model is None:
-        return ""
+        return "", None, -1
     names = {id(m): n for n, m in model.named_modules()}
-    found = None
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
+    found, at, depth = None, None, -1
+    for i, (frame, _) in enumerate(traceback.walk_tb(tb)):
+        owner = frame.f_locals.get("self")
         if id(owner) in names:
             found = names[id(owner)]
+            if not Path(frame.f_code.co_filename).resolve().is_relative_to(_TORCH):
+                f = traceback.extract_tb(_nth(tb, i), limit=1)[0]
+                at, depth = Span(f.filename, f.lineno, (f.colno or 0) + 1), i
+    return found or "", at, depth
+
+
+_TORCH = Path(torch.__file__).resolve().parent
+
+
+def _nth(tb, i: int):
+    for _ in range(i):
         tb = tb.tb_next
-    return found or ""
+    return tb
 
 
 def _hint(exc: BaseException) -> str:

@@ -140,6 +140,35 @@ def test_data_dependent_control_flow_names_module_and_line(tmp_path):
     assert "if h.sum() > 0:" in text and "torch.where" in text
 
 
+def test_data_dependent_control_flow_in_a_library_is_located_in_the_library(tmp_path):
+    """A model file that imports its model from a library (as the zoo's files import transformers families) has no
+    frame of its own when the library's forward fails: the error points at the failing module's line in the
+    library, not at the model file's 1:1."""
+    (tmp_path / "gate_lib.py").write_text(DATA_DEPENDENT.split("def build_model")[0])
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent("""\
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).parent))
+        import torch
+        from gate_lib import Net
+
+        def build_model():
+            return Net()
+
+        def get_batch(step, batch_size):
+            return (torch.randn(batch_size, 4, generator=torch.Generator().manual_seed(step)),)
+
+        def loss_fn(model, x):
+            return model(x).mean()
+        """))
+    with pytest.raises(TraceError) as err:
+        trace(load_user_module(path), micro_batch=2)
+    span = err.value.span
+    assert (Path(span.file).resolve(), span.line, span.col) == ((tmp_path / "gate_lib.py").resolve(), 12, 12)
+    assert "module `blocks.0`" in err.value.message
+
+
 def test_a_failed_trace_prints_parcs_error_alone_unless_debug(tmp_path, capsys):
     """torch printed the failing region's FX graph once per export attempt above parc's located error
     (issue 29: 98 lines); it is shown with --debug only."""
