@@ -144,24 +144,11 @@ def test_data_dependent_control_flow_in_a_library_is_located_in_the_library(tmp_
     """A model file that imports its model from a library (as the zoo's files import transformers families) has no
     frame of its own when the library's forward fails: the error points at the failing module's line in the
     library, not at the model file's 1:1."""
-    (tmp_path / "gate_lib.py").write_text(DATA_DEPENDENT.split("def build_model")[0])
+    lib, tail = DATA_DEPENDENT.split("def build_model")
+    (tmp_path / "gate_lib.py").write_text(lib)
     path = tmp_path / "model.py"
-    path.write_text(textwrap.dedent("""\
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).parent))
-        import torch
-        from gate_lib import Net
-
-        def build_model():
-            return Net()
-
-        def get_batch(step, batch_size):
-            return (torch.randn(batch_size, 4, generator=torch.Generator().manual_seed(step)),)
-
-        def loss_fn(model, x):
-            return model(x).mean()
-        """))
+    path.write_text("import sys\nfrom pathlib import Path\nsys.path.insert(0, str(Path(__file__).parent))\n"
+                    "import torch\nfrom gate_lib import Net\n\n\ndef build_model" + tail)
     with pytest.raises(TraceError) as err:
         trace(load_user_module(path), micro_batch=2)
     span = err.value.span
