@@ -366,23 +366,18 @@ def _failing_module(model: torch.nn.Module | None, tb) -> tuple[str, Span | None
         return "", None, -1
     names = {id(m): n for n, m in model.named_modules()}
     found, at, depth = None, None, -1
+    summaries = traceback.extract_tb(tb)  # one per frame of walk_tb, in the same order
     for i, (frame, _) in enumerate(traceback.walk_tb(tb)):
         owner = frame.f_locals.get("self")
         if id(owner) in names:
             found = names[id(owner)]
             if not Path(frame.f_code.co_filename).resolve().is_relative_to(_TORCH):
-                f = traceback.extract_tb(_nth(tb, i), limit=1)[0]
+                f = summaries[i]
                 at, depth = Span(f.filename, f.lineno, (f.colno or 0) + 1), i
     return found or "", at, depth
 
 
 _TORCH = Path(torch.__file__).resolve().parent
-
-
-def _nth(tb, i: int):
-    for _ in range(i):
-        tb = tb.tb_next
-    return tb
 
 
 def _hint(exc: BaseException) -> str:
