@@ -29,8 +29,9 @@ def _stats(flops: float, psi: int) -> dict:
 
 
 def _ring(n: int, size: float, calls: int) -> float:
-    """Seconds of `calls` ring reduce-scatters or all-gathers of `size` bytes in all, one node (NVLink)."""
-    return (n - 1) / n * size / H100.intra_bw + (n - 1) * calls / UNITS * H100.latency_intra
+    """Seconds of `calls` ring reduce-scatters or all-gathers of `size` bytes in all, one node (NVLink): each
+    call walks its ring's n − 1 steps, each step paying NVLink's latency."""
+    return (n - 1) / n * size / H100.intra_bw + (n - 1) * calls * H100.latency_intra
 
 
 def _windows(flops: float) -> tuple[float, float]:

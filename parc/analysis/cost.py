@@ -863,10 +863,13 @@ def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_byte
         shard, replicate = zg["zero_shard"], zg["zero_replicate"]
     out = []
     if k > 1:
+        # each bucket is a collective call of its own, and a ring call walks its k − 1 steps whatever its size,
+        # each step paying the link's latency: (k − 1) steps per call (NCCL's all-gather and reduce-scatter
+        # are rings: no tree to shorten them), which at thousands of ranks is most of a small bucket's time
         out.append(_collective("dp", "reduce-scatter", k, grad_bytes * rs, shard, hw, allreduce,
-                               latency_steps=(k - 1) * rs, calls=rs * units, gap=gap))
+                               latency_steps=(k - 1) * rs * units, calls=rs * units, gap=gap))
         out.append(_collective("dp", "all-gather", k, gathered_bytes * ag, shard, hw, allreduce,
-                               latency_steps=(k - 1) * ag, calls=ag * units, gap=gap))
+                               latency_steps=(k - 1) * ag * units, calls=ag * units, gap=gap))
     if replicate is not None:
         out.append(_collective("dp", "all-reduce", dp // k, grad_bytes / k, replicate, hw, allreduce,
                                calls=units, gap=gap))
