@@ -168,9 +168,15 @@ ROWS = [
     # 128 heads, sequence 2048, global batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 (Selene),
     # 60.1 / 50.2 / 44.4 s per iteration = 126 / 121 / 113 TFLOP/s per GPU (eq. 3 over those times gives
     # 125.7 / 120.4 / 113.5: the same count). Vocab: GPT-2's 50257 padded as Megatron pads (51200).
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2240, 1920, 1, 126),
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2800, 1920, 1, 121),
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 3360, 1920, 1, 113),
+    # The paper does not state the micro-batch; the three published steps do (`fill_slots`, printed after the
+    # table): a 1F1B step is (m + pp − 1) slots and the work after the last one, m = 1920 / (dp × micro), so
+    # fitted against m the published steps' intercept over their slope is the pipeline's fill and drain, pp − 1
+    # = 34 slots. At micro-batch 2 it is 34.3 (33.1 from the paper's seconds, 60.1 / 50.2 / 44.4); at 1 it is
+    # twice that (the fill and drain paid twice, which DeepSpeed's engine does not: docs/cost-model.md (c)), at
+    # 4 half; 3 does not divide dp 12's 160 sequences. Micro-batch 2.
+    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2240, 1920, 2, 126),
+    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2800, 1920, 2, 121),
+    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 3360, 1920, 2, 113),
     # torchtitan, 64 A100-80GB, FSDP2 over all 64 (local batch × 64 = global batch): WPS per GPU
     # the 8B and 13B configs of then (train_configs/llama3_8b.toml, llama2_13b.toml at 1ea476e9f, 2024-04-24, the
     # commit that wrote these figures) set norm_type = "fused_rmsnorm"; the 70B ones "rmsnorm"
@@ -205,6 +211,25 @@ def recompute_label(row: Row) -> str:
 def megatron_flops(layers, hidden, vocab, seq, batch) -> float:
     """FLOPs per step as Megatron counts them (recompute included): eq. 3 of the paper."""
     return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def published_step(row: Row) -> float:
+    """The step's seconds the row's published throughput implies."""
+    if row.unit == "TFLOP/s":
+        layers, hidden, _, vocab, seq = row.shape
+        return megatron_flops(layers, hidden, vocab, seq, row.batch) / (row.published * 1e12 * row.gpus)
+    return row.batch * row.shape[-1] / (row.published * row.gpus)
+
+
+def fill_slots(rows: list[Row], micro: int) -> float:
+    """A pipeline sweep's fill and drain in slots as its published steps show them, were its micro-batch
+    `micro`: a 1F1B step is (m + pp − 1) slots of one micro-batch plus the work after the last (small), with
+    m = batch / (dp × micro) the micro-batches a pipeline runs; fitted as a + b·m over rows that differ only in
+    dp, a / b is pp − 1 plus that work in slots. Only the rows' published figures enter, no prediction."""
+    ms = [r.batch / (r.gpus // (r.tp * r.pp) * micro) for r in rows]
+    b = slope(ms, [published_step(r) for r in rows])
+    a = sum(published_step(r) - b * m for r, m in zip(rows, ms)) / len(rows)
+    return a / b
 
 
 def plan_text(row: Row) -> str:
@@ -330,6 +355,11 @@ def main() -> int:
     print()
     for line in summary(results):
         print(line)
+    mtnlg = [r for r, _ in results if r.source == MTNLG]
+    if len(mtnlg) >= 2:
+        fills = ", ".join(f"{fill_slots(mtnlg, mb):.1f} at micro-batch {mb}" for mb in (1, 2, 4))
+        print(f"MT-NLG's published steps against micro-batches a pipeline: fill and drain {fills} "
+              f"(a 1F1B pipeline of {mtnlg[0].pp} stages: {mtnlg[0].pp - 1}); the rows run micro-batch {mtnlg[0].micro}")
     return 0
 
 

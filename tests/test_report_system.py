@@ -88,14 +88,19 @@ def test_unknown_values_are_refused_by_the_cli(flag, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, monkeypatch):
-    """bench/published.py's first row (Megatron's 1.7B) and a row whose dp waits for the backward (Megatron's 39.1B,
-    its own DDP) against `parc report --json` run by hand with the row's plan and flags: the same step, to the
-    last bit."""
+def _published():
     spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
     published = importlib.util.module_from_spec(spec)
     sys.modules["published"] = published
     spec.loader.exec_module(published)
+    return published
+
+
+def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, monkeypatch):
+    """bench/published.py's first row (Megatron's 1.7B) and a row whose dp waits for the backward (Megatron's 39.1B,
+    its own DDP) against `parc report --json` run by hand with the row's plan and flags: the same step, to the
+    last bit."""
+    published = _published()
     for row in (published.ROWS[0], next(r for r in published.ROWS if r.name == "GPT 39.1B")):
         predicted, rep = published.predict(row)
         monkeypatch.setenv("PARC_BENCH_GPT", ",".join(map(str, row.shape)))
@@ -108,6 +113,25 @@ def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, 
         assert by_hand["utilization"]["step_seconds"] == rep["utilization"]["step_seconds"]
         assert any("not overlapped" in n for n in by_hand["notes"]) == (not row.dp_overlap)
         assert any("another system's run" in n and "attention materialized-dropout" in n for n in by_hand["notes"])
+
+
+def test_a_pipeline_sweeps_published_steps_give_its_fill_at_its_micro_batch():
+    """`fill_slots` reads a sweep's micro-batch from its published steps alone: rows made by hand from a 1F1B
+    pipeline of 8 stages at micro-batch 2 (step = (m + 7) slots of 0.3 s + 0.5 s after, m = 512 / (dp × 2), TFLOP/s
+    by Megatron's count over that step) give 7 slots plus the 0.5 s in slots at micro-batch 2 and twice that at 1.
+    MT-NLG's rows run the micro-batch whose fill is its pipeline's, pp − 1, within a slot."""
+    published = _published()
+    shape, tp, pp, slot, after = (8, 1024, 8, 51200, 2048), 8, 8, 0.3, 0.5
+    rows = []
+    for dp in (2, 4, 8):
+        step = (512 / (dp * 2) + pp - 1) * slot + after
+        gpus = tp * pp * dp
+        tflops = published.megatron_flops(8, 1024, 51200, 2048, 512) / step / gpus / 1e12
+        rows.append(published._gpt("t", "hand", shape, tp, pp, gpus, 512, 2, tflops))
+    assert published.fill_slots(rows, 2) == pytest.approx(pp - 1 + after / slot)
+    assert published.fill_slots(rows, 1) == pytest.approx(2 * (pp - 1 + after / slot))
+    mtnlg = [r for r in published.ROWS if r.source == published.MTNLG]
+    assert abs(published.fill_slots(mtnlg, mtnlg[0].micro) - (mtnlg[0].pp - 1)) < 1
 
 
 def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_one_op(tmp_path, monkeypatch):
