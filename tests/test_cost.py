@@ -79,7 +79,8 @@ def test_dp_all_reduce_volume_and_node_split():
     size = PSI * 4
     assert ar.collective == "all-reduce" and ar.bytes == pytest.approx(2 * 15 / 16 * size)
     assert ar.inter == pytest.approx(ar.bytes * 2 / 16)  # 2 of the ring's 16 hops leave a node
-    assert ar.seconds == pytest.approx(ar.bytes / (8 * 10e9) + 2 * 15 * 10e-6)
+    hop = (2 * 10e-6 + 14 * 5e-6) / 16                   # each step at its hop's latency: network or NVLink
+    assert ar.seconds == pytest.approx(ar.bytes / (8 * 10e9) + 2 * 15 * hop)
     # a dp group with one GPU per node has that GPU's NIC only: the per-GPU network bandwidth
     across = parse("mesh dp=2 tp=8\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
     (ar2, _) = cost.estimate(across, _stats(sharded=True), cost.hardware("h100", across.topology)).comms
@@ -234,7 +235,7 @@ def test_groups_share_a_nodes_nics():
     ar = next(c for c in cost.estimate(plan, _stats(sharded=True), hw).comms if c.axis == "dp")
     shared = next(c for c in cost.estimate(plan, _stats(sharded=True), replace(hw, nics_per_node=4)).comms
                   if c.axis == "dp")
-    steps = 2 * 7 * hw.latency_inter
+    steps = 2 * 7 * (hw.latency_inter + hw.latency_intra) / 2   # 2 ranks a node: half the ring's hops leave it
     assert ar.seconds == pytest.approx(ar.bytes / (2 * 10e9) + steps)        # a NIC per GPU: 2 links
     assert shared.seconds == pytest.approx(ar.bytes / (1 * 10e9) + steps)    # 2 × 4/8: one link's worth
 
@@ -249,8 +250,9 @@ def _tp_stats(tp_elements: int, backward: float) -> dict:
 def test_tp_across_nodes_runs_at_the_nodes_nics():
     """A tp group wider than a node is priced as any group across nodes (`cost._collective`): NCCL's rings
     cross each node boundary once per channel, one channel per NIC, so tp 16 over 2 nodes of 8 moves its
-    ring volume at 8 NICs × inter (80 GB/s here), not NVLink's 450, and each ring step pays the network's
-    latency; with 4 NICs a node, at 4 × inter. Inside one node, tp 8 runs at NVLink."""
+    ring volume at 8 NICs × inter (80 GB/s here), not NVLink's 450, and each ring step pays its hop's latency
+    (2 of the ring's 16 hops leave a node); with 4 NICs a node, at 4 × inter. Inside one node, tp 8 runs at
+    NVLink."""
     elements = 10 ** 7
     across = parse("mesh tp=16\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
     hw = cost.hardware("h100", across.topology)
@@ -258,9 +260,10 @@ def test_tp_across_nodes_runs_at_the_nodes_nics():
     (row,) = [c for c in est.comms if c.axis == "tp"]
     volume = 2 * 15 / 16 * elements * 4                      # fp32 activations, ring all-reduce
     assert row.bytes == pytest.approx(volume) and row.inter == pytest.approx(volume * 2 / 16)
-    assert row.seconds == pytest.approx(volume / (8 * 10e9) + 2 * 15 * hw.latency_inter)
+    hop = (2 * hw.latency_inter + 14 * hw.latency_intra) / 16
+    assert row.seconds == pytest.approx(volume / (8 * 10e9) + 2 * 15 * hop)
     four = cost.estimate(across, _tp_stats(elements, 1e12), replace(hw, nics_per_node=4))
-    assert four.tp_seconds == pytest.approx(volume / (4 * 10e9) + 2 * 15 * hw.latency_inter)
+    assert four.tp_seconds == pytest.approx(volume / (4 * 10e9) + 2 * 15 * hop)
     inside = parse("mesh dp=2 tp=8\ntopology nodes=2 gpus_per_node=8 inter=10GB/s\n")
     (row8,) = [c for c in cost.estimate(inside, _tp_stats(elements, 1e12), hw).comms if c.axis == "tp"]
     assert row8.inter == 0 and row8.seconds == pytest.approx(2 * 7 / 8 * elements * 4 / hw.intra_bw

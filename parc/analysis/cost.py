@@ -485,7 +485,8 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
 
     A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
     node runs NCCL's parallel rings (channels) over r network links at once, each at `inter_bw`, and
-    no faster than NVLink: the bandwidth is min(intra, links × inter). The axis's groups run together
+    no faster than NVLink: the bandwidth is min(intra, links × inter); each ring step pays its hop's
+    latency, the network's on the hops that leave a node (1 in r) and NVLink's on the others. The axis's groups run together
     and share a node's NICs: with fewer NICs than GPUs a group gets r × NICs / GPUs per node links.
     `calls` collectives of the group (`size` their total) each cost `hw.collective_overhead` too.
     A preset with measured `collectives` (parc calibrate, CPU) prices each call as measured at this kind and
@@ -503,7 +504,11 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
         # are shared among its gpus_per_node / per_node groups (fewer NICs than GPUs: less than one each)
         nics = hw.nics_per_node or hw.gpus_per_node
         links = min(per_node, nics * per_node / hw.gpus_per_node)
-        bw, lat = min(hw.intra_bw, links * hw.inter_bw), hw.latency_inter
+        # a ring step's latency is its hop's: `crossing` of the ring's hops leave a node, the rest are NVLink
+        # hops (a dp group with all 8 GPUs of each node crosses on 1 hop in 8), so a call of many steps pays
+        # the mean over the ring, as a chunk walking it does
+        bw = min(hw.intra_bw, links * hw.inter_bw)
+        lat = crossing * hw.latency_inter + (1 - crossing) * hw.latency_intra
     else:
         bw, lat = hw.intra_bw, hw.latency_intra
     steps = latency_steps if latency_steps is not None else \
