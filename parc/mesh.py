@@ -69,7 +69,9 @@ def groups(mesh: Mesh, axis: str) -> list[list[int]]:
     if axis not in AXES and not (axis == "cp" and "cp" in mesh.order):
         raise ValueError(f"unknown mesh axis {axis!r}")
     stride, size = _stride(mesh, axis), mesh.degree(axis)
-    return [list(range(r, r + stride * size, stride)) for r in range(mesh.world_size) if (r // stride) % size == 0]
+    # the first ranks are those with `axis` coordinate 0: every block of stride × size ranks starts stride of them
+    return [list(range(r, r + stride * size, stride))
+            for block in range(0, mesh.world_size, stride * size) for r in range(block, block + stride)]
 
 
 def dp_cp_groups(mesh: Mesh) -> list[list[int]]:

@@ -87,7 +87,12 @@ def _target_name(target) -> str:
 
 
 def _is(n: fx.Node, names) -> bool:
-    t = _name(n)
+    return _matches(_name(n), names)
+
+
+@functools.lru_cache(maxsize=16384)
+def _matches(t: str, names: tuple) -> bool:
+    """Whether op name `t` is one of `names` (a prefix or a part of it): once per (op, list), as `_target_name`."""
     return any(t.startswith(x) or x in t for x in names)
 
 

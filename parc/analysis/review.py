@@ -17,6 +17,8 @@ against itself; this looks at how it lands on hardware:
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import replace
 
 from parc.analysis import cost
@@ -94,10 +96,13 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _split_tp_groups(m, gpus_per_node: int) -> tuple[int, list[int] | None]:
     """(how many tp groups span two nodes, the first such group): one division per group, no rank lists.
     A tp group is base + k × stride for k < tp, stride the product of the degrees inner to tp in
-    `m.order`; its ranks rise with k, so it crosses nodes iff its first and last ranks do."""
+    `m.order`; its ranks rise with k, so it crosses nodes iff its first and last ranks do. Memoized per
+    mesh (frozen, hashable): `parc plan` reviews each mesh once per candidate, and at 16,384 GPUs the walk
+    over world / tp groups was a sixth of its search."""
     stride = 1
     for axis in m.order[:m.order.index("tp")]:
         stride *= m.degree(axis)
