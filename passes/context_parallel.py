@@ -212,6 +212,10 @@ class _Walk:
             return self.expand(node)
         if t is aten.cat.default:
             return self.cat(node)
+        if t is aten.stack.default:
+            return self.stack(node)
+        if t is aten.flatten.using_ints:
+            return self.flatten(node)
         if t is aten.slice.Tensor:
             return self.slice(node)
         if t in DIM_REDUCTIONS:
@@ -407,6 +411,35 @@ class _Walk:
         if dim % len(_shape(node)) == x.dim:
             raise _Refused(f"`{_op(node)}` along the sequence dim")
         return x
+
+    def stack(self, node: fx.Node):
+        """`stack` of values split alike, along a new dim (the interleaved rotary's pairs: `stack((a, b), -1)`):
+        no element moves to another sequence position, so the split stays, one dim further out when the new
+        dim comes before it."""
+        parts = node.args[0]
+        lays = {self.lay.get(a) for a in parts}
+        if len(lays) != 1:
+            raise _Refused(f"`{_op(node)}` of values split and not split along the sequence")
+        (x,) = lays
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(_shape(node))
+        return Seq(x.dim + (dim <= x.dim), x.merged)
+
+    def flatten(self, node: fx.Node):
+        """`flatten(start, end)`: dims after the sequence's (the stacked pairs' `flatten(-2)`) or before it
+        keep the split, moved in by the dims folded before it; the sequence folded with the dims before it
+        (`logits.flatten(0, 1)`) is split with those outer elements merged in, as a reshape's. Folding it
+        with dims after it is refused (a layout keeps only outer elements folded in)."""
+        src = _shape(node.args[0])
+        x, n = self.lay[node.args[0]], len(src)
+        start = (node.args[1] if len(node.args) > 1 else 0) % n
+        end = (node.args[2] if len(node.args) > 2 else -1) % n
+        if x.dim < start or start == end:
+            return x
+        if end < x.dim:
+            return Seq(x.dim - (end - start), x.merged)
+        if x.dim == end:
+            return Seq(start, x.merged * math.prod(src[start:end]))
+        raise _Refused(f"`{_op(node)}` folds the sequence dim {x.dim} with the dims after it (to {end})")
 
     def slice(self, node: fx.Node):
         """`x[..., a:b]` along another dim keeps the split (rotary's halves); along the sequence it is refused."""

@@ -189,6 +189,30 @@ def test_gpt_alltoall_matches_serial(tmp_path):
     _check(parallel_vs_serial(art.root, steps=3))
 
 
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_interleaved_rotary_matches_serial(tmp_path, method):
+    """Rotary on interleaved pairs (Meta's Llama, torchtitan: `stack((…), -1).flatten(-2)`): the stack keeps
+    the sequence split (it was refused as an op cp could not prove local); both attentions train as serial."""
+    text = _plan("cp=2").replace("context_parallel ring", f"context_parallel {method}")
+    art = compile_text(text, tmp_path / "c", model=MODELS / "cp_interleaved_rotary.py")
+    src = (art.root / "programs" / "stage0_tp0.py").read_text()
+    assert "aten.stack.default" in src and "torch.ops.parc.cp_positions" in src
+    _check(parallel_vs_serial(art.root, steps=3))
+
+
+def test_flatten_of_the_sequence_with_inner_dims_refused_at_its_line(tmp_path):
+    """A sequence folded with the dims after it has no layout (only outer elements fold in): refused, located."""
+    model = tmp_path / "folds.py"
+    model.write_text((MODELS / "cp_interleaved_rotary.py").read_text().replace(
+        "return self.proj(y.transpose(1, 2).reshape(B, T, C))",
+        "return self.proj(y.transpose(1, 2).flatten(1).view(B, T, C))"))
+    with pytest.raises(ParcError) as e:
+        compile_text(_plan("cp=2"), tmp_path / "c", model=model)
+    d = e.value.diagnostics[0]
+    assert "folds the sequence dim 1 with the dims after it" in d.message
+    assert "flatten(1)" in model.read_text().splitlines()[d.span.line - 1]
+
+
 def test_context_parallel_without_cp(tmp_path):
     with pytest.raises(ParcError) as e:
         compile_text("mesh dp=2\nbatch global=4 micro=2\ncontext_parallel ring\n", tmp_path / "c")
