@@ -216,6 +216,8 @@ class _Walk:
             return self.stack(node)
         if t is aten.flatten.using_ints:
             return self.flatten(node)
+        if t is aten.repeat_interleave.self_int:
+            return self.repeat_interleave(node)
         if t is aten.slice.Tensor:
             return self.slice(node)
         if t in DIM_REDUCTIONS:
@@ -440,6 +442,17 @@ class _Walk:
         if x.dim == end:
             return Seq(start, x.merged * math.prod(src[start:end]))
         raise _Refused(f"`{_op(node)}` folds the sequence dim {x.dim} with the dims after it (to {end})")
+
+    def repeat_interleave(self, node: fx.Node):
+        """`repeat_interleave(x, r, dim)` along another dim (kv heads copied to their query heads, GQA written
+        out): each sequence position's values are repeated in place, so the split stays; along the sequence,
+        or flattened (no dim), refused."""
+        x = self.lay[node.args[0]]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim is None or dim % len(_shape(node.args[0])) == x.dim:
+            raise _Refused(f"`{_op(node)}` repeats along the sequence dim {x.dim}" if dim is not None else
+                           f"`{_op(node)}` without a dim flattens the sequence")
+        return x
 
     def slice(self, node: fx.Node):
         """`x[..., a:b]` along another dim keeps the split (rotary's halves); along the sequence it is refused."""

@@ -191,12 +191,14 @@ def test_gpt_alltoall_matches_serial(tmp_path):
 
 @pytest.mark.parametrize("method", ["ring", "alltoall"])
 def test_interleaved_rotary_matches_serial(tmp_path, method):
-    """Rotary on interleaved pairs (Meta's Llama, torchtitan: `stack((…), -1).flatten(-2)`): the stack keeps
-    the sequence split (it was refused as an op cp could not prove local); both attentions train as serial."""
+    """Rotary on interleaved pairs (Meta's Llama, torchtitan: `stack((…), -1).flatten(-2)`), kv heads
+    `repeat_interleave`d along the heads, the loss over `flatten(0, 1)`: each keeps the sequence split (each was
+    refused as an op cp could not prove local); both attentions train as serial."""
     text = _plan("cp=2").replace("context_parallel ring", f"context_parallel {method}")
     art = compile_text(text, tmp_path / "c", model=MODELS / "cp_interleaved_rotary.py")
     src = (art.root / "programs" / "stage0_tp0.py").read_text()
     assert "aten.stack.default" in src and "torch.ops.parc.cp_positions" in src
+    assert "aten.repeat_interleave.self_int" in src and "flatten.using_ints(cp_shard" in src
     _check(parallel_vs_serial(art.root, steps=3))
 
 
