@@ -62,3 +62,15 @@ def test_cp_with_tp_is_searched_and_compiles(every):
     # all-to-all scatters a tp rank's heads over cp: 32 heads / tp 8 = 4 do not divide over cp 8
     assert any(c.plan.mesh.tp == 8 and c.plan.mesh.cp == 8 and "32 heads / tp 8 = 4 are not divisible by cp 8"
                in c.reason for c in every.dropped)
+
+
+def test_cp_winner_passes_check_with_the_model(every, tmp_path, capsys):
+    """`parc check --model` measures a cp plan's memory as the planner and `parc report` price it (each rank
+    keeps T/cp tokens' activations: cp_cost.estimate_plan): the written winner is accepted. It was refused as
+    not fitting (the whole sequence's activations a rank, cp times too many)."""
+    from parc.cli import main
+
+    par = tmp_path / "winner.par"
+    par.write_text(planner.plan_text(every, "parc plan"))
+    assert main(["check", str(par), "--model", str(LONG)]) == 0, capsys.readouterr().err
+    assert "needs" not in capsys.readouterr().err

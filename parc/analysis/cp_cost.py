@@ -109,6 +109,15 @@ def groups_of(mesh) -> dict[str, list[list[int]]]:
             "cp": meshlib.groups(mesh, "cp")}
 
 
+def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
+    """The cost model's estimate of any plan from the serial model's statistics: a cp plan's through `estimate`
+    (each rank on T/cp tokens), another's through `cost.estimate`. What `parc report` prices and `parc check`
+    measures memory by, so the two cannot disagree on whether a plan fits."""
+    if plan.mesh.cp > 1:
+        return estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
+    return cost.estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
+
+
 def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
              local: dict | None = None, **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.

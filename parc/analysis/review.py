@@ -21,7 +21,7 @@ import functools
 
 from dataclasses import replace
 
-from parc.analysis import cost
+from parc.analysis import cost, cp_cost, experts
 from parc.analysis.preset_file import is_file, resolve
 from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
@@ -84,14 +84,17 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
     if stats is not None:
         name = preset or resolve(topo.preset, plan.file)
         hw = cost.hardware(name, topo)
-        est = cost.estimate(plan, stats, hw)
+        # as `parc report` prices it: a cp rank keeps T/cp tokens' activations, an ep rank its own experts
+        info = stats.get("experts")
+        held = experts.params_per_rank(info, plan.mesh.ep) if info is not None else None
+        est = cp_cost.estimate_plan(plan, stats, hw, params_per_rank=held)
         worst = max(est.memory, key=lambda row: row["total"])
         if worst["total"] > hw.memory:
             gib = cost.GiB
             parts = " + ".join(f"{k} {worst[k] / gib:.1f}" for k in ("params", "grads", "optimizer", "activations"))
             diag(f"pp rank {worst['pp_rank']} needs {parts} = {worst['total'] / gib:.1f} GiB > {hw.memory / gib:.1f} "
                  f"GiB of a {hw.name}" + ("" if name else " (assumed: no topology preset)"), "mesh",
-                 "raise zero stage or tp/pp (recompute is not implemented yet); `parc report` has the breakdown",
+                 "raise the zero stage, tp, pp or cp, or recompute layers; `parc report` has the breakdown",
                  "error" if name else "warning")
     return out
 
