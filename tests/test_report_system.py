@@ -89,6 +89,7 @@ def test_unknown_values_are_refused_by_the_cli(flag, capsys):
 
 
 def _published():
+    """bench/published.py as a module (it is a script, not a package)."""
     spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
     published = importlib.util.module_from_spec(spec)
     sys.modules["published"] = published
@@ -176,3 +177,26 @@ def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_o
     assert f_rep["utilization"]["step_seconds"] < u_rep["utilization"]["step_seconds"]
     kept = [r["memory"]["per_pp_rank"][0]["activations_bytes"] for r in (u_rep, f_rep)]
     assert kept[1] < kept[0]
+
+
+def test_torchtitans_every_second_layer_is_recomputed_as_it_ran_and_nothing_else():
+    """torchtitan's selective layer AC (`selective_ac_option = "2"`, parallelize_llama.py at 1ea476e9f) wraps a block
+    when its 1-based count is even: layers 1, 3, 5, ... by index, whole. The bench's plan recomputes exactly those
+    layers (each as one region) and no module of the others. A single glob "layers.*[13579]" did not: `*` also
+    matches dots, so it took every layer's feed_forward.w1 and w3 as recomputed modules of their own."""
+    from parc.grammar.parser import parse
+
+    published = _published()
+    rows = [r for r in published.ROWS if r.recompute == published.EVERY_SECOND]
+    assert {r.name for r in rows} == {"Llama 3 8B", "Llama 2 13B"}
+    for row in rows:
+        layers = row.shape[0]
+        plan = parse(published.plan_text(row), file="row.par")
+        wrapped = {i for i in range(layers) if (i + 1) % 2 == 0}   # torchtitan's `_count % every_x_layer == 0`
+        for i in range(layers):
+            region = f"layers.{i}" if i in wrapped else None
+            for module in ("", ".attention.wq", ".feed_forward.w1", ".feed_forward.w3", ".ffn_norm"):
+                assert plan.recompute.instance(f"layers.{i}{module}") == region, (row.name, i, module)
+    old = parse(published.plan_text(rows[0]).replace(
+        'recompute "layers.[13579]" "layers.[1-9][13579]"', 'recompute "layers.*[13579]"'), file="row.par")
+    assert old.recompute.instance("layers.0.feed_forward.w1") == "layers.0.feed_forward.w1"
