@@ -34,10 +34,12 @@ def _ring(n: int, size: float, calls: int) -> float:
     return (n - 1) / n * size / H100.intra_bw + (n - 1) * calls * H100.latency_intra
 
 
-def _windows(flops: float) -> tuple[float, float]:
-    """One micro-batch's forward and backward at the preset's efficiency (compute.fallback)."""
+def _windows(flops: float, stage: int = 1, psi: int = 0) -> tuple[float, float]:
+    """One micro-batch's forward and backward at the preset's efficiency (compute.fallback); under ZeRO-2/3 the
+    backward also lays the whole bf16 gradient out for its reduce-scatter: cat (2 read + 2 written), fp32 cast
+    (2 + 4), the divide by dp (4 + 4): 18 bytes a parameter over the memory bandwidth."""
     f = flops / (H100.flops["bf16"] * H100.achievable)
-    return f, 2 * f
+    return f, 2 * f + (18 * psi / H100.mem_bw if stage >= 2 else 0.0)
 
 
 def _hide(seconds: float, window: float) -> float:
@@ -51,7 +53,7 @@ def test_zero_exposed_seconds_by_hand(stage, flops):
     plan = parse(f"mesh dp={dp}\nbatch global={dp * acc} micro=1\nzero stage={stage}\nprecision bf16\n")
     est = cost.estimate(plan, _stats(flops, psi), H100)
     rs, ag = est.comms
-    f, b = _windows(flops)
+    f, b = _windows(flops, stage, psi)
     # bytes: the reduce-scatter moves fp32 (runtime: `reduce_dtype` None), the gathers the bf16 compute copy
     sends = acc if stage >= 2 else 1
     gathers = 2 * acc if stage == 3 else 1
@@ -122,3 +124,30 @@ def test_report_rows_for_zero_by_hand(tmp_path, stage):
     note = next(n for n in rep["notes"] if n.startswith("communication:"))
     assert f"ZeRO-{stage}'s reduce-scatters overlap" in note
     assert rep["communication"]["exposed_seconds"] < rows["reduce-scatter"]["seconds"] + rows["all-gather"]["seconds"]
+
+
+@pytest.mark.parametrize("grad_b, wire_b, low_acc, want", [
+    (2, 4, False, 2 * 2 + (2 + 4) + 2 * 4),          # bf16, fp32 reduction (the default): 18
+    (2, 2, False, 2 * 2 + (2 + 4) + 2 * 4 + (4 + 2)),  # `reduce=bf16`: cast back for the wire: 24
+    (2, 2, True, 2 * 2 + 2 * 2),                      # `accumulate=bf16` (ZeRO-2): no fp32 copy: 8
+    (4, 4, False, 2 * 4 + 2 * 4),                     # fp32: the cat and the divide: 16
+])
+def test_zero_gradient_layout_bytes_by_hand(grad_b, wire_b, low_acc, want):
+    """ZeRO-2/3's copies of a micro-batch's whole gradient before its reduce-scatter (runtime/parallel/zero.py
+    `_flat_grad`, `_reduce_scatter`): each op's bytes read and written, over the preset's memory bandwidth, on
+    every parameter of the stage, not on the rank's shard."""
+    from parc.analysis import compute
+
+    psi = 1_000_000_000
+    seconds = compute.zero_grad_seconds(H100, psi, grad_b, wire_b, low_acc)
+    assert seconds == pytest.approx(want * psi / H100.mem_bw)
+
+
+def test_zero3_backward_pays_the_gradient_layout_of_every_micro_batch():
+    """Through `cost.estimate`: ZeRO-3's compute holds 18 bytes a parameter a micro-batch beyond the fallback's
+    FLOPs (dp 1: no collectives; the copy into the shard stands in for the divide)."""
+    psi, acc = 2_000_000_000, 4
+    plan = parse(f"mesh dp=1\nbatch global={acc} micro=1\nzero stage=3\nprecision bf16\n")
+    est = cost.estimate(plan, _stats(1e14, psi), H100)
+    f, b = _windows(1e14)
+    assert est.compute_seconds == pytest.approx(acc * (f + b + 18 * psi / H100.mem_bw))

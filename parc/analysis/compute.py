@@ -283,6 +283,33 @@ def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batc
         + tensors * hw.optimizer_per_tensor
 
 
+def zero_grad_seconds(hw, params: float, grad_b: int, wire_b: int, low_acc: bool = False) -> float:
+    """Seconds of the copies ZeRO-2/3 make of one micro-batch's whole gradient before reduce-scattering it, on
+    `params` parameters (the stage's, one tp rank's share), as runtime/parallel/zero.py runs them in the backward
+    (`_launch`, `_flat_grad`, `_reduce_scatter`), each a memory-bound op on the full gradient, not on the shard:
+
+    - the bucket's gradients laid into one flat tensor (`torch.cat`): `grad_b` read and written per parameter;
+    - 16-bit gradients cast to fp32 (`.float()`: 2 read, 4 written), unless accumulated in 16 bits (`low_acc`);
+    - the average's pre-divide (`div_`, read and written in that dtype; with one dp rank, the copy into the
+      shard that stands in for the reduce-scatter, the same bytes);
+    - the cast to a narrower wire dtype (`reduce=bf16`: 4 read, 2 written).
+
+    bf16 with the fp32 reduction: 4 + 6 + 8 = 18 bytes a parameter a micro-batch. FSDP2 (what torchtitan runs)
+    does the same work in other ops: its `foreach_reduce` casts each gradient to `reduce_dtype` (6) and
+    `torch._chunk_cat`s them into the reduce-scatter input (8, on its reduce-scatter stream), and each all-gather's
+    copy-out writes the unsharded parameters (2 read, 2 written, twice a micro-batch under
+    `reshard_after_forward`): 22 bytes, 14 of them on the compute stream."""
+    ops = [2 * grad_b]
+    f = grad_b
+    if f != 4 and not low_acc:
+        ops.append(f + 4)
+        f = 4
+    ops.append(2 * f)
+    if wire_b != f:
+        ops.append(f + wire_b)
+    return sum(_mem_op(hw, "ew", params * b)[0] for b in ops) if params else 0.0
+
+
 # ---------------------------------------------------------------- from the traced graph
 
 

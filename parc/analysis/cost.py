@@ -634,6 +634,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         # a tp group across nodes is priced at the node's NICs (`_collective`): while it runs, they are busy
         tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
         f += hw.step_overhead[1]   # the runtime's own work per micro-batch (calibrated CPU; 0 elsewhere)
+        if z >= 2:   # the whole gradient laid out, cast and divided for each micro-batch's reduce-scatter
+            b += compute.zero_grad_seconds(hw, per_tp(d, "params"), act_b, dp_bytes or wire,
+                                           low_acc=z < 3 and gb == act_b)
         return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
     tp_on_nics: list[tuple[float, float]] = []   # per stage: (F, B) seconds tp holds the node's NICs
