@@ -294,11 +294,11 @@ def zero_grad_seconds(hw, params: float, grad_b: int, wire_b: int, low_acc: bool
       shard that stands in for the reduce-scatter, the same bytes);
     - the cast to a narrower wire dtype (`reduce=bf16`: 4 read, 2 written).
 
-    bf16 with the fp32 reduction: 4 + 6 + 8 = 18 bytes a parameter a micro-batch. FSDP2 (what torchtitan runs)
-    does the same work in other ops: its `foreach_reduce` casts each gradient to `reduce_dtype` (6) and
-    `torch._chunk_cat`s them into the reduce-scatter input (8, on its reduce-scatter stream), and each all-gather's
-    copy-out writes the unsharded parameters (2 read, 2 written, twice a micro-batch under
-    `reshard_after_forward`): 22 bytes, 14 of them on the compute stream."""
+    bf16 with the fp32 reduction: 4 + 6 + 8 = 18 bytes a parameter a micro-batch. FSDP2 (what torchtitan runs;
+    torch/distributed/_composable/fsdp/_fsdp_collectives.py as of 2024) does like work in other ops, all on the
+    compute stream: `foreach_reduce` chunk-cats the bf16 gradients into an fp32 reduce-scatter input (2 read,
+    4 written; NCCL averages, no divide), and each all-gather's copy-out (`split_with_sizes_copy`) writes the
+    unsharded parameters (2 read, 2 written, twice a micro-batch under `reshard_after_forward`): 14 bytes."""
     ops = [2 * grad_b]
     f = grad_b
     if f != 4 and not low_acc:
