@@ -82,8 +82,10 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # (max_seq_len × d_model of them: why the table's NumParams grows with SeqLen), biases, LayerNorm, the output
 # layer tied to the token embedding: examples/gpt.py's GPT with `tied` (bench/gpt_sized.py) has exactly the
 # table's NumParams (1b at 2048: 1,315,950,592). submit_benchmarks.py at that commit sets attn_impl "triton"
-# (llm-foundry's Triton FlashAttention: parc's flash attention, no flag) and norm_type "low_precision_layernorm"
-# (a LayerNorm run in bf16, one memory-bound op either way here). FSDP as Composer configured it: the yamls'
+# (llmfoundry/models/layers/flash_attn_triton.py: a copy of the FlashAttention written in Triton, which skips the
+# causal mask's blocks as FlashAttention-2 does but runs slower: `--attention flash-triton`, compute.py's
+# TRITON_FLASH_SLOWER from the FlashAttention-2 paper) and norm_type "low_precision_layernorm" (a LayerNorm run in
+# bf16, one memory-bound op either way here). FSDP as Composer configured it: the yamls'
 # limit_all_gathers true, Composer's own defaults for prefetching (not set by the yamls or the sweep), and the
 # gradients reduced in the table's "MP Mode": DEFAULT (Composer: params bf16, reduce_dtype fp32: `--dp-wire fp32`)
 # on the rows measured in 2023-10 with sweep.sh's image mosaicml/pytorch:2.1.0_cu121; the A100 table's two 70b rows
@@ -117,8 +119,8 @@ FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),
          TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
          TITAN_H100: (3, [], ""),
-         MPT_H100: (3, ["--dp-wire", "fp32"], ""),
-         MPT_A100: (3, ["--dp-wire", "fp32"], "")}
+         MPT_H100: (3, ["--attention", "flash-triton", "--dp-wire", "fp32"], ""),
+         MPT_A100: (3, ["--attention", "flash-triton", "--dp-wire", "fp32"], "")}
 
 
 @dataclass(frozen=True)

@@ -398,7 +398,8 @@ def parser() -> argparse.ArgumentParser:
         "bench/published.py prices the published runs with these)")
     other.add_argument("--attention", choices=System.ATTENTION, default="flash",
                        help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
-                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them)")
+                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them), "
+                            "flash-triton (FlashAttention written in Triton: llm-foundry's attn_impl triton)")
     other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")

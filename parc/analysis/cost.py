@@ -97,7 +97,9 @@ class System:
 
     - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
       (the T × T scores written out, as Megatron and DeepSpeed did before FlashAttention, 2022), or
-      "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout).
+      "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout), or
+      "flash-triton" (FlashAttention written in Triton, slower than FlashAttention-2 by a measured ratio:
+      compute.TRITON_FLASH_SLOWER; llm-foundry's attn_impl "triton", MosaicML's MPT runs).
     - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
     - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
@@ -119,7 +121,7 @@ class System:
     recompute_saves: tuple = ()
     pp_engine: str = "parc"
 
-    ATTENTION = ("flash", "materialized", "materialized-dropout")
+    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
     SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
@@ -131,7 +133,7 @@ class System:
 
     def estimate_options(self) -> dict:
         """The keyword arguments of `estimate` that price this system."""
-        return dict(attention="flash" if self.attention == "flash" else "materialized",
+        return dict(attention=self.attention if self.attention.startswith("flash") else "materialized",
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
                     dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine)
@@ -566,7 +568,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
     by default each estimate builds and simulates its own. `attention`, `attention_dropout`: the
     attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
-    "materialized" a system that writes the scores out (any before FlashAttention, 2022). `pp_engine`:
+    "materialized" a system that writes the scores out (any before FlashAttention, 2022); "flash-triton"
+    FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER). `pp_engine`:
     "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
     schedule is a 1F1B, so a plan with another is refused.
     """
@@ -831,7 +834,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         notes.append(f"in a step (calibrated in place): forward ×{f_in:.2f}, backward ×{b_in:.2f}, optimizer "
                      f"×{o_in:.2f} the tables' price; {hw.step_overhead[0] * 1e3:.2g} ms a step and "
                      f"{hw.step_overhead[1] * 1e3:.2g} ms a micro-batch of the runtime's own")
-    if attention != "flash":
+    if attention == "flash-triton":
+        fwd_x, bwd_x = compute.TRITON_FLASH_SLOWER
+        notes.append(f"attention: FlashAttention in Triton, the attention table's efficiency ÷{fwd_x:g} forward, "
+                     f"÷{bwd_x:g} backward (FlashAttention-2 paper §4.1)")
+    elif attention != "flash":
         notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
                      + (", with a dropout on the probabilities)" if attention_dropout else ")"))
     if hw.collectives:
