@@ -85,15 +85,18 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # (llmfoundry/models/layers/flash_attn_triton.py: a copy of the FlashAttention written in Triton, which skips the
 # causal mask's blocks as FlashAttention-2 does but runs slower: `--attention flash-triton`, compute.py's
 # TRITON_FLASH_SLOWER from the FlashAttention-2 paper) and norm_type "low_precision_layernorm" (a LayerNorm run in
-# bf16, one memory-bound op either way here). FSDP as Composer configured it: the yamls'
-# limit_all_gathers true, Composer's own defaults for prefetching (not set by the yamls or the sweep), and the
-# gradients reduced in the table's "MP Mode": DEFAULT (Composer: params bf16, reduce_dtype fp32: `--dp-wire fp32`)
+# bf16, one memory-bound op either way here). FSDP as Composer configured it: the yamls' limit_all_gathers true;
+# prefetching at Composer's defaults (neither the yamls nor sweep.sh set them): in mosaicml 0.16.4 (llm-foundry's
+# setup.py at that commit: >=0.16.4,<0.17; 0.14 and 0.15 the same) composer/trainer/dist_strategy.py
+# `set_fsdp_default`: backward_prefetch BACKWARD_POST (each backward gather issued after the layer before it:
+# `--zero-prefetch post`) and forward_prefetch False (FSDP's forward gathers still run ahead of the compute as the
+# host issues them: parc's forward overlap); and the gradients reduced in the table's "MP Mode": DEFAULT (Composer: params bf16, reduce_dtype fp32: `--dp-wire fp32`)
 # on the rows measured in 2023-10 with sweep.sh's image mosaicml/pytorch:2.1.0_cu121; the A100 table's two 70b rows
 # are older (unchanged from commit 300cc5c58, 2023-05, submit_benchmarks.py's then default image
 # mosaicml/pytorch:1.13.1), "bf16" "PURE" (everything in bf16, the gradients reduced in bf16: `wire="bf16"`).
 # Clusters: 8 GPUs a node; the A100 table's 1600 Gbit/s a node is the a100 preset's 8 × 25 GB/s. The H100 table
 # does not name its network: taken as the h100 preset's 8 × 50 GB/s (3200 Gbit/s a node, one 400 Gbit/s NIC a GPU,
-# the usual H100 cluster of 2023), an assumption; 37 of its 43 rows ran on one node of 8, where it does not enter.
+# the usual H100 cluster of 2023), an assumption; 30 of its 43 rows ran on one node of 8, where it does not enter.
 # Rows of 1b and larger only; every row of the two tables at those sizes is here.
 MPT_H100 = "MosaicML MPT benchmarks (H100)"
 MPT_A100 = "MosaicML MPT benchmarks (A100)"
@@ -114,13 +117,16 @@ OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-ga
 # each send and receive blocking both ranks (deepspeed/runtime/pipe/schedule.py and p2p.py, 2021; its activations
 # and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above)
 DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
+# MosaicML's MPT runs (above): llm-foundry's Triton FlashAttention, FSDP's BACKWARD_POST, fp32 gradient reduction
+# (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`)
+MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),
          TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
          TITAN_H100: (3, [], ""),
-         MPT_H100: (3, ["--attention", "flash-triton", "--dp-wire", "fp32"], ""),
-         MPT_A100: (3, ["--attention", "flash-triton", "--dp-wire", "fp32"], "")}
+         MPT_H100: (3, MOSAIC, ""),
+         MPT_A100: (3, MOSAIC, "")}
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,45 @@ def test_report_flag_prices_only_the_attention(tmp_path, monkeypatch):
     assert grow == pytest.approx((tf - f) + (tb - b), rel=1e-6)
     assert any("FlashAttention in Triton" in n for n in triton["notes"])
     assert any("another system's run" in n and "attention flash-triton" in n for n in triton["notes"])
+
+
+# ---------------------------------------------------------------- ZeRO-3's backward gathers under BACKWARD_POST
+
+
+def test_backward_post_exposes_every_backward_gather_by_hand():
+    """ZeRO-3, 4 micro-batches, 10 buckets: a step's gathers 8 s (2 a micro-batch: 1 forward, 1 backward),
+    reduce-scatters 4 s (1 a micro-batch), a micro-batch's forward 3 s and backward 6 s. Prefetched (parc, FSDP's
+    BACKWARD_PRE) everything fits its window and only one bucket's share of each waits: 4 × (1/10 + 2/10).
+    BACKWARD_POST: the backward's gather waits whole, 4 × (1/10 + 1 + 1/10)."""
+    pre = cost.zero_exposed(3, rs=4.0, ag=8.0, acc=4, units=10, fwd=3.0, bwd=6.0)
+    post = cost.zero_exposed(3, rs=4.0, ag=8.0, acc=4, units=10, fwd=3.0, bwd=6.0, backward_prefetch=False)
+    assert pre == pytest.approx(4 * (0.1 + 0.2))
+    assert post == pytest.approx(4 * (0.1 + 1.0 + 0.1))
+    # a backward too short for its reduce-scatter: the rest of it waits too, prefetched or not
+    assert cost.zero_exposed(3, rs=4.0, ag=8.0, acc=4, units=10, fwd=3.0, bwd=0.4, backward_prefetch=False) == \
+        pytest.approx(4 * (0.1 + 1.0 + 0.6))
+    # stages 1-2 gather once a step, after the optimizer: no backward gather to prefetch
+    assert cost.zero_exposed(2, rs=4.0, ag=8.0, acc=4, units=10, fwd=3.0, bwd=6.0, backward_prefetch=False) == \
+        cost.zero_exposed(2, rs=4.0, ag=8.0, acc=4, units=10, fwd=3.0, bwd=6.0)
+
+
+def test_report_zero_prefetch_post_adds_the_backward_gathers(tmp_path, monkeypatch):
+    """Through `parc report`, ZeRO-3 over 16 A100s on 2 nodes: --zero-prefetch post grows the exposed dp time by
+    the backward's gathers (half the step's all-gather seconds) less what the prefetched pricing already left
+    exposed of them, and only that; the report says so."""
+    monkeypatch.setenv("PARC_BENCH_GPT", "4,2048,16,50368,2048,tied")
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=16\ntopology nodes=2 gpus_per_node=8 preset=a100\nbatch global=32 micro=1\n"
+                    "zero stage=3\nprecision bf16\n")
+
+    def rep(*flags):
+        return report.build_from_args(cli.parser().parse_args(["report", "--model", str(SIZED), "--plan",
+                                                               str(plan), *flags]))
+    pre, post = rep(), rep("--zero-prefetch", "post")
+    assert pre["utilization"]["compute_seconds"] == post["utilization"]["compute_seconds"]
+    ag = sum(r["seconds"] for r in pre["communication"]["rows"] if r["collective"] == "all-gather")
+    grow = post["communication"]["exposed_parts"]["dp"] - pre["communication"]["exposed_parts"]["dp"]
+    assert 0 < grow <= ag / 2 * (1 + 1e-9)
+    assert post["utilization"]["step_seconds"] - pre["utilization"]["step_seconds"] == pytest.approx(grow)
+    assert any("BACKWARD_POST" in n for n in post["notes"])
+    assert any("ZeRO-3 backward prefetch post" in n for n in post["notes"])
