@@ -71,6 +71,35 @@ TITAN_A100 = "torchtitan docs/performance.md (A100)"
 # 500 W power limit; the preset's sustained-matmul cap is the one measured at 700 W (no figure at 500 W was
 # found), so the rows stay optimistic by whatever the lower limit costs.
 TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
+# MosaicML's MPT benchmarks (github.com/mosaicml/llm-foundry, scripts/train/benchmarking/README.md, tables "H100
+# 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)", written by commit b2a43a147, 2023-10-19,
+# unchanged since): MPT trained by Composer under PyTorch FSDP, "Sharding Strategy FULL_SHARD" (ZeRO-3 over all the
+# run's GPUs), "Throughput (T/s/GPU)" tokens per second per GPU, each row's MicroBatchSize, GradAccum and
+# GlobalBatchSize (global = GPUs × micro × accum on every row taken) and "Activation Checkpointing" True (every
+# MPTBlock: `recompute "blocks.*"`) or False. The shapes: scripts/train/yamls/pretrain/mpt-{1b,3b,7b,13b,30b,70b}.yaml
+# at that commit (d_model, n_heads, n_layers: 2048/16/24, 2560/20/32, 4096/32/32, 5120/40/40, 7168/56/48,
+# 8192/64/80; expansion_ratio 4, vocab_size 50368), llm-foundry's MPT of then: GELU MLP, learned positions
+# (max_seq_len × d_model of them: why the table's NumParams grows with SeqLen), biases, LayerNorm, the output
+# layer tied to the token embedding: examples/gpt.py's GPT with `tied` (bench/gpt_sized.py) has exactly the
+# table's NumParams (1b at 2048: 1,315,950,592). submit_benchmarks.py at that commit sets attn_impl "triton"
+# (llmfoundry/models/layers/flash_attn_triton.py: a copy of the FlashAttention written in Triton, which skips the
+# causal mask's blocks as FlashAttention-2 does but runs slower: `--attention flash-triton`, compute.py's
+# TRITON_FLASH_SLOWER from the FlashAttention-2 paper) and norm_type "low_precision_layernorm" (a LayerNorm run in
+# bf16, one memory-bound op either way here). FSDP as Composer configured it: the yamls' limit_all_gathers true;
+# prefetching at Composer's defaults (neither the yamls nor sweep.sh set them): in mosaicml 0.16.4 (llm-foundry's
+# setup.py at that commit: >=0.16.4,<0.17; 0.14 and 0.15 the same) composer/trainer/dist_strategy.py
+# `set_fsdp_default`: backward_prefetch BACKWARD_POST (each backward gather issued after the layer before it:
+# `--zero-prefetch post`) and forward_prefetch False (FSDP's forward gathers still run ahead of the compute as the
+# host issues them: parc's forward overlap); and the gradients reduced in the table's "MP Mode": DEFAULT (Composer: params bf16, reduce_dtype fp32: `--dp-wire fp32`)
+# on the rows measured in 2023-10 with sweep.sh's image mosaicml/pytorch:2.1.0_cu121; the A100 table's two 70b rows
+# are older (unchanged from commit 300cc5c58, 2023-05, submit_benchmarks.py's then default image
+# mosaicml/pytorch:1.13.1), "bf16" "PURE" (everything in bf16, the gradients reduced in bf16: `wire="bf16"`).
+# Clusters: 8 GPUs a node; the A100 table's 1600 Gbit/s a node is the a100 preset's 8 × 25 GB/s. The H100 table
+# does not name its network: taken as the h100 preset's 8 × 50 GB/s (3200 Gbit/s a node, one 400 Gbit/s NIC a GPU,
+# the usual H100 cluster of 2023), an assumption; 30 of its 43 rows ran on one node of 8, where it does not enter.
+# Rows of 1b and larger only; every row of the two tables at those sizes is here.
+MPT_H100 = "MosaicML MPT benchmarks (H100)"
+MPT_A100 = "MosaicML MPT benchmarks (A100)"
 # What each system ran beyond the plan, as `parc report` flags (its "another system's run" group), and its ZeRO
 # stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows,
 # above), sent pipeline values as scatter/gather, and computed attention materialised with dropout on the
@@ -88,11 +117,16 @@ OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-ga
 # each send and receive blocking both ranks (deepspeed/runtime/pipe/schedule.py and p2p.py, 2021; its activations
 # and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above)
 DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
+# MosaicML's MPT runs (above): llm-foundry's Triton FlashAttention, FSDP's BACKWARD_POST, fp32 gradient reduction
+# (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`)
+MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),
          TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
-         TITAN_H100: (3, [], "")}
+         TITAN_H100: (3, [], ""),
+         MPT_H100: (3, MOSAIC, ""),
+         MPT_A100: (3, MOSAIC, "")}
 
 
 @dataclass(frozen=True)
@@ -114,6 +148,8 @@ class Row:
     saves: str = ""               # op-level checkpointing in the recomputed regions (`--recompute-saves`)
     virtual: int = 1              # virtual stages a pp rank (the interleaved 1F1B schedule when > 1)
     dp_overlap: bool = True       # dp's gradient reduction under the backward (else after it: `--no-dp-overlap`)
+    tied: bool = False            # gpt: the output layer tied to the token embedding (bench/gpt_sized.py's `tied`)
+    wire: str = ""                # the row's own gradient wire dtype (`--dp-wire`), over its source's
 
     @property
     def params(self) -> float:
@@ -203,6 +239,57 @@ ROWS = [
         saves=TITAN_OP_SAVES),
 ]
 
+MPT_SHAPES = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
+              "30b": (48, 7168, 56), "70b": (80, 8192, 64)}   # n_layers, d_model, n_heads (the yamls above)
+
+
+def _mpt(source, size, seq, gpus, micro, accum, batch, tokens, ckpt, wire=""):
+    """One row of MosaicML's tables: model, SeqLen, # GPUs, MicroBatchSize, GradAccum, GlobalBatchSize,
+    Throughput (T/s/GPU), Activation Checkpointing; FULL_SHARD over all the GPUs."""
+    if gpus * micro * accum != batch:
+        raise ValueError(f"MPT {size} seq {seq}: {gpus} GPUs × micro {micro} × accum {accum} != global {batch}")
+    layers, d, heads = MPT_SHAPES[size]
+    return Row(f"MPT {size.upper()} s{seq}", source, "gpt", (layers, d, heads, 50368, seq), 1, 1, gpus, batch, micro,
+               tokens, "tokens/s", "h100" if source == MPT_H100 else "a100", "blocks.*" if ckpt else "",
+               tied=True, wire=wire)
+
+
+T, F = True, False
+ROWS += [_mpt(MPT_H100, *r) for r in [
+    # model, SeqLen, # GPUs, MicroBatchSize, GradAccum, GlobalBatchSize, T/s/GPU, Activation Checkpointing
+    ("70b", 2048, 64, 8, 4, 2048, 1039, T), ("70b", 2048, 32, 2, 16, 1024, 882, T),
+    ("30b", 8192, 8, 1, 21, 168, 1384, T), ("30b", 4096, 8, 1, 21, 168, 1802, T),
+    ("30b", 2048, 32, 14, 3, 1344, 2308, T), ("30b", 2048, 16, 10, 3, 480, 2263, T),
+    ("30b", 2048, 8, 3, 21, 504, 2002, T), ("30b", 1024, 8, 6, 21, 1008, 2084, T),
+    ("13b", 32768, 8, 1, 3, 24, 1976, T), ("13b", 16384, 8, 3, 3, 72, 2985, T), ("13b", 4096, 8, 10, 3, 240, 4717, T),
+    ("13b", 2048, 64, 2, 1, 128, 4800, F), ("13b", 2048, 32, 2, 1, 64, 4811, F), ("13b", 2048, 16, 2, 1, 32, 4767, F),
+    ("13b", 2048, 8, 2, 1, 16, 4792, F), ("13b", 1024, 8, 40, 3, 960, 5502, T),
+    ("7b", 65536, 8, 1, 2, 16, 1956, T), ("7b", 32768, 8, 2, 2, 32, 3318, T), ("7b", 8192, 8, 8, 2, 128, 6935, T),
+    ("7b", 4096, 8, 16, 2, 256, 8611, T), ("7b", 2048, 8, 6, 1, 48, 10643, F), ("7b", 1024, 8, 64, 2, 1024, 10203, T),
+    ("3b", 65536, 8, 1, 2, 16, 3262, T), ("3b", 32768, 8, 3, 6, 144, 5873, T), ("3b", 16384, 8, 1, 6, 48, 11152, F),
+    ("3b", 8192, 8, 3, 6, 144, 16578, F), ("3b", 4096, 8, 5, 6, 240, 20964, F), ("3b", 2048, 64, 6, 3, 1152, 22525, F),
+    ("3b", 2048, 32, 6, 3, 576, 23021, F), ("3b", 2048, 16, 10, 3, 480, 24142, F), ("3b", 1024, 8, 20, 6, 960, 27046, F),
+    ("3b", 512, 8, 40, 6, 1920, 27965, F),
+    ("1b", 65536, 8, 1, 2, 16, 5506, T), ("1b", 32768, 8, 1, 4, 32, 12025, F), ("1b", 16384, 8, 2, 4, 64, 19649, F),
+    ("1b", 8192, 8, 3, 4, 96, 29157, F), ("1b", 4096, 8, 7, 4, 224, 38535, F), ("1b", 2048, 64, 20, 1, 1280, 44402, F),
+    ("1b", 2048, 32, 20, 1, 640, 45130, F), ("1b", 2048, 16, 20, 1, 320, 46037, F), ("1b", 2048, 8, 14, 1, 112, 45455, F),
+    ("1b", 1024, 8, 18, 4, 576, 48910, F), ("1b", 512, 8, 56, 4, 1792, 52275, F)]]
+ROWS += [_mpt(MPT_A100, *r) for r in [
+    ("70b", 2048, 64, 8, 4, 2048, 410, T, "bf16"), ("70b", 2048, 32, 2, 16, 1024, 373, T, "bf16"),
+    ("30b", 8192, 8, 1, 21, 168, 574, T), ("30b", 4096, 8, 1, 21, 168, 814, T), ("30b", 2048, 8, 3, 21, 504, 916, T),
+    ("30b", 1024, 8, 6, 21, 1008, 946, T), ("30b", 512, 8, 12, 21, 2016, 967, T),
+    ("13b", 32768, 8, 1, 3, 24, 1016, T), ("13b", 16384, 8, 3, 3, 72, 1431, T), ("13b", 8192, 8, 5, 3, 120, 1795, T),
+    ("13b", 4096, 8, 10, 3, 240, 2060, T), ("13b", 2048, 8, 2, 3, 48, 2262, F), ("13b", 1024, 8, 40, 3, 960, 2330, T),
+    ("7b", 65536, 8, 1, 2, 16, 1013, T), ("7b", 32768, 8, 2, 2, 32, 1672, T), ("7b", 16384, 8, 4, 2, 64, 2453, T),
+    ("7b", 8192, 8, 8, 2, 128, 3206, T), ("7b", 4096, 8, 16, 2, 256, 3684, T), ("7b", 2048, 8, 6, 2, 96, 4641, F),
+    ("7b", 1024, 8, 64, 2, 1024, 4357, T),
+    ("3b", 65536, 8, 1, 2, 16, 1767, T), ("3b", 32768, 8, 3, 6, 144, 3029, T), ("3b", 16384, 8, 1, 6, 48, 5529, F),
+    ("3b", 8192, 8, 3, 6, 144, 7695, F), ("3b", 4096, 8, 5, 6, 240, 9457, F), ("3b", 2048, 8, 10, 2, 160, 10811, F),
+    ("3b", 1024, 8, 20, 6, 960, 11580, F), ("3b", 512, 8, 40, 6, 1920, 12127, F),
+    ("1b", 65536, 8, 1, 2, 16, 3044, T), ("1b", 32768, 8, 1, 4, 32, 6275, F), ("1b", 16384, 8, 2, 4, 64, 9956, F),
+    ("1b", 8192, 8, 3, 4, 96, 13814, F), ("1b", 4096, 8, 7, 4, 224, 17807, F), ("1b", 2048, 8, 14, 4, 448, 20513, F),
+    ("1b", 1024, 8, 18, 4, 576, 22112, F), ("1b", 512, 8, 56, 4, 1792, 23148, F)]]
+
 
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
@@ -252,9 +339,9 @@ def plan_text(row: Row) -> str:
 
 def report_flags(row: Row) -> list[str]:
     """The `parc report` flags that state the row's system: its source's (`FLAGS`), then its own (op-level
-    checkpointing, dp's reduction after the backward)."""
+    checkpointing, dp's reduction after the backward, its gradients' wire dtype: the last --dp-wire wins)."""
     return [*FLAGS[row.source][1], *(("--recompute-saves", row.saves) if row.saves else ()),
-            *(() if row.dp_overlap else ("--no-dp-overlap",))]
+            *(() if row.dp_overlap else ("--no-dp-overlap",)), *(("--dp-wire", row.wire) if row.wire else ())]
 
 
 def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
@@ -264,7 +351,8 @@ def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
     from parc.cli import parser
 
     env = "PARC_BENCH_GPT" if row.arch == "gpt" else "PARC_BENCH_LLAMA"
-    os.environ[env] = ",".join(map(str, row.shape + (("fused",) if row.fused_norm else ())))
+    os.environ[env] = ",".join(map(str, row.shape + (("fused",) if row.fused_norm else ()) +
+                                   (("tied",) if row.tied else ())))
     with tempfile.TemporaryDirectory() as tmp:
         par = Path(tmp) / f"{row.name.replace(' ', '_')}.par"
         par.write_text(plan_text(row))

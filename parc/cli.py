@@ -28,8 +28,8 @@ into one readable program per rank, then runs them under torchrun.
   parc export  checkpoints/ -o hf-model/ --hf compiled/        a Hugging Face directory (from_pretrained)
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
-               (--attention, --pp-sends, --pp-engine, --no-dp-overlap, --dp-wire, --nics, --recompute-saves:
-               price another framework's run)
+               (--attention, --pp-sends, --pp-engine, --no-dp-overlap, --zero-prefetch, --dp-wire, --nics,
+               --recompute-saves: price another framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
@@ -398,7 +398,8 @@ def parser() -> argparse.ArgumentParser:
         "bench/published.py prices the published runs with these)")
     other.add_argument("--attention", choices=System.ATTENTION, default="flash",
                        help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
-                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them)")
+                            "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them), "
+                            "flash-triton (FlashAttention written in Triton: llm-foundry's attn_impl triton)")
     other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")
@@ -408,6 +409,10 @@ def parser() -> argparse.ArgumentParser:
                             "TrainSchedule's order, each send and receive blocking both ranks; 1F1B plans only)")
     other.add_argument("--no-dp-overlap", action="store_true",
                        help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
+    other.add_argument("--zero-prefetch", choices=System.ZERO_PREFETCH, default="pre",
+                       help="when ZeRO-3 gathers the next layer in the backward: pre (parc; PyTorch FSDP's "
+                            "BACKWARD_PRE: under the current layer's gradients) or post (FSDP's BACKWARD_POST, "
+                            "Composer's default: after them, so each backward gather is exposed)")
     other.add_argument("--dp-wire", choices=tuple(System.WIRE),
                        help="dtype of gradients on the dp wire (default: the plan's precision layout)")
     other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "

@@ -16,7 +16,8 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   the masked half), the backward 2.5× the forward (flash recomputes QKᵀ: five
   matmuls to the forward's two); efficiency from the preset's attention table.
   `attention="materialized"` prices a system that writes the scores out instead
-  (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs).
+  (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs); `"flash-triton"`
+  the FlashAttention written in Triton (`TRITON_FLASH_SLOWER`: MosaicML's MPT runs).
 - `mem`: every other op that makes a value, as [kind, bytes, sharded, recomputed,
   count]: bytes read and written by the op in the forward (dtypes as autocast
   runs them); `kind` (`mem_kind`) says what work the op does per byte: an
@@ -126,6 +127,16 @@ def mem_seconds(hw, kind: str, nbytes: float) -> tuple[float, float] | None:
 # ---------------------------------------------------------------- per stage
 
 
+# FlashAttention in Triton (flash_attn_triton.py of Dao-AILab/flash-attention, after Tillet's Triton tutorial;
+# llm-foundry's attn_impl "triton" runs a copy of it), priced against the FlashAttention-2 table it is measured
+# beside: "FlashAttention-2 is around 1.3-1.5× faster than FlashAttention in Triton in the forward pass and around
+# 2× faster in the backward pass" (Dao, FlashAttention-2, arXiv:2307.08691 §4.1, A100 80GB SXM4, causal and not,
+# head sizes 64 and 128, sequences 512 to 16k). (forward, backward) divisors of the table's efficiency: the
+# forward range's middle, and the backward's figure. Measured on the A100; an H100 preset applies them as they
+# are (no measurement of the Triton kernel on an H100 beside FlashAttention-2 was found).
+TRITON_FLASH_SLOWER = (1.4, 2.0)
+
+
 def _peak(hw, dtype: str) -> float:
     return hw.flops.get(dtype, hw.flops["fp32"])
 
@@ -166,9 +177,10 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
     """(forward, backward) seconds of one micro-batch on one tp rank of a stage; recompute inside backward.
 
     `attention`: the kernel the run's attention uses: "flash" (a fused kernel, what
-    scaled_dot_product_attention runs on a GPU: the attention table) or "materialized" (the scores
-    written out, as every system before FlashAttention, 2022: `materialized_attention`), with a
-    dropout on the probabilities when `attention_dropout`."""
+    scaled_dot_product_attention runs on a GPU: the attention table), "flash-triton" (FlashAttention
+    written in Triton: the table's efficiency over `TRITON_FLASH_SLOWER`, forward and backward apart) or
+    "materialized" (the scores written out, as every system before FlashAttention, 2022:
+    `materialized_attention`), with a dropout on the probabilities when `attention_dropout`."""
     fwd = bwd = 0.0
     for b, m, n, k, split, rec, count in ops.get("mm", ()):
         if tp > 1 and split:
@@ -182,14 +194,15 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
     for bh, t, hs, causal, split, rec, count in ops.get("attn", ()):
         if tp > 1 and split:
             bh = bh / tp
-        if attention != "flash":
+        if attention == "materialized":
             f, bk = materialized_attention(hw, dtype, bh, t, hs, attention_dropout)
             fwd += count * f
             bwd += count * (bk + (f if rec else 0.0))
             continue
         flops = 4 * bh * t * t * hs * (0.5 if causal else 1.0)
-        f, bk = _op(hw, "attn", flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
-                    [2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
+        slower = TRITON_FLASH_SLOWER if attention == "flash-triton" else (1.0, 1.0)
+        f, bk = _op(hw, "attn", slower[0] * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
+                    [slower[1] * 2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
     for kind, nbytes, sharded, rec, count in _mem_rows(ops):

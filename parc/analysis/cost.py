@@ -91,13 +91,15 @@ class Hardware:
 @dataclass(frozen=True)
 class System:
     """What the priced run does differently from parc's runtime: the options `parc report` takes to price a
-    run of another framework (its CLI flags --attention, --pp-sends, --pp-engine, --no-dp-overlap, --dp-wire,
-    --nics, --recompute-saves), and bench/published.py's published runs through that same path. The default is
-    parc's own runtime.
+    run of another framework (its CLI flags --attention, --pp-sends, --pp-engine, --no-dp-overlap, --zero-prefetch,
+    --dp-wire, --nics, --recompute-saves), and bench/published.py's published runs through that same path. The
+    default is parc's own runtime.
 
     - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
       (the T × T scores written out, as Megatron and DeepSpeed did before FlashAttention, 2022), or
-      "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout).
+      "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout), or
+      "flash-triton" (FlashAttention written in Triton, slower than FlashAttention-2 by a measured ratio:
+      compute.TRITON_FLASH_SLOWER; llm-foundry's attn_impl "triton", MosaicML's MPT runs).
     - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
     - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
@@ -106,6 +108,11 @@ class System:
     - `dp_overlap`: False for a system whose dp all-reduce (or ZeRO's collectives) waits for the whole backward.
     - `dp_wire`: the dtype of gradients on the dp wire ("fp32", "bf16", "fp16"); None: the plan's layout.
     - `nics`: network links per node (0: the preset's, one per GPU), each at the topology's `inter=`.
+    - `zero_prefetch`: when ZeRO-3 gathers the next layer in the backward. "pre" (parc; PyTorch FSDP's
+      BackwardPrefetch.BACKWARD_PRE): before the current layer's gradient computation, so the gather runs under
+      it. "post" (FSDP's BACKWARD_POST, Composer's default): after it, "the next all-gather is reordered to be
+      before the current reduce-scatter" (torch/distributed/fsdp/api.py), so the next layer's backward waits
+      for its whole gather: every backward gather is exposed; the reduce-scatters still run under compute.
     - `recompute_saves`: op-level selective checkpointing inside the plan's recomputed regions: the op classes
       whose outputs the system saves in the forward (`SAVES`: "matmul", "matmul-odd", "attention";
       torchtitan's op policy is matmul-odd and attention), every other op of the region run again in the
@@ -118,10 +125,12 @@ class System:
     nics: int = 0
     recompute_saves: tuple = ()
     pp_engine: str = "parc"
+    zero_prefetch: str = "pre"
 
-    ATTENTION = ("flash", "materialized", "materialized-dropout")
+    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
+    ZERO_PREFETCH = ("pre", "post")
     SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
     WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -131,10 +140,11 @@ class System:
 
     def estimate_options(self) -> dict:
         """The keyword arguments of `estimate` that price this system."""
-        return dict(attention="flash" if self.attention == "flash" else "materialized",
+        return dict(attention=self.attention if self.attention.startswith("flash") else "materialized",
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
-                    dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine)
+                    dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine,
+                    zero_backward_prefetch=self.zero_prefetch == "pre")
 
     def notes(self) -> list[str]:
         """The report's line saying which options differ from parc's runtime (none: no line)."""
@@ -143,7 +153,8 @@ class System:
                                           ("pp engine", self.pp_engine, "parc"),
                                           ("dp overlap", "off" if not self.dp_overlap else "on", "on"),
                                           ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0),
-                                          ("recompute saves", ",".join(self.recompute_saves), ""))
+                                          ("recompute saves", ",".join(self.recompute_saves), ""),
+                                          ("ZeRO-3 backward prefetch", self.zero_prefetch, "pre"))
                 if v != d]
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
@@ -555,7 +566,7 @@ def _by_size(rows: list[tuple[float, float]], size: float) -> float:
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
              dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None, attention: str = "flash",
-             attention_dropout: bool = False, pp_engine: str = "parc") -> Estimate:
+             attention_dropout: bool = False, pp_engine: str = "parc", zero_backward_prefetch: bool = True) -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -566,9 +577,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     `schedules`: a `parc.analysis.schedules.Schedules` memo shared by many estimates (the planner's);
     by default each estimate builds and simulates its own. `attention`, `attention_dropout`: the
     attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
-    "materialized" a system that writes the scores out (any before FlashAttention, 2022). `pp_engine`:
+    "materialized" a system that writes the scores out (any before FlashAttention, 2022); "flash-triton"
+    FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER). `pp_engine`:
     "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
-    schedule is a 1F1B, so a plan with another is refused.
+    schedule is a 1F1B, so a plan with another is refused. `zero_backward_prefetch=False`: ZeRO-3's backward
+    gathers are issued after each layer's gradient computation, exposed (`System.zero_prefetch` "post").
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
@@ -767,7 +780,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         rs_s, ag_s, replicas_s = (sum(c.seconds for c in comms if c.axis == "dp" and c.collective == name)
                                   for name in ("reduce-scatter", "all-gather", "all-reduce"))
         # HSDP's all-reduce over the replicas runs in `finish`, after the last reduce-scatter: not overlapped
-        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd) + replicas_s
+        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd, zero_backward_prefetch) + replicas_s
     else:
         dp_exposed = dp_time
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
@@ -793,7 +806,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
     overlap = "plain dp's bucket all-reduces overlap the last micro-batch's backward, all but the last " \
         "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
-        if z == 0 else _zero_overlap_note(z, units) if overlap_dp \
+        if z == 0 else _zero_overlap_note(z, units, zero_backward_prefetch) if overlap_dp \
         else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
     if overlap_dp and dp > 1 and any(f + b for f, b in nic):
         overlap += ("; tp's groups cross nodes and hold the NICs dp's collectives need, so those overlap "
@@ -834,7 +847,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         notes.append(f"in a step (calibrated in place): forward ×{f_in:.2f}, backward ×{b_in:.2f}, optimizer "
                      f"×{o_in:.2f} the tables' price; {hw.step_overhead[0] * 1e3:.2g} ms a step and "
                      f"{hw.step_overhead[1] * 1e3:.2g} ms a micro-batch of the runtime's own")
-    if attention != "flash":
+    if attention == "flash-triton":
+        fwd_x, bwd_x = compute.TRITON_FLASH_SLOWER
+        notes.append(f"attention: FlashAttention in Triton, the attention table's efficiency ÷{fwd_x:g} forward, "
+                     f"÷{bwd_x:g} backward (FlashAttention-2 paper §4.1)")
+    elif attention != "flash":
         notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
                      + (", with a dropout on the probabilities)" if attention_dropout else ")"))
     if hw.collectives:
@@ -884,7 +901,8 @@ def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_byte
     return out
 
 
-def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: float, bwd: float) -> float:
+def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: float, bwd: float,
+                 backward_prefetch: bool = True) -> float:
     """Seconds of ZeRO's dp collectives compute does not hide, as runtime/parallel/zero.py overlaps them
     ("Overlap"): `rs`, `ag` the step's reduce-scatter and all-gather seconds, `fwd`, `bwd` one micro-batch's
     forward and backward on the rank, `units` its buckets.
@@ -895,12 +913,17 @@ def zero_exposed(stage: int, rs: float, ag: float, acc: int, units: int, fwd: fl
     its last bucket). Stage 1: one reduce-scatter under the last backward; stage 2: one per micro-batch,
     each under its backward; stages 1–2: the post-step gather under the next step's first forward (compiled
     programs too). Stage 3, every micro-batch: half the gathers
-    under its forward, the other half with its reduce-scatter under its backward (one link for both)."""
+    under its forward, the other half with its reduce-scatter under its backward (one link for both).
+    Without `backward_prefetch` (PyTorch FSDP's BACKWARD_POST: `System.zero_prefetch`) each backward gather is
+    issued only after the layer before it finished its gradients, and waits whole: the backward's gathers are
+    all exposed, its reduce-scatters run under its compute."""
     def exposed(seconds: float, window: float) -> float:
         return max(seconds - window, seconds / units) if seconds > 0 else 0.0
 
     if stage == 3:
         gather = ag / (2 * acc)
+        if not backward_prefetch:
+            return acc * (exposed(gather, fwd) + gather + exposed(rs / acc, bwd))
         return acc * (exposed(gather, fwd) + exposed(gather + rs / acc, bwd))
     reduced = acc * exposed(rs / acc, bwd) if stage == 2 else exposed(rs, bwd)
     return reduced + exposed(ag, fwd)
@@ -919,10 +942,13 @@ def _zero_working(stage: int, held: list[dict], params: float, gather_b: int, wi
     return largest * wire_b + (2 * largest * gather_b if stage == 3 else 0)
 
 
-def _zero_overlap_note(stage: int, units: int) -> str:
+def _zero_overlap_note(stage: int, units: int, backward_prefetch: bool = True) -> str:
     """The report's line on how ZeRO's collectives are priced (`zero_exposed`)."""
     rs = "in each micro-batch's backward" if stage >= 2 else "in the last micro-batch's backward"
-    if stage == 3:
+    if stage == 3 and not backward_prefetch:
+        ag = ("its all-gathers overlap each micro-batch's forward; in the backward each is issued after the layer "
+              "before it (FSDP's BACKWARD_POST) and waits whole, exposed")
+    elif stage == 3:
         ag = "its all-gathers overlap each micro-batch's forward and backward, prefetching one layer ahead"
     else:
         ag = "its post-step all-gathers overlap the next step's forward, each layer waiting for its own bucket"

@@ -125,7 +125,7 @@ def system_of(args) -> cost.System:
     saves = tuple(x for x in (args.recompute_saves or "").split(",") if x)
     return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
                        dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves,
-                       pp_engine=args.pp_engine)
+                       pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch)
 
 
 def build_from_args(args) -> dict:
