@@ -512,6 +512,8 @@ def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
             out.error(f"{where} pattern \"{pattern}\" matches no module", out.at(key, node),
                       ("closest module paths: " + ", ".join(close) + "; " if close else
                        "" if paths else "the model has no modules; ") + f'mark it "{pattern}"? if it may match none')
+    for i, pattern in enumerate(rc.patterns):
+        _check_recompute_depths(pattern, paths, out, out.at(f"recompute.patterns[{i}]", rc))
     if plan.pipeline is not None and plan.pipeline.cuts:
         for cut in plan.pipeline.cuts:
             if cut.path and cut.path not in paths:
@@ -519,6 +521,29 @@ def _check_patterns(plan: Plan, out: _Report, paths: list[str]) -> None:
                 close = difflib.get_close_matches(cut.path, paths, n=3, cutoff=0.0) if suggested <= 20 else []
                 out.error(f"cut {cut.where} \"{cut.path}\": no module has this path", out.at("", cut),
                           "closest module paths: " + ", ".join(close) if close else None)
+
+
+def _check_recompute_depths(pattern: str, paths: list[str], out: _Report, span: Span | None) -> None:
+    """A recompute glob whose regions sit at different depths is a warning: a glob's `*` also matches dots, so
+    `"layers.*[13579]"` meant for the odd layers also makes `layers.0.feed_forward.w1` a region of its own
+    (bench/published.py recomputed 45% of the even layers' matmuls that way). A region is the outermost module
+    the glob matches on a path (passes/recompute.py)."""
+    regions = {p for p in paths if fnmatchcase(p, pattern)}
+    regions = sorted(p for p in regions if not any(fnmatchcase(a, pattern) for a in _ancestors(p)))
+    by_depth: dict[int, str] = {}
+    for p in regions:
+        by_depth.setdefault(p.count("."), p)
+    if len(by_depth) > 1:
+        shown = ", ".join(f"`{by_depth[d]}`" for d in sorted(by_depth))
+        out.warn(f"recompute pattern \"{pattern}\" makes regions of modules at {len(by_depth)} depths ({shown}): "
+                 "a glob's `*` also matches dots", span,
+                 "match one depth per pattern (e.g. \"layers.[13579]\" \"layers.[1-9][13579]\" for odd layers), or "
+                 "list the modules you mean")
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
 
 
 def _check_expert_parallel(plan: Plan, out: _Report) -> None:

@@ -183,6 +183,21 @@ def test_pattern_matching_no_module_is_an_error_with_the_closest_paths():
                       'mark it "blocks.*.atn.qkv"? if it may match none')
 
 
+def test_recompute_glob_reaching_inside_modules_it_skips_is_warned_about():
+    """`*` matches dots: "layers.*[13579]" meant for the odd layers also makes the even layers' `w1` and `w3`
+    regions of their own. Warned at the pattern, naming one region of each depth; one depth is quiet."""
+    paths = [p for i in range(4) for p in (f"layers.{i}", f"layers.{i}.attention", f"layers.{i}.attention.wq",
+                                           f"layers.{i}.feed_forward", f"layers.{i}.feed_forward.w1",
+                                           f"layers.{i}.feed_forward.w3")]
+    plan = parse('mesh\nrecompute "layers.*[13579]"\n', "t.par")
+    [w] = validate(plan, module_paths=paths)
+    assert (w.severity, w.span.line, w.span.col) == ("warning", 2, 11)
+    assert w.message == ('recompute pattern "layers.*[13579]" makes regions of modules at 2 depths (`layers.1`, '
+                         '`layers.0.feed_forward.w1`): a glob\'s `*` also matches dots')
+    assert validate(parse('mesh\nrecompute "layers.[13579]"\n'), module_paths=paths) == []
+    assert validate(parse('mesh\nrecompute "layers.*"\n'), module_paths=paths) == []   # outermost: the layers
+
+
 def test_recompute_pattern_matching_no_module_is_an_error():
     assert _only('mesh\nrecompute "blocks.*" "layers.*"\n', module_paths=["blocks.0", "blocks.1"]) == (
         'recompute pattern "layers.*" matches no module', 2, 22)
