@@ -100,6 +100,22 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # Rows of 1b and larger only; every row of the two tables at those sizes is here.
 MPT_H100 = "MosaicML MPT benchmarks (H100)"
 MPT_A100 = "MosaicML MPT benchmarks (A100)"
+# NVIDIA NeMo AutoModel's performance summary (github.com/NVIDIA-NeMo/Automodel, docs/performance-summary.md as commit
+# 2013a4dd6 wrote it, 2026-04-10; docs.nvidia.com/nemo/automodel/latest/performance/performance-summary.html),
+# "Pre-Training Performance, System: DGX-H100, Precision: BF16": its one dense model, Llama3 70B on 64 GPUs, GBS 128,
+# local batch 1, GA 4, sequence 8192, TP 1, PP 1, CP 2, FSDP 32, 18.90 s a global step, 866.77 tokens/s/GPU (128 ×
+# 8192 / 18.90 / 64 = 866.8: the step and the figure agree). Its recipe at that commit
+# (examples/llm_pretrain/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml, meta-llama/Llama-3.1-70B: Llama 3's 70B
+# shape): 8 nodes of 8, strategy fsdp2, dp 32 (auto) × cp 2, activation_checkpointing True (every decoder layer),
+# SDPA attention under cp (PyTorch's ring attention over SDPA's fused kernels), enable_compile True (each decoder
+# layer compiled by torch.compile), enable_fsdp2_prefetch True (backward prefetch depth 2, before the current
+# layer's gradients: parc's default) and no mp_policy, so DistributedConfig's default MixedPrecisionPolicy
+# (nemo_automodel/components/distributed/config.py at that commit: param, reduce and output dtype bfloat16): bf16
+# gradients on the wire. FSDP2 shards over the flattened dp_shard × cp mesh ("dp_shard_cp"): ZeRO-3 over all 64
+# ranks, what parc's ZeRO does under cp (docs/context-parallel.md). The page names no network: DGX H100's
+# 8 × 400 Gbit/s, the h100 preset's. Megatron-Bridge's own performance summary, which was looked for first, lists
+# dense Llama 3 / 3.1 on DGX-H100 only in FP8 in every release from 25.09 to 26.08 (docs/cost-model.md (c)).
+AUTOMODEL_H100 = "NeMo AutoModel performance summary (H100)"
 # What each system ran beyond the plan, as `parc report` flags (its "another system's run" group), and its ZeRO
 # stage. Megatron 2021 all-reduced fp16 gradients (its own DDP after the backward; PyTorch's DDP on the pp-1 rows,
 # above), sent pipeline values as scatter/gather, and computed attention materialised with dropout on the
@@ -126,7 +142,8 @@ FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          TITAN_A100: (3, ["--nics", "4"], " inter=12.5GB/s"),
          TITAN_H100: (3, [], ""),
          MPT_H100: (3, MOSAIC, ""),
-         MPT_A100: (3, MOSAIC, "")}
+         MPT_A100: (3, MOSAIC, ""),
+         AUTOMODEL_H100: (3, ["--dp-wire", "bf16"], "")}
 
 
 @dataclass(frozen=True)
@@ -150,6 +167,7 @@ class Row:
     dp_overlap: bool = True       # dp's gradient reduction under the backward (else after it: `--no-dp-overlap`)
     tied: bool = False            # gpt: the output layer tied to the token embedding (bench/gpt_sized.py's `tied`)
     wire: str = ""                # the row's own gradient wire dtype (`--dp-wire`), over its source's
+    cp: int = 1                   # context parallel ranks (`mesh ... cp=N`: each sequence split over them)
 
     @property
     def params(self) -> float:
@@ -290,6 +308,12 @@ ROWS += [_mpt(MPT_A100, *r) for r in [
     ("1b", 8192, 8, 3, 4, 96, 13814, F), ("1b", 4096, 8, 7, 4, 224, 17807, F), ("1b", 2048, 8, 14, 4, 448, 20513, F),
     ("1b", 1024, 8, 18, 4, 576, 22112, F), ("1b", 512, 8, 56, 4, 1792, 23148, F)]]
 
+# NeMo AutoModel, Llama 3.1 70B on 64 H100s, FSDP2 (ZeRO-3) over dp 32 × cp 2, every layer checkpointed. Each decoder
+# layer compiled by torch.compile, so its fp32 RMSNorm (BackendConfig rms_norm torch_fp32) runs as one generated
+# kernel: priced as the one-kernel norm (`fused_norm`), not as the op-by-op eager one
+ROWS += [Row("Llama 3.1 70B", AUTOMODEL_H100, "llama", LLAMA3_70B, 1, 1, 64, 128, 1, 866.77, "tokens/s", "h100",
+             "layers.*", True, cp=2)]
+
 
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
@@ -326,8 +350,8 @@ def fill_slots(rows: list[Row], micro: int) -> float:
 def plan_text(row: Row) -> str:
     """The row's published plan as a .par."""
     zero, _, inter = FLAGS[row.source]
-    dp = row.gpus // (row.tp * row.pp)
-    return (f"mesh dp={dp} pp={row.pp} tp={row.tp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
+    dp = row.gpus // (row.tp * row.pp * row.cp)
+    return (f"mesh dp={dp} pp={row.pp} tp={row.tp}{f' cp={row.cp}' if row.cp > 1 else ''}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
             (TP_RULES if row.arch == "gpt" else "") +
             (f"pipeline schedule=interleaved_1f1b stages=auto virtual={row.virtual}\n" if row.virtual > 1 else
@@ -439,7 +463,7 @@ def main() -> int:
         results.append((row, pred))
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
-              f"{row.gpus // (row.tp * row.pp)} | {FLAGS[row.source][0]} | {recompute_label(row)}"
+              f"{row.gpus // (row.tp * row.pp * row.cp)}{f' (cp {row.cp})' if row.cp > 1 else ''} | {FLAGS[row.source][0]} | {recompute_label(row)}"
               f"{', fused norm' if row.fused_norm else ''} | "
               f"{row.published:g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
