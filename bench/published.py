@@ -106,10 +106,10 @@ MPT_A100 = "MosaicML MPT benchmarks (A100)"
 # local batch 1, GA 4, sequence 8192, TP 1, PP 1, CP 2, FSDP 32, 18.90 s a global step, 866.77 tokens/s/GPU (128 ×
 # 8192 / 18.90 / 64 = 866.8: the step and the figure agree). Its recipe at that commit
 # (examples/llm_pretrain/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml, meta-llama/Llama-3.1-70B: Llama 3's 70B
-# shape): 8 nodes of 8, strategy fsdp2, dp 32 (auto) × cp 2, activation_checkpointing True (every decoder layer),
+# shape): 8 nodes of 8, strategy fsdp2, dp 32 (auto) × cp 2, activation_checkpointing True (what it wraps: the row, below),
 # SDPA attention under cp (PyTorch's ring attention over SDPA's fused kernels), enable_compile True (each decoder
 # layer compiled by torch.compile), enable_fsdp2_prefetch True (backward prefetch depth 2, before the current
-# layer's gradients: parc's default) and no mp_policy, so DistributedConfig's default MixedPrecisionPolicy
+# layer's gradients: parc's default) and no mp_policy, so FSDP2Config's default MixedPrecisionPolicy
 # (nemo_automodel/components/distributed/config.py at that commit: param, reduce and output dtype bfloat16): bf16
 # gradients on the wire. FSDP2 shards over the flattened dp_shard × cp mesh ("dp_shard_cp"): ZeRO-3 over all 64
 # ranks, what parc's ZeRO does under cp (docs/context-parallel.md). The page names no network: DGX H100's
@@ -356,7 +356,8 @@ def plan_text(row: Row) -> str:
     """The row's published plan as a .par."""
     zero, _, inter = FLAGS[row.source]
     dp = row.gpus // (row.tp * row.pp * row.cp)
-    return (f"mesh dp={dp} pp={row.pp} tp={row.tp}{f' cp={row.cp}' if row.cp > 1 else ''}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
+    cp = f" cp={row.cp}" if row.cp > 1 else ""
+    return (f"mesh dp={dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
             (TP_RULES if row.arch == "gpt" else "") +
             (f"pipeline schedule=interleaved_1f1b stages=auto virtual={row.virtual}\n" if row.virtual > 1 else
