@@ -170,6 +170,11 @@ class Row:
     cp: int = 1                   # context parallel ranks (`mesh ... cp=N`: each sequence split over them)
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the GPUs over tp × pp × cp."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
     def params(self) -> float:
         """Parameters of the model (the trend's x axis)."""
         if self.arch == "gpt":
@@ -346,7 +351,7 @@ def fill_slots(rows: list[Row], micro: int) -> float:
     `micro`: a 1F1B step is (m + pp − 1) slots of one micro-batch plus the work after the last (small), with
     m = batch / (dp × micro) the micro-batches a pipeline runs; fitted as a + b·m over rows that differ only in
     dp, a / b is pp − 1 plus that work in slots. Only the rows' published figures enter, no prediction."""
-    ms = [r.batch / (r.gpus // (r.tp * r.pp) * micro) for r in rows]
+    ms = [r.batch / (r.dp * micro) for r in rows]
     b = slope(ms, [published_step(r) for r in rows])
     a = sum(published_step(r) - b * m for r, m in zip(rows, ms)) / len(rows)
     return a / b
@@ -355,9 +360,8 @@ def fill_slots(rows: list[Row], micro: int) -> float:
 def plan_text(row: Row) -> str:
     """The row's published plan as a .par."""
     zero, _, inter = FLAGS[row.source]
-    dp = row.gpus // (row.tp * row.pp * row.cp)
     cp = f" cp={row.cp}" if row.cp > 1 else ""
-    return (f"mesh dp={dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
+    return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
             (TP_RULES if row.arch == "gpt" else "") +
             (f"pipeline schedule=interleaved_1f1b stages=auto virtual={row.virtual}\n" if row.virtual > 1 else
@@ -469,7 +473,7 @@ def main() -> int:
         results.append((row, pred))
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
-              f"{row.gpus // (row.tp * row.pp * row.cp)}{f' (cp {row.cp})' if row.cp > 1 else ''} | {FLAGS[row.source][0]} | {recompute_label(row)}"
+              f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {FLAGS[row.source][0]} | {recompute_label(row)}"
               f"{', fused norm' if row.fused_norm else ''} | "
               f"{row.published:g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "

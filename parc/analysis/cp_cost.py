@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parc import mesh as meshlib
-from parc.analysis import cost
+from parc.analysis import cost, experts
 
 RING_BYTES = 4  # the ring sends its K/V blocks and dK/dV accumulators in fp32 (ring_attention.py)
 # statistics of one micro-batch that scale with its tokens (the rest: parameters, counts of tensors)
@@ -111,8 +111,11 @@ def groups_of(mesh) -> dict[str, list[list[int]]]:
 
 def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
     """The cost model's estimate of any plan from the serial model's statistics: a cp plan's through `estimate`
-    (each rank on T/cp tokens), another's through `cost.estimate`. What `parc report` prices and `parc check`
+    (each rank on T/cp tokens), another's through `cost.estimate`; without `params_per_rank` (an artifact's),
+    an ep rank holds its own experts (`experts.params_per_rank`). What `parc report` prices and `parc check`
     measures memory by, so the two cannot disagree on whether a plan fits."""
+    if params_per_rank is None and stats.get("experts") is not None:
+        params_per_rank = experts.params_per_rank(stats["experts"], plan.mesh.ep)
     if plan.mesh.cp > 1:
         return estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
     return cost.estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)

@@ -154,9 +154,9 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         notes.append(f"no topology in the plan: {topo.gpus_per_node} ranks per node assumed (rank r on node "
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
     ep_info = stats.get("experts")
-    held = art_params if art_params is not None or ep_info is None else experts.params_per_rank(ep_info, plan_obj.mesh.ep)
-    # a cp plan: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py)
-    est = cp_cost.estimate_plan(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=held,
+    # a cp plan: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py); an ep rank its
+    # own experts, unless the artifact counted what each rank holds
+    est = cp_cost.estimate_plan(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=art_params,
                                 **system.estimate_options())
     notes += system.notes()
     if system.recompute_saves and not plan_obj.recompute.patterns:

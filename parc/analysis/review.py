@@ -21,7 +21,7 @@ import functools
 
 from dataclasses import replace
 
-from parc.analysis import cost, cp_cost, experts
+from parc.analysis import cost, cp_cost
 from parc.analysis.preset_file import is_file, resolve
 from parc.errors import Diagnostic, ParcError, Span
 from parc.grammar.plan import Plan, Topology
@@ -85,9 +85,7 @@ def review(plan: Plan, *, world_size: int | None = None, stats: dict | None = No
         name = preset or resolve(topo.preset, plan.file)
         hw = cost.hardware(name, topo)
         # as `parc report` prices it: a cp rank keeps T/cp tokens' activations, an ep rank its own experts
-        info = stats.get("experts")
-        held = experts.params_per_rank(info, plan.mesh.ep) if info is not None else None
-        est = cp_cost.estimate_plan(plan, stats, hw, params_per_rank=held)
+        est = cp_cost.estimate_plan(plan, stats, hw)
         worst = max(est.memory, key=lambda row: row["total"])
         if worst["total"] > hw.memory:
             gib = cost.GiB
