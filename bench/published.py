@@ -134,8 +134,10 @@ OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-ga
 # and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above)
 DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
 # MosaicML's MPT runs (above): llm-foundry's Triton FlashAttention, FSDP's BACKWARD_POST, fp32 gradient reduction
-# (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`)
-MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32"]
+# (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`), and its loss:
+# model.loss_fn defaults to "fused_crossentropy" (llmfoundry/models/mpt/modeling_mpt.py at 3e5b9604e, mosaic_gpt.py
+# at 300cc5c58; no yaml sets it), flash-attn's CrossEntropyLoss (setup.py's gpu extra installs its xentropy lib)
+MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32", "--loss", "fused"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),

@@ -422,6 +422,10 @@ def parser() -> argparse.ArgumentParser:
                             "outputs are saved, comma-separated from matmul, matmul-odd (the 1st, 3rd, ... of a "
                             "region), attention; every other op runs again in the backward (torchtitan's op "
                             "policy: matmul-odd,attention). Default: the whole region is recomputed (parc)")
+    other.add_argument("--loss", choices=System.LOSS, default="eager",
+                       help="the cross-entropy's kernel: eager (parc: PyTorch's, an fp32 log-softmax kept for the "
+                            "backward) or fused (one kernel keeping the logits and a log-sum-exp a row, its gradient "
+                            "in the logits' dtype: flash-attn's xentropy, llm-foundry's fused_crossentropy)")
     r.set_defaults(fn=cmd_report)
 
     cal = sub.add_parser("calibrate", help="measure this device for the cost model; write a preset file",

@@ -81,7 +81,23 @@ def test_fewer_nics_than_gpus_slow_the_groups_that_cross_nodes(tmp_path):
     assert one["seconds"] > 3 * four["seconds"]
 
 
-@pytest.mark.parametrize("flag", [["--attention", "paged"], ["--pp-sends", "broadcast"], ["--dp-wire", "fp8"]])
+def test_a_fused_loss_keeps_the_logits_and_a_log_sum_exp_a_row_instead_of_the_fp32_log_softmax(tmp_path):
+    """The last pp rank's loss reads micro 2 × 2048 tokens × 51,200 logits. Eager (parc's) cross-entropy keeps
+    their fp32 log-softmax (4 bytes an element) and in the backward holds their fp32 gradient and its bf16 cast
+    (6); a fused kernel keeps the bf16 logits (2) and one fp32 log-sum-exp a row, and writes a bf16 gradient (2).
+    Its forward reads the logits once (2 bytes an element) where eager moves 12: the step is shorter too."""
+    eager, fused = _report(tmp_path), _report(tmp_path, "--loss", "fused")
+    el, rows = 2 * 2048 * 51200, 2 * 2048
+    e, f = eager["memory"]["per_pp_rank"][1], fused["memory"]["per_pp_rank"][1]
+    assert e["transient_bytes"] - f["transient_bytes"] == el * (6 - 2)
+    assert (e["activations_kept_bytes"] - f["activations_kept_bytes"]) / e["inflight"] == el * (4 - 2) - rows * 4
+    assert eager["memory"]["per_pp_rank"][0] == fused["memory"]["per_pp_rank"][0]   # no loss on the first rank
+    assert fused["utilization"]["compute_seconds"] < eager["utilization"]["compute_seconds"]
+    assert any("loss fused" in n for n in fused["notes"])
+
+
+@pytest.mark.parametrize("flag", [["--attention", "paged"], ["--pp-sends", "broadcast"], ["--dp-wire", "fp8"],
+                                  ["--loss", "liger"]])
 def test_unknown_values_are_refused_by_the_cli(flag, capsys):
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["report", "--model", "m.py", "--plan", "p.par", *flag])

@@ -167,16 +167,21 @@ def _consumers(n: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _aux(n: fx.Node) -> int:
-    """Elements an op keeps besides its inputs and output (all fp32)."""
+LOSS = ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy.")
+
+
+def _aux(n: fx.Node, fused_loss: bool = False) -> int:
+    """Elements an op keeps besides its inputs and output (all fp32). A fused loss kernel (`fused_loss`)
+    keeps one log-sum-exp a row of its logits instead of the whole log-softmax."""
     if _is(n, ("aten.scaled_dot_product_attention.",)):
         return _numel(n) // n.args[0].meta["val"].shape[-1]   # log-sum-exp: (B, nh, T)
     if _is(n, ("aten.layer_norm.",)):
         return 2 * _numel(n) // math.prod(n.args[1])          # mean, rstd: one per normalized row
     if _is(n, ("aten.rms_norm.",)):
         return _numel(n) // n.meta["val"].shape[-1]
-    if _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy.")):
-        return _numel(n.args[0])                               # the (N, V) log-softmax
+    if _is(n, LOSS):
+        logits = n.args[0]
+        return _numel(logits) // logits.meta["val"].shape[-1] if fused_loss else _numel(logits)  # (N,) or (N, V)
     if "aten.dropout." in _name(n) and not is_alias(n):
         return _numel(n)                                       # the mask
     return 0
@@ -208,14 +213,16 @@ def saved_ops(nodes, instance_of, saves) -> frozenset:
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
                bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False,
-               saved=frozenset()) -> list[dict]:
+               saved=frozenset(), fused_loss: bool = False) -> list[dict]:
     """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
     Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
     for all tp ranks together (a rank holds 1/tp of it). `row_outputs`: the nodes whose value a
     forward collective reduces (a row layer's output); `keep_collectives`: recomputed regions keep
     their collectives' outputs (see the module docstring); `saved`: the region nodes whose outputs are
-    saved (`saved_ops`: another framework's op-level checkpointing), kept rather than rebuilt.
+    saved (`saved_ops`: another framework's op-level checkpointing), kept rather than rebuilt;
+    `fused_loss`: the loss is one fused kernel (another framework's: `System.loss`), which keeps its logits
+    as they are and a log-sum-exp a row, where eager cross-entropy keeps its fp32 log-softmax.
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     size = _dtype_sizes(gm, nodes, bf16)
@@ -263,7 +270,7 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
                 if gathered(n, c) and _saves(c, n):                      # the full sequence
                     copies.add((cs, "replicated", seen, "collective"))
                     continue
-            if not _saves(c, n):
+            if not (_saves(c, n) or (fused_loss and _is(c, LOSS))):
                 continue
             if inst is not None and cinst == inst:
                 # rebuilt in backward, unless saved (then the saved copy above is the one read)
@@ -275,10 +282,9 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
             copies.add((cs, scale, 2 if cast else seen, "gathered" if core else "cast" if cast else "own"))
         if n in saved:   # a checkpoint or a saving op outside the region holds the same tensor: one copy
             copies = {(cs, scale, b, "saved" if which == "own" else which) for cs, scale, b, which in copies}
-        aux = _aux(n) * 4
+        aux = _aux(n, fused_loss) * 4
         if aux:  # a cross-entropy's log-softmax has its logits' layout (vocab-parallel: 1/tp)
-            ce = _is(n, ("aten.cross_entropy_loss.", "parc.vocab_parallel_cross_entropy."))
-            copies.add((s, own_scale(n.args[0] if ce else n), 0, "aux"))
+            copies.add((s, own_scale(n.args[0] if _is(n, LOSS) else n), 0, "aux"))
         for cs, scale, b, which in copies:
             nbytes = aux if which == "aux" else _numel(n) * b
             if which == "region" or (inst is not None and which == "aux" and n not in saved):

@@ -382,7 +382,8 @@ def _bias(node):
     return bias if hasattr(bias, "meta") and _shape(bias) is not None else None
 
 
-def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool = False) -> dict:
+def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool = False,
+             fused_loss: bool = False) -> dict:
     """One stage's ops, aggregated by identical shape (layers repeat): see the module docstring.
 
     `size_of(node)`: bytes per element as the runtime computes it; `split_of(node)`: which
@@ -390,6 +391,7 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
     memory-bound op's tensors are 1/tp per rank; `recomputed_of(node)`: inside a recompute region.
     Under `bf16`, autocast's cast of each fp32 activation a matmul reads is a memory-bound op of its
     own (4 bytes read, 2 written per element); weights are cast once per step (`step_seconds`).
+    `fused_loss`: the loss is one fused kernel (`System.loss`), reading its logits once as they are.
     """
     from parc.analysis.activations import LOWERED, _is, is_alias
 
@@ -428,7 +430,8 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
             nbytes = 2 * out_b                    # gathers rows: reads and writes the output's size
         elif "cross_entropy" in name or "nll_loss" in name:
             logits = n.args[0]
-            nbytes = 3 * math.prod(_shape(logits)) * 4   # reads logits, writes and reads the fp32 log-softmax
+            # eager: reads logits, writes and reads the fp32 log-softmax; fused: reads the logits once
+            nbytes = math.prod(_shape(logits)) * (size_of(logits) if fused_loss else 3 * 4)
         else:
             nbytes = out_b + sum(math.prod(_shape(a)) * size_of(a) for a in n.all_input_nodes
                                  if _shape(a) is not None and a.op != "get_attr")

@@ -92,7 +92,7 @@ class Hardware:
 class System:
     """What the priced run does differently from parc's runtime: the options `parc report` takes to price a
     run of another framework (its CLI flags --attention, --pp-sends, --pp-engine, --no-dp-overlap, --zero-prefetch,
-    --dp-wire, --nics, --recompute-saves), and bench/published.py's published runs through that same path. The
+    --dp-wire, --nics, --recompute-saves, --loss), and bench/published.py's published runs through that same path. The
     default is parc's own runtime.
 
     - `attention`: "flash" (a fused kernel: what scaled_dot_product_attention runs on a GPU), "materialized"
@@ -117,6 +117,10 @@ class System:
       whose outputs the system saves in the forward (`SAVES`: "matmul", "matmul-odd", "attention";
       torchtitan's op policy is matmul-odd and attention), every other op of the region run again in the
       backward. Empty: parc's recompute, the whole region (its collectives' outputs kept under `compile`).
+    - `loss`: the cross-entropy's kernel. "eager" (PyTorch's, what parc runs: under autocast an fp32
+      log-softmax of the logits kept for the backward, an fp32 gradient and its bf16 cast) or "fused" (one
+      kernel that keeps the logits as they are and a log-sum-exp a row, and writes the gradient in the logits'
+      dtype: flash-attn's xentropy, llm-foundry's default loss_fn "fused_crossentropy").
     """
     attention: str = "flash"
     pp_sends: str = "whole"
@@ -126,11 +130,13 @@ class System:
     recompute_saves: tuple = ()
     pp_engine: str = "parc"
     zero_prefetch: str = "pre"
+    loss: str = "eager"
 
     ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
     ZERO_PREFETCH = ("pre", "post")
+    LOSS = ("eager", "fused")
     SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
     WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -154,7 +160,8 @@ class System:
                                           ("dp overlap", "off" if not self.dp_overlap else "on", "on"),
                                           ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0),
                                           ("recompute saves", ",".join(self.recompute_saves), ""),
-                                          ("ZeRO-3 backward prefetch", self.zero_prefetch, "pre"))
+                                          ("ZeRO-3 backward prefetch", self.zero_prefetch, "pre"),
+                                          ("loss", self.loss, "eager"))
                 if v != d]
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
@@ -226,13 +233,14 @@ def _under(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def graph_stats(traced, plan, saves: tuple = ()) -> dict:
+def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     """Per-stage counts of ONE micro-batch (elements and FLOPs, not bytes); JSON-ready.
 
     Reads the stage of each node from `meta["parc_stage"]` (set by
     pipeline_split.assign_stages; absent means stage 0). `saves`: another framework's op-level
     checkpointing inside the plan's recomputed regions (`System.recompute_saves`, activations.saved_ops):
-    the ops whose outputs it saves are kept and not run again in the backward.
+    the ops whose outputs it saves are kept and not run again in the backward. `loss`: "eager" (PyTorch's
+    cross-entropy, parc's) or "fused" (another framework's one-kernel loss: `System.loss`).
     """
     from parc.analysis import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
@@ -309,8 +317,9 @@ def graph_stats(traced, plan, saves: tuple = ()) -> dict:
         instance_of=instance_of, saved=saved,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         row_outputs=frozenset(last[key] for key in tp_outputs),
-        keep_collectives=getattr(plan, "compile", "none") != "none")  # runtime/recompute_policy.py
-    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved)
+        keep_collectives=getattr(plan, "compile", "none") != "none",  # runtime/recompute_policy.py
+        fused_loss=loss == "fused")
+    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved, fused_loss=loss == "fused")
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
@@ -338,12 +347,13 @@ def graph_stats(traced, plan, saves: tuple = ()) -> dict:
         if n_stages > 1 else []
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
     return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
-            "tokens_per_sample": tokens}
+            "tokens_per_sample": tokens, **({"loss": loss} if loss != "eager" else {})}
 
 
-def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=frozenset()) -> None:
+def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=frozenset(),
+               fused_loss: bool = False) -> None:
     """Each stage's `ops` (parc.analysis.compute.op_table): matmul and attention shapes, memory-bound bytes.
-    A `saved` node (op-level checkpointing) is not recomputed."""
+    A `saved` node (op-level checkpointing) is not recomputed; `fused_loss`: `System.loss` "fused"."""
     from parc.analysis import activations, compute
     from parc.passes.pipeline_split import STAGE
 
@@ -369,7 +379,7 @@ def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=
         mine = [n for n in nodes if n.meta.get(STAGE, 0) == s]
         d["ops"] = compute.op_table(mine, size_of=size_of, split_of=split_of,
                                     sharded_of=lambda n: sharded_of.get(n) or sp,
-                                    recomputed_of=recomputed_of, bf16=bf16)
+                                    recomputed_of=recomputed_of, bf16=bf16, fused_loss=fused_loss)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -716,7 +726,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
         kept = sum(per_tp(d, "kept_bytes") for d in held) / len(held)
         rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
-        transient = max(_transient(d, tp, act_b) for d in held)
+        transient = max(_transient(d, tp, act_b, fused_loss=stats.get("loss") == "fused") for d in held)
         act = kept * inflight[r] + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
                        # ZeRO keeps 1/dp of the fp32 masters; stages 1–2 keep the whole compute copy, ZeRO-3 none:
@@ -977,8 +987,9 @@ def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual
     return [replace(half, collective="all-gather"), replace(half, collective="reduce-scatter")]
 
 
-def _transient(d: dict, tp: int, act_b: int) -> float:
+def _transient(d: dict, tp: int, act_b: int, fused_loss: bool = False) -> float:
     """Bytes alive for a moment in the backward of the loss: the logits' gradient (fp32) and, under
-    bf16, its cast for the head's matmul; beside what the forward kept (logits, log-softmax)."""
+    bf16, its cast for the head's matmul; beside what the forward kept (logits, log-softmax). A fused loss
+    kernel (`System.loss`) writes the gradient once, in the logits' dtype."""
     el = d.get("logits_elements_sharded", 0) / tp + d.get("logits_elements_replicated", 0)
-    return el * (4 + (2 if act_b == 2 else 0))
+    return el * act_b if fused_loss else el * (4 + (2 if act_b == 2 else 0))

@@ -51,9 +51,11 @@ def _in(b: float, scale: float) -> str:
     return f"{b / scale:.2f}" if b == 0 or b / scale >= 0.005 else "<0.01"
 
 
-def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None, saves: tuple = ()):
+def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None, saves: tuple = (),
+            loss: str = "eager"):
     """(plan, stats, notes, plan.json or None for the analytic report). `saves`: another framework's op-level
-    checkpointing (`--recompute-saves`): the statistics are traced for it (a compiled/ directory's model again)."""
+    checkpointing (`--recompute-saves`), `loss`: its loss kernel (`--loss`): the statistics are traced for them
+    (a compiled/ directory's model again)."""
     from parc.grammar.parser import load_plan, parse
 
     notes = []
@@ -68,10 +70,11 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None, s
         pj = art.plan
         plan = parse(pj["plan"]["source"], file=pj["plan"]["file"])
         stats = pj.get("costs", {}).get("graph")
-        if stats is None or saves:  # an artifact from before plan.json carried the statistics; another policy
+        if stats is None or saves or loss != "eager":  # an artifact from before plan.json carried them; another
+            # framework's checkpointing or loss
             notes.append("plan.json has no costs.graph: traced model/model.py again" if stats is None else
-                         "--recompute-saves: traced model/model.py again for that checkpointing")
-            stats = _trace_stats(compiled / "model" / "model.py", plan, saves)
+                         "--recompute-saves / --loss: traced model/model.py again for that system")
+            stats = _trace_stats(compiled / "model" / "model.py", plan, saves, loss)
         if plan.mesh.ep > 1:
             stats = dict(stats, experts=experts.from_artifact(pj))
         return plan, stats, notes, pj
@@ -83,10 +86,10 @@ def _inputs(compiled: Path | None, model: Path | None, plan_path: Path | None, s
     if (bad := preset_error(plan)) is not None:   # located at the plan's `preset=`, before the trace
         raise PlanError(diagnostics=[bad])
     notes.append("analytic: traced the model under the plan; no compile pass ran")
-    return plan, _trace_stats(model, plan, saves), notes, None
+    return plan, _trace_stats(model, plan, saves, loss), notes, None
 
 
-def _trace_stats(model: Path, plan, saves: tuple = ()) -> dict:
+def _trace_stats(model: Path, plan, saves: tuple = (), loss: str = "eager") -> dict:
     from parc.passes.pipeline_split import assign_stages
     from parc.trace import load_user_module, trace
 
@@ -95,7 +98,7 @@ def _trace_stats(model: Path, plan, saves: tuple = ()) -> dict:
     traced = trace(load_user_module(model), plan.micro_batch)
     virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
     assign_stages(traced, plan, plan.mesh.pp * virtual)
-    stats = cost.graph_stats(traced, plan, saves)
+    stats = cost.graph_stats(traced, plan, saves, loss)
     if plan.mesh.ep > 1:  # the MoE layers, as the expert_parallel pass would find them
         stats["experts"] = experts.layers_of(traced, plan)
     return stats
@@ -125,7 +128,7 @@ def system_of(args) -> cost.System:
     saves = tuple(x for x in (args.recompute_saves or "").split(",") if x)
     return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
                        dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves,
-                       pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch)
+                       pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch, loss=args.loss)
 
 
 def build_from_args(args) -> dict:
@@ -140,7 +143,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     priced differs from parc's runtime (`parc report`'s --attention, --pp-sends, --no-dp-overlap, --dp-wire,
     --nics; default: parc's own)."""
     system = system or cost.System()
-    plan_obj, stats, notes, pj = _inputs(compiled, model, plan, system.recompute_saves)
+    plan_obj, stats, notes, pj = _inputs(compiled, model, plan, system.recompute_saves, system.loss)
     art_params = _artifact_params(pj) if pj is not None else None
     topo = plan_obj.topology
     embedded = (pj or {}).get("costs", {}).get("preset_file") if preset is None else None
