@@ -387,8 +387,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("compiled", type=Path, nargs="?", help="a compiled/ directory")
     r.add_argument("--model", type=Path, help="model file (with --plan, instead of compiled/)")
     r.add_argument("--plan", type=Path, help="the .par file (with --model)")
-    r.add_argument("--preset", help="hardware: a100, h100, h100_hbm2e, h200 or a `parc calibrate` file (default: "
-                                    "the plan's topology preset, else h100)")
+    r.add_argument("--preset", help="hardware: a100, a100_40gb, h100, h100_hbm2e, h200 or a `parc calibrate` file "
+                                    "(default: the plan's topology preset, else h100)")
     r.add_argument("--allreduce", choices=("ring", "tree"), help="all-reduce algorithm (default ring)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     from parc.analysis.cost import System   # light: no torch
@@ -452,8 +452,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("model", type=Path, help="model file defining build_model(), get_batch(), loss_fn()")
     q.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
     q.add_argument("--nodes", type=int, help="nodes (default: GPUs / the preset's GPUs per node)")
-    q.add_argument("--preset", help="hardware: a100, h100, h100_hbm2e, h200 or a `parc calibrate` file (default: h100, "
-                                    "with a warning)")
+    q.add_argument("--preset", help="hardware: a100, a100_40gb, h100, h100_hbm2e, h200 or a `parc calibrate` file "
+                                    "(default: h100, with a warning)")
     q.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     q.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="compute precision (default bf16)")
     q.add_argument("--top", type=int, default=5, help="plans to print (default 5)")

@@ -146,3 +146,46 @@ def test_h100_hbm2e_is_the_h100_with_slower_memory():
     fwd, bwd = compute.stage_seconds(ew, hbm2e, "bf16", 1)[:2]
     assert fwd == pytest.approx(1e9 / (0.8 * 2.4e12))
     assert fwd / compute.stage_seconds(ew, h100, "bf16", 1)[0] == pytest.approx(3.35 / 2.4)
+
+
+def _one_stage(params: int) -> dict:
+    """Statistics of a one-stage model of `params` replicated parameters and nothing else (cost.graph_stats' keys)."""
+    keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
+            "kept_bytes_sharded", "kept_bytes_replicated", "params_sharded", "params_replicated", "tp_bytes",
+            "tp_ops", "recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated")
+    stage = dict.fromkeys(keys, 0) | {"params_replicated": params, "flops_replicated": 1e12}
+    return {"stages": [stage], "send_elements": [], "param_count": params, "tokens_per_sample": 8}
+
+
+def test_a100_40gb_is_the_a100_with_half_the_memory_and_slower_hbm():
+    """The A100 40GB (MosaicML's A100 40GB table): the 80GB part's die, clocks and network, so its matmul, attention
+    and network figures; 40 GiB of HBM2 at 1,555 GB/s, so memory-bound ops move their bytes at 0.8 × 1.555 TB/s
+    and a plan that fits an a100 can fail on it."""
+    from parc.analysis import compute, presets
+    from parc.analysis.review import review
+    from parc.grammar.parser import parse
+
+    a100, small = cost.hardware("a100"), cost.hardware("a100_40gb")
+    assert small.memory == 40 * cost.GiB and a100.memory == 80 * cost.GiB
+    assert (small.matmul, small.attention, small.flops, small.matmul_sustained, small.intra_bw, small.inter_bw) == \
+        (a100.matmul, a100.attention, a100.flops, a100.matmul_sustained, a100.intra_bw, a100.inter_bw)
+    mm = {"mm": [[1, 4096, 4096, 4096, 0, 0, 1]]}
+    assert compute.stage_seconds(mm, small, "bf16", 1) == compute.stage_seconds(mm, a100, "bf16", 1)
+    ew = {"mem": [["ew", 1e9, 0, 0, 1]]}
+    fwd = compute.stage_seconds(ew, small, "bf16", 1)[0]
+    assert fwd == pytest.approx(1e9 / (0.8 * 1.555e12))
+    assert fwd / compute.stage_seconds(ew, a100, "bf16", 1)[0] == pytest.approx(2.039 / 1.555)
+    # why the tables are kept: no entry is bandwidth-bound on the slower memory. The most demanding is FlashAttention-2's
+    # T = 512, head size 128, forward at 110 TFLOP/s: 2·512²·128 FLOPs over Q, K, V, O once (4·512·128 bf16 elements)
+    # = 128 FLOP a byte, so 110e12 / 128 = 0.86 TB/s of the 1.244 an elementwise kernel reaches: 0.69
+    demand = presets.bandwidth_demand(presets.TABLES["a100_40gb"], 312e12)
+    assert demand == pytest.approx(110e12 / 128 / (0.8 * 1.555e12)) and demand < 1
+    # capacity: 3e9 parameters in bf16 on one GPU, 6 + 4 + 8 bytes each (fp32 master and bf16 copy, fp32 grads, Adam):
+    # 16.8 + 11.2 + 22.4 = 50.3 GiB, inside an a100's 80 GiB, beyond the 40GB part's 40
+    stats = _one_stage(3_000_000_000)
+    assert not [d for d in review(parse("mesh dp=1\ntopology preset=a100\nprecision bf16\n", file="p.par"),
+                                  stats=stats) if d.severity == "error"]
+    (d,) = [d for d in review(parse("mesh dp=1\ntopology preset=a100_40gb\nprecision bf16\n", file="p.par"),
+                              stats=stats) if d.severity == "error"]
+    assert "pp rank 0 needs params 16.8 + grads 11.2 + optimizer 22.4" in d.message
+    assert "> 40.0 GiB of a A100-40GB" in d.message

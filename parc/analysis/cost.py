@@ -176,6 +176,12 @@ def _gpu(name, memory, flops, intra, inter, key):
 PRESETS = {
     # NVLink 3: 600 GB/s both directions; 8 × 200 Gbit/s HDR per node. fp32 is non-tensor-core.
     "a100": _gpu("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9, "a100"),
+    # The A100 SXM4 40GB: the same GA100 die, clocks, bf16 peak and NVLink 3 as the 80GB part, with 40 GB of HBM2 at
+    # 1,555 GB/s instead of 80 GB of HBM2e at 2,039 GB/s (NVIDIA A100 datasheet); the a100's tables (none of their
+    # entries is bandwidth-bound: presets.py) and network (MosaicML's A100 40GB nodes: "1600 Gbps node-node
+    # interconnect (RoCE)", 8 × 25 GB/s). Memory nominal, as the a100's 80 GiB.
+    "a100_40gb": _gpu("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9,
+                      "a100_40gb"),
     # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
     "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100"),
     # The H100 SXM5 with 96 GB of HBM2e (2.4 TB/s) instead of HBM3 (3.35 TB/s): the same GH100 die, clocks and
@@ -185,7 +191,7 @@ PRESETS = {
                        "h100_hbm2e"),
     "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200"),
 }
-ALIASES = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
+ALIASES = {"a100-80gb": "a100", "a100-40gb": "a100_40gb", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
 
 
 def hardware(name: str | None, topology=None, *, embedded: dict | None = None) -> Hardware:

@@ -34,8 +34,24 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   (torch 2.13+cu130): Stas Bekman's ml-engineering, compute/accelerator/README.md,
   branch fast-mamf, commit 082816f (2026-08-10). H100 SXM: the same die, clocks
   and 700 W, taken as the same. A100: not measured there, no cap.
-- Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, H100 SXM
-  3.35 TB/s, H100 SXM 96 GB HBM2e 2.4 TB/s, H200 4.8 TB/s): what an unfused elementwise kernel reaches. Every
+- A100 40GB (`a100_40gb`): the same GA100 die, SM count, clocks and bf16 peak as
+  the 80GB part, with 40 GB of HBM2 at 1,555 GB/s instead of 80 GB of HBM2e at
+  2,039 GB/s (NVIDIA A100 Tensor Core GPU datasheet, "A100 40GB SXM" and "A100
+  80GB SXM" columns). Its matmul and attention tables are the a100's: no entry
+  is bandwidth-bound, so none scales with the slower memory. Each entry's
+  achieved FLOP/s over its arithmetic intensity (FLOPs per byte of its least
+  traffic: a matmul's A and B read and C written once in bf16; attention's
+  Q, K, V, O read or written once forward, Q, K, V, O, dO read and dQ, dK, dV
+  written once backward: `bandwidth_demand`) needs at most 0.69 of the 40GB
+  part's 0.8 × 1,555 GB/s: attention at T = 512, head size 128, forward (the
+  largest matmul demand is 0.47, 4096 × 4096 × 256). Flash attention's re-reads
+  of K and V for each block of queries stay in the 40 MB L2 (one head's K and
+  V at T = 512, d = 128: 256 KiB), and at long T, where a head's K and V
+  outgrow it, the demand is under 0.16. Only memory-bound ops (`mem_bw`) move
+  their bytes at 0.8 × 1,555 GB/s.
+- Memory bandwidth: 80% of the HBM figure (A100-80GB 2.04 TB/s, A100-40GB
+  1.555 TB/s, H100 SXM 3.35 TB/s, H100 SXM 96 GB HBM2e 2.4 TB/s, H200 4.8
+  TB/s): what an unfused elementwise kernel reaches. Every
   kind of memory-bound op (elementwise, GELU, norms, softmax, the loss) moves
   its bytes at this rate: no `mem_times` here (`parc calibrate --device cuda`
   measures them); on a GPU those ops are bandwidth-bound at a model's sizes,
@@ -91,6 +107,8 @@ def _a100_matmul() -> tuple:
 TABLES = {
     "a100": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
              "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
+    "a100_40gb": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
+                  "mem_bw": 0.8 * 1.555e12, "op_overhead": 5e-6, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
              "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
@@ -101,3 +119,17 @@ TABLES = {
              "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
 }
+
+
+def bandwidth_demand(tables: dict, peak: float) -> float:
+    """The largest fraction of `tables`' memory bandwidth (`mem_bw`) any matmul or attention entry needs to move
+    its least traffic at its tabled efficiency of `peak` FLOP/s: above 1, that entry would be bandwidth-bound on
+    this memory and should scale with it. Least traffic: a matmul reads A (m × k) and B (k × n) and writes C
+    (m × n) once, 2 bytes each (bf16), for 2mnk FLOPs; causal attention (one head, one sequence of T, head size
+    d: 2 · 2T²d / 2 FLOPs forward, 2.5 times that backward, as compute.py counts them) reads Q, K, V and writes O
+    forward (4Td elements), reads Q, K, V, O, dO and writes dQ, dK, dV backward (8Td)."""
+    need = [e * peak / (2 * m * n * k / (2 * (m * k + k * n + m * n))) for _, m, n, k, e in tables["matmul"]]
+    for _, t, d, fwd, bwd in tables["attention"]:
+        flops = 2 * t * t * d
+        need += [fwd * peak / (flops / (2 * 4 * t * d)), bwd * peak / (2.5 * flops / (2 * 8 * t * d))]
+    return max(need) / tables["mem_bw"]
