@@ -100,6 +100,38 @@ TITAN_H100 = "torchtitan benchmarks (H100, 2024-12)"
 # Rows of 1b and larger only; every row of the two tables at those sizes is here.
 MPT_H100 = "MosaicML MPT benchmarks (H100)"
 MPT_A100 = "MosaicML MPT benchmarks (A100)"
+# The same README's table "H100 80GB BF16 (Large Scale, >= 128 GPUs)", written by commit 5e85bd62d (2024-01-06,
+# "Shashank/new benchmarks", unchanged since): 1b to 70b on 128, 256 and 512 H100s, sequence 2048, GradAccum 1,
+# "Precision" amp_bf16 and "MP Mode" DEFAULT (params bf16, gradients reduced in fp32: `--dp-wire fp32`). The same
+# commit added scripts/train/benchmarking/sweep.py, the sweep that ran them (its 18 configurations are the table's:
+# each model's micro-batch 12, 8, 6, 16, 8, 8 and GPU counts 128, 256, 512), and what it sets differs from the
+# tables above: fsdp_config_forward_prefetch true and backward_prefetch BACKWARD_PRE (each backward gather issued
+# before the current layer's gradients: parc's default `--zero-prefetch pre`), limit_all_gathers true; attn_impl
+# "flash" for 1b, 3b, 7b and 70b (the `gpu-flash2` extra of setup.py at that commit, which the commit's
+# submit_benchmarks.py installs: flash-attn 2.4.2, FlashAttention-2, parc's default `--attention flash`) and "triton"
+# for 13b and 30b (`attention="flash-triton"`); "Sharding Strategy" FULL_SHARD with checkpointing on 7b and up
+# (7b without), SHARD_GRAD_OP without on 1b and 3b: PyTorch FSDP's ZeRO-2 (gradients and optimizer state sharded,
+# the whole bf16 weights gathered for the step: `zero stage=2`). sweep.py's `--fsdp_config_mixed_precision PURE`
+# does not reach the runs: submit_benchmarks.py at that commit leaves it out of its mod_parameters call, whose
+# default is 'DEFAULT', which is what the table records (collect_results.py reads the run's fsdp_config). The
+# software: torch 2.1.0 (setup.py: >=2.1,<2.1.1) and Composer 0.17 (>=0.17.2,<0.18); the image is not named
+# ("<insert_image_name>"). The network is not named either: taken, as for the H100 table, as the h100 preset's
+# 8 × 50 GB/s per node. These are the rows where that assumption matters most: every row spans 16 to 64 nodes,
+# so each FSDP gather and reduce-scatter crosses the network.
+MPT_H100_LARGE = "MosaicML MPT benchmarks (H100, ≥128 GPUs)"
+# The README's "A100 40GB with 1600 Gbps node-node interconnect (RoCE)" (the header's interconnect added by
+# b2a43a147; the figures unchanged since the earliest copy in llm-foundry, llmfoundry/throughput/README.md at
+# c4f8c7540, 2023-04-28, which brought them from mosaicml/examples): 1b to 70b on 8 to 128 A100-40GB, every row
+# "Precision" bf16, "MP Mode" PURE (Composer's get_mixed_precision: params, gradient reduction and buffers in
+# bf16: `--dp-wire bf16`), FULL_SHARD. The sweep that ran them, llmfoundry/throughput/sweep.sh at c4f8c7540 (its
+# "# A100 40GB" half), used IMAGE mosaicml/pytorch:1.13.1_cu117 and GIT_COMMIT v0.0.4 of mosaicml/examples, whose
+# setup.py then pinned mosaicml==0.13.4 and torch==1.13.1: Composer 0.13.4's set_fsdp_default has backward_prefetch
+# BACKWARD_POST and forward_prefetch False (`--zero-prefetch post`, as the tables above), submit_benchmarks.py's
+# attn_impl default "triton" (`--attention flash-triton`) and limit_all_gathers True. Its micro-batches are
+# partly not the table's (7b at 2048 on 8 GPUs: 16 there, 12 in the table): the table's, which collect_results.py
+# reads from each run's log, are the ones taken. The a100_40gb preset: the a100 with 40 GiB of HBM2 at 1,555 GB/s
+# (parc/analysis/cost.py); its network the a100's 8 × 25 GB/s, the header's 1600 Gbit/s a node.
+MPT_A100_40 = "MosaicML MPT benchmarks (A100 40GB)"
 # NVIDIA NeMo AutoModel's performance summary (github.com/NVIDIA-NeMo/Automodel, docs/performance-summary.md as commit
 # 2013a4dd6 wrote it, 2026-04-10; docs.nvidia.com/nemo/automodel/latest/performance/performance-summary.html),
 # "Pre-Training Performance, System: DGX-H100, Precision: BF16": its one dense model, Llama3 70B on 64 GPUs, GBS 128,
@@ -138,6 +170,10 @@ DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
 # model.loss_fn defaults to "fused_crossentropy" (llmfoundry/models/mpt/modeling_mpt.py at 3e5b9604e, mosaic_gpt.py
 # at 300cc5c58; no yaml sets it), flash-attn's CrossEntropyLoss (setup.py's gpu extra installs its xentropy lib)
 MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32", "--loss", "fused"]
+# The large-scale H100 rows' sweep.py: BACKWARD_PRE, FlashAttention-2 (13b and 30b: Triton, the row's `attention`)
+MOSAIC_LARGE = ["--dp-wire", "fp32"]
+# The A100 40GB rows: MOSAIC's kernels and prefetch, Composer's PURE: gradients reduced in bf16
+MOSAIC_PURE = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "bf16"]
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),
@@ -145,6 +181,8 @@ FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          TITAN_H100: (3, [], ""),
          MPT_H100: (3, MOSAIC, ""),
          MPT_A100: (3, MOSAIC, ""),
+         MPT_H100_LARGE: (3, MOSAIC_LARGE, ""),
+         MPT_A100_40: (3, MOSAIC_PURE, ""),
          AUTOMODEL_H100: (3, ["--dp-wire", "bf16"], "")}
 
 
@@ -170,6 +208,13 @@ class Row:
     tied: bool = False            # gpt: the output layer tied to the token embedding (bench/gpt_sized.py's `tied`)
     wire: str = ""                # the row's own gradient wire dtype (`--dp-wire`), over its source's
     cp: int = 1                   # context parallel ranks (`mesh ... cp=N`: each sequence split over them)
+    zero: int | None = None       # the row's own ZeRO stage, over its source's (`FLAGS`)
+    attention: str = ""           # the row's own attention kernel (`--attention`), over its source's
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the row ran: its own, else its source's."""
+        return FLAGS[self.source][0] if self.zero is None else self.zero
 
     @property
     def dp(self) -> int:
@@ -268,15 +313,19 @@ MPT_SHAPES = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), 
               "30b": (48, 7168, 56), "70b": (80, 8192, 64)}   # n_layers, d_model, n_heads (the yamls above)
 
 
-def _mpt(source, size, seq, gpus, micro, accum, batch, tokens, ckpt, wire=""):
+MPT_PRESETS = {MPT_H100: "h100", MPT_A100: "a100", MPT_H100_LARGE: "h100", MPT_A100_40: "a100_40gb"}
+
+
+def _mpt(source, size, seq, gpus, micro, accum, batch, tokens, ckpt, wire="", zero=None, attention=""):
     """One row of MosaicML's tables: model, SeqLen, # GPUs, MicroBatchSize, GradAccum, GlobalBatchSize,
-    Throughput (T/s/GPU), Activation Checkpointing; FULL_SHARD over all the GPUs."""
+    Throughput (T/s/GPU), Activation Checkpointing; FULL_SHARD over all the GPUs (`zero=2`: SHARD_GRAD_OP), on its
+    table's GPU (`MPT_PRESETS`)."""
     if gpus * micro * accum != batch:
         raise ValueError(f"MPT {size} seq {seq}: {gpus} GPUs × micro {micro} × accum {accum} != global {batch}")
     layers, d, heads = MPT_SHAPES[size]
     return Row(f"MPT {size.upper()} s{seq}", source, "gpt", (layers, d, heads, 50368, seq), 1, 1, gpus, batch, micro,
-               tokens, "tokens/s", "h100" if source == MPT_H100 else "a100", "blocks.*" if ckpt else "",
-               tied=True, wire=wire)
+               tokens, "tokens/s", MPT_PRESETS[source], "blocks.*" if ckpt else "", tied=True, wire=wire, zero=zero,
+               attention=attention)
 
 
 T, F = True, False
@@ -314,6 +363,39 @@ ROWS += [_mpt(MPT_A100, *r) for r in [
     ("1b", 65536, 8, 1, 2, 16, 3044, T), ("1b", 32768, 8, 1, 4, 32, 6275, F), ("1b", 16384, 8, 2, 4, 64, 9956, F),
     ("1b", 8192, 8, 3, 4, 96, 13814, F), ("1b", 4096, 8, 7, 4, 224, 17807, F), ("1b", 2048, 8, 14, 4, 448, 20513, F),
     ("1b", 1024, 8, 18, 4, 576, 22112, F), ("1b", 512, 8, 56, 4, 1792, 23148, F)]]
+TRITON, SGO = {"attention": "flash-triton"}, {"zero": 2}   # attn_impl triton; SHARD_GRAD_OP
+ROWS += [_mpt(MPT_H100_LARGE, *r, **kw) for *r, kw in [
+    ("70b", 2048, 512, 8, 1, 4096, 1007, T, {}), ("70b", 2048, 256, 8, 1, 2048, 1035, T, {}),
+    ("70b", 2048, 128, 8, 1, 1024, 1058, T, {}),
+    ("30b", 2048, 512, 8, 1, 4096, 2115, T, TRITON), ("30b", 2048, 256, 8, 1, 2048, 2148, T, TRITON),
+    ("30b", 2048, 128, 8, 1, 1024, 2199, T, TRITON),
+    ("13b", 2048, 512, 16, 1, 8192, 4952, T, TRITON), ("13b", 2048, 256, 16, 1, 4096, 4989, T, TRITON),
+    ("13b", 2048, 128, 16, 1, 2048, 5080, T, TRITON),
+    ("7b", 2048, 512, 6, 1, 3072, 9670, F, {}), ("7b", 2048, 256, 6, 1, 1536, 10119, F, {}),
+    ("7b", 2048, 128, 6, 1, 768, 10475, F, {}),
+    ("3b", 2048, 512, 8, 1, 4096, 21664, F, SGO), ("3b", 2048, 256, 8, 1, 2048, 22772, F, SGO),
+    ("3b", 2048, 128, 8, 1, 1024, 23422, F, SGO),
+    ("1b", 2048, 512, 12, 1, 6144, 39837, F, SGO), ("1b", 2048, 256, 12, 1, 3072, 42555, F, SGO),
+    ("1b", 2048, 128, 12, 1, 1536, 44123, F, SGO)]]
+ROWS += [_mpt(MPT_A100_40, *r) for r in [
+    ("70b", 2048, 128, 4, 1, 512, 376, T), ("70b", 2048, 64, 2, 1, 128, 276, T), ("30b", 2048, 128, 6, 1, 768, 865, T),
+    ("30b", 2048, 32, 4, 1, 128, 857, T), ("13b", 8192, 8, 1, 16, 128, 1407, T), ("13b", 4096, 8, 2, 16, 256, 1603, T),
+    ("13b", 2048, 128, 16, 1, 2048, 1972, T), ("13b", 2048, 64, 16, 1, 1024, 1976, T),
+    ("13b", 2048, 32, 14, 1, 448, 1998, T), ("13b", 2048, 16, 10, 1, 160, 1993, T),
+    ("13b", 2048, 8, 4, 16, 512, 1668, T), ("13b", 1024, 8, 8, 16, 1024, 1727, T),
+    ("13b", 512, 8, 16, 16, 2048, 1763, T), ("7b", 16384, 8, 1, 4, 32, 2249, T), ("7b", 8192, 8, 3, 4, 96, 2887, T),
+    ("7b", 4096, 8, 6, 4, 192, 3366, T), ("7b", 2048, 128, 18, 1, 2304, 3623, T),
+    ("7b", 2048, 64, 18, 1, 1152, 3665, T), ("7b", 2048, 32, 18, 1, 576, 3725, T),
+    ("7b", 2048, 16, 16, 1, 256, 3645, T), ("7b", 2048, 8, 12, 4, 384, 3679, T), ("7b", 1024, 8, 24, 4, 768, 3854, T),
+    ("7b", 512, 8, 48, 4, 1536, 3895, T), ("3b", 32768, 8, 1, 4, 32, 2955, T), ("3b", 16384, 8, 2, 8, 128, 4465, T),
+    ("3b", 8192, 8, 1, 8, 64, 7149, F), ("3b", 4096, 8, 2, 8, 128, 8777, F), ("3b", 2048, 128, 6, 1, 768, 9538, F),
+    ("3b", 2048, 64, 6, 1, 384, 9736, F), ("3b", 2048, 32, 6, 1, 192, 9914, F), ("3b", 2048, 16, 5, 1, 80, 9750, F),
+    ("3b", 2048, 8, 5, 8, 320, 10065, F), ("3b", 1024, 8, 10, 8, 640, 10731, F), ("3b", 512, 8, 20, 8, 1280, 11324, F),
+    ("1b", 32768, 8, 1, 4, 32, 5095, T), ("1b", 16384, 8, 1, 8, 64, 9715, F), ("1b", 8192, 8, 2, 8, 128, 13474, F),
+    ("1b", 4096, 8, 4, 8, 256, 16856, F), ("1b", 2048, 128, 10, 1, 1280, 18647, F),
+    ("1b", 2048, 64, 10, 1, 640, 19001, F), ("1b", 2048, 32, 10, 1, 320, 15555, F),
+    ("1b", 2048, 16, 8, 1, 128, 19085, F), ("1b", 2048, 8, 8, 8, 512, 19271, F),
+    ("1b", 1024, 8, 16, 8, 1024, 20959, F), ("1b", 512, 8, 32, 8, 2048, 21782, F)]]
 
 # NeMo AutoModel, Llama 3.1 70B on 64 H100s, FSDP2 (ZeRO-3) over dp 32 × cp 2. Checkpointing under enable_compile
 # (DefaultParallelizationStrategy.parallelize at 2013a4dd6): each layer's self_attn and mlp wrapped apart
@@ -361,7 +443,8 @@ def fill_slots(rows: list[Row], micro: int) -> float:
 
 def plan_text(row: Row) -> str:
     """The row's published plan as a .par."""
-    zero, _, inter = FLAGS[row.source]
+    _, _, inter = FLAGS[row.source]
+    zero = row.zero_stage
     cp = f" cp={row.cp}" if row.cp > 1 else ""
     return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
@@ -375,9 +458,11 @@ def plan_text(row: Row) -> str:
 
 def report_flags(row: Row) -> list[str]:
     """The `parc report` flags that state the row's system: its source's (`FLAGS`), then its own (op-level
-    checkpointing, dp's reduction after the backward, its gradients' wire dtype: the last --dp-wire wins)."""
+    checkpointing, dp's reduction after the backward, its gradients' wire dtype, its attention kernel: the last
+    --dp-wire and --attention win)."""
     return [*FLAGS[row.source][1], *(("--recompute-saves", row.saves) if row.saves else ()),
-            *(() if row.dp_overlap else ("--no-dp-overlap",)), *(("--dp-wire", row.wire) if row.wire else ())]
+            *(() if row.dp_overlap else ("--no-dp-overlap",)), *(("--dp-wire", row.wire) if row.wire else ()),
+            *(("--attention", row.attention) if row.attention else ())]
 
 
 def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
@@ -475,7 +560,7 @@ def main() -> int:
         results.append((row, pred))
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
-              f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {FLAGS[row.source][0]} | {recompute_label(row)}"
+              f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {row.zero_stage} | {recompute_label(row)}"
               f"{', fused norm' if row.fused_norm else ''} | "
               f"{row.published:g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
