@@ -222,7 +222,8 @@ def test_mpt_rows_state_their_own_stage_kernel_and_gpu():
     """MosaicML's four tables through one `_mpt`: the large-scale H100 table's SHARD_GRAD_OP rows are `zero stage=2`
     without recompute, its 13b and 30b rows override the source's FlashAttention-2 with the Triton kernel (the last
     `--attention` wins), its backward gathers are prefetched (no `--zero-prefetch post`); the A100 40GB rows run on
-    the a100_40gb preset with bf16 gradients; the 79 rows before them are as they were (ZeRO-3, a100 / h100)."""
+    the a100_40gb preset with bf16 gradients; both use MPT's fused loss; the 79 rows before them are as they were
+    (ZeRO-3, a100 / h100)."""
     from parc.cli import parser
 
     published = _published()
@@ -237,12 +238,13 @@ def test_mpt_rows_state_their_own_stage_kernel_and_gpu():
     assert "zero stage=2\n" in text and "recompute" not in text and "mesh dp=512 pp=1 tp=1\n" in text
     assert "nodes=64 gpus_per_node=8" in text and "batch global=6144 micro=12\n" in text
     flags = parser().parse_args(["report", *published.report_flags(one)])
-    assert (flags.attention, flags.zero_prefetch, flags.dp_wire) == ("flash", "pre", "fp32")
+    assert (flags.attention, flags.zero_prefetch, flags.dp_wire, flags.loss) == ("flash", "pre", "fp32", "fused")
     flags = parser().parse_args(["report", *published.report_flags(thirteen)])
     assert (flags.attention, flags.zero_prefetch) == ("flash-triton", "pre")
     assert "zero stage=3\n" in published.plan_text(thirteen) and 'recompute "blocks.*"' in published.plan_text(thirteen)
     for row in by[published.MPT_A100_40]:
         flags = parser().parse_args(["report", *published.report_flags(row)])
-        assert (row.preset, row.zero_stage, flags.dp_wire, flags.zero_prefetch) == ("a100_40gb", 3, "bf16", "post")
+        assert (row.preset, row.zero_stage, flags.dp_wire, flags.zero_prefetch, flags.loss) == \
+            ("a100_40gb", 3, "bf16", "post", "fused")
     with pytest.raises(ValueError, match=r"8 GPUs × micro 4 × accum 2 != global 60"):
         published._mpt(published.MPT_A100_40, "1b", 2048, 8, 4, 2, 60, 1.0, False)
