@@ -216,3 +216,40 @@ def test_torchtitans_every_second_layer_is_recomputed_as_it_ran_and_nothing_else
     old = parse(published.plan_text(rows[0]).replace(
         'recompute "layers.[13579]" "layers.[1-9][13579]"', 'recompute "layers.*[13579]"'), file="row.par")
     assert old.recompute.instance("layers.0.feed_forward.w1") == "layers.0.feed_forward.w1"
+
+
+def test_llama3_405b_rows_are_table_4s_plans_priced_by_palms_count():
+    """The Llama 3 405B rows (Dubey et al. 2024, Table 4) as .par: tp 8 × pp 16 with cp and dp from the table, in the
+    paper's order [TP, CP, PP, DP]; Megatron tp over bench/llama_sized.py's names with sequence parallelism; the
+    interleaved schedule of 8 one-layer chunks a rank, cut after the embedding and after every layer (126 layers and
+    the embedding's and the output's chunks: 128 = 16 × 8); ZeRO-1 (one reduce-scatter a step), no recompute. Their
+    TFLOP/s is PaLM's model FLOPs (6N + 12·L·H·Q·T a token), checked here against the arithmetic by hand."""
+    from parc.grammar.parser import parse
+
+    published = _published()
+    rows = [r for r in published.ROWS if r.source == published.LLAMA3]
+    assert [(r.gpus, r.cp, r.dp, r.shape[-1], r.batch // r.dp) for r in rows] == [
+        (8192, 1, 64, 8192, 32), (16384, 1, 128, 8192, 16), (16384, 16, 8, 131072, 16)]
+    for row in rows:
+        plan = parse(published.plan_text(row), file="row.par")
+        m = plan.mesh
+        assert (m.tp, m.cp, m.pp, m.dp) == (8, row.cp, 16, row.dp)
+        assert m.order[:1] == ("tp",) and (m.order == ("tp", "cp", "pp", "dp") or row.cp == 1)
+        assert plan.tensor_parallel.sequence_parallel
+        assert {r.pattern: r.style for r in plan.tensor_parallel.rules} == {
+            **{f"layers.*.attention.{w}": "column" for w in ("wq", "wk", "wv")}, "layers.*.attention.wo": "row",
+            "layers.*.feed_forward.w1": "column", "layers.*.feed_forward.w3": "column",
+            "layers.*.feed_forward.w2": "row", "tok_embeddings": "vocab", "output": "vocab"}
+        pipe = plan.pipeline
+        assert (pipe.schedule, pipe.virtual, pipe.stages) == ("interleaved_1f1b", 8, 128)
+        assert [c.path for c in pipe.cuts] == ["tok_embeddings"] + [f"layers.{i}" for i in range(126)]
+        assert all(c.where == "after" for c in pipe.cuts)
+        assert plan.zero.stage == 1 and not plan.recompute.patterns
+    # 405B by hand: per layer q and o (16384²), k and v (16384 × 8 heads × 128), the SwiGLU's three (16384 × 53248);
+    # the embedding and the untied output (128256 × 16384 each)
+    n = 126 * (2 * 16384 ** 2 + 2 * 16384 * 1024 + 3 * 16384 * 53248) + 2 * 128256 * 16384
+    assert rows[0].params == n == 405_849_243_648
+    tokens = 2048 * 8192
+    flops = tokens * (6 * n + 12 * 126 * 128 * 128 * 8192)   # L·H·Q = 126 layers × 128 heads × 128 dims
+    assert published.palm_flops(rows[0]) == flops
+    assert published.published_step(rows[0]) == pytest.approx(flops / (430e12 * 8192))   # 12.56 s
