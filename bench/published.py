@@ -365,18 +365,19 @@ ROWS += [Row("Llama 3.1 70B", AUTOMODEL_H100, "llama", LLAMA3_70B, 1, 1, 64, 128
 #   of the paper's bubble (PP − 1) / (V·M)), an assumption.
 # - "we could pre-train Llama 3 on sequences of 8K tokens without activation checkpointing": no recompute at 8K;
 #   none stated at 128K either (none here). The attention: flash (2024; parc's default). Context parallelism:
-#   theirs all-gathers K and V (GQA's 8 kv heads, 1 a tp rank) and computes the local queries' attention, "the
-#   exposed all-gather latency is small"; priced as parc's ring, the nearest parc has, which sends K and V with
-#   the kv heads repeated to the 16 query heads of a tp rank, in fp32, every hop charged to the step
-#   (parc/analysis/cp_cost.py): on the 128K row that is 15.5 s of its 28.0 s predicted step, where the
-#   paper's all-gather of the unrepeated K and V moves at most 1/32 of those bytes (docs/cost-model.md (c)).
+#   "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the local query
+#   (Q) tensor chunk", "the communicated K and V tensors are much smaller than Q tensor due to the use of GQA":
+#   `--cp-attention allgather` (K and V at their 8 kv heads, 1 a tp rank, in bf16; the backward, not described,
+#   priced as gathering them again and reduce-scattering dK, dV). Priced as parc's own ring instead (the kv heads
+#   repeated to a tp rank's 16 query heads, fp32 blocks), the 128K row's cp traffic is 32× the bytes: 15.5 s of a
+#   28.0 s step, −45% (docs/cost-model.md (c)).
 # - TFLOPs/GPU = BF16 MFU × 989 (the H100's dense bf16 peak: 43% × 989 = 425, 41% → 405, 38% → 376, the table's
 #   430 / 400 / 380 rounded), MFU as Chowdhery et al. (2023) count model FLOPs (the paper's citation):
 #   `palm_flops`, 6N + 12·L·H·Q·T a token. Whether Meta's count took the causal (or document) mask's half of the
 #   attention is not said: at 8K the attention term is 8% of the count, at 128K 57%, so the third row's published
 #   figure is uncertain by up to that much.
 LLAMA3 = "Llama 3 405B (Dubey et al. 2024)"
-FLAGS[LLAMA3] = (1, ["--dp-wire", "fp32"], "")
+FLAGS[LLAMA3] = (1, ["--dp-wire", "fp32", "--cp-attention", "allgather"], "")
 LLAMA3_405B = (126, 16384, 128, 8, 53248, 128256, 8192)
 LLAMA3_405B_CUTS = ("tok_embeddings",) + tuple(f"layers.{i}" for i in range(126))
 
