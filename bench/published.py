@@ -34,6 +34,13 @@ GPT_MODEL = ROOT / "bench" / "gpt_sized.py"
 LLAMA_MODEL = ROOT / "bench" / "llama_sized.py"
 TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.proj" : row\n'
             ' "blocks.*.mlp.fc" : column\n "blocks.*.mlp.proj" : row\n "wte" : vocab\n "lm_head" : vocab\n}\n')
+# bench/llama_sized.py under Megatron's tensor parallelism: q, k, v and the SwiGLU's two input projections by columns
+# (heads and ffn split over tp), the attention's output and the MLP's down projection by rows, the token embedding and
+# the output layer over the vocabulary
+LLAMA_TP_RULES = (' "layers.*.attention.wq" : column\n "layers.*.attention.wk" : column\n'
+                  ' "layers.*.attention.wv" : column\n "layers.*.attention.wo" : row\n'
+                  ' "layers.*.feed_forward.w1" : column\n "layers.*.feed_forward.w3" : column\n'
+                  ' "layers.*.feed_forward.w2" : row\n "tok_embeddings" : vocab\n "output" : vocab\n')
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 # SC21 (arXiv:2104.04473), Table 1: A100-80GB (Selene: 8 per node, 8 × 200 Gbit/s HDR), vocab 51200,
@@ -214,6 +221,8 @@ class Row:
     cp: int = 1                   # context parallel ranks (`mesh ... cp=N`: each sequence split over them)
     zero: int | None = None       # the row's own ZeRO stage, over its source's (`FLAGS`)
     attention: str = ""           # the row's own attention kernel (`--attention`), over its source's
+    cuts: tuple = ()              # the pipeline's stages as the source cut them (`cut after` each path), else auto
+    sp: bool = False              # llama under tp: Megatron's sequence parallelism (`sequence_parallel`)
 
     @property
     def zero_stage(self) -> int:
@@ -411,6 +420,79 @@ AUTOMODEL_AC = "layers.*.attention layers.*.feed_forward"
 ROWS += [Row("Llama 3.1 70B", AUTOMODEL_H100, "llama", LLAMA3_70B, 1, 1, 64, 128, 1, 866.77, "tokens/s", "h100",
              AUTOMODEL_AC, True, cp=2)]
 
+# Llama Team, AI @ Meta, "The Llama 3 Herd of Models" (Dubey et al. 2024, arXiv:2407.21783). Table 4 ("Scaling
+# configurations and MFU for each stage of Llama 3 405B pre-training"): GPUs, TP, CP, PP, DP, sequence, batch size /
+# DP, tokens / batch, TFLOPs/GPU, BF16 MFU: 8,192 8 1 16 64 8,192 32 16M 430 43%; 16,384 8 1 16 128 8,192 16 16M 400
+# 41%; 16,384 8 16 16 8 131,072 16 16M 380 38%. (The third row's DP is 4 in arXiv v1 and 8 in v3: 8 is the one its own
+# GPUs, 8·16·16·8 = 16,384, and its tokens, 8 × 16 × 131,072 = 16.8M, agree with.) Table 3, the 405B: 126 layers,
+# model dimension 16,384, FFN 53,248, 128 heads, 8 key/value heads, vocabulary "128,000" (the released tokenizer's
+# 128,256, the other Llama 3 rows' shape: bench/llama_sized.py). What §3.3 says of the system, as parc plan and flags:
+# - §3.3.1: H100 80GB HBM3 at 700 W, 8 a server joined by NVLink, 400 Gbit/s a GPU between servers (RoCE): the h100
+#   preset (8 × 50 GB/s a node). Its pods of 3,072 GPUs are joined 1:7 oversubscribed; the paper's placement keeps
+#   traffic inside pods ("optimized to be aware of network topology"): not modelled.
+# - §3.3.2, parallelism order [TP, CP, PP, DP] (inner to outer): parc's default order under cp (tp,cp,pp,dp), and
+#   tp,pp,dp without. Tensor parallelism as Korthikanti et al. (2023) (the paper's citation), i.e. with sequence
+#   parallelism: `sequence_parallel` (an inference from that citation: the text does not name it).
+# - FSDP that "shards optimizer states and gradients, but for model shards we do not reshard after forward
+#   computation", with "FP32 gradient accumulation during backward computation over multiple micro-batches" and
+#   gradients reduce-scattered "in FP32": the weights all-gathered once a step, the gradients accumulated over the
+#   micro-batches and reduce-scattered once, in fp32. parc's ZeRO-1 communicates exactly that (one fp32
+#   reduce-scatter under the last micro-batch's backward, the bf16 weights all-gathered for the next forward);
+#   parc's ZeRO-2 reduce-scatters every micro-batch's gradients, which this FSDP does not. `zero stage=1`,
+#   `--dp-wire fp32`. (`parc compile` refuses ZeRO with virtual stages; `parc report` says so and prices it.)
+# - The pipeline: an interleaved schedule with V stages a rank, "we reduce one Transformer layer each from the first
+#   and the last stages ... the first model chunk on the first stage has only the embedding, and the last model chunk
+#   on the last stage has only output projection and loss calculation". A first chunk left with the embedding alone
+#   after one layer is taken from it is a chunk of one layer: 126 layers + the embedding's and the output's chunks =
+#   128 chunks = pp 16 × V 8 (V is not printed; this is what the sentence implies). The cuts: after the embedding and
+#   after every layer. Their schedule's tunable N (micro-batches run back to back on a stage) is not parc's
+#   interleaved 1F1B, and their pipeline sends are asynchronous (parc's engine overlaps its sends with compute too).
+# - Micro-batch: not stated; 1 sequence (the batch / DP is then M = 32, 16 and 16 micro-batches a pipeline, the M
+#   of the paper's bubble (PP − 1) / (V·M)), an assumption.
+# - "we could pre-train Llama 3 on sequences of 8K tokens without activation checkpointing": no recompute at 8K;
+#   none stated at 128K either (none here). The attention: flash (2024; parc's default). Context parallelism:
+#   "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the local query
+#   (Q) tensor chunk", "the communicated K and V tensors are much smaller than Q tensor due to the use of GQA":
+#   `--cp-attention allgather` (K and V at their 8 kv heads, 1 a tp rank, in bf16; the backward, not described,
+#   priced as gathering them again and reduce-scattering dK, dV). Priced as parc's own ring instead (the kv heads
+#   repeated to a tp rank's 16 query heads, fp32 blocks), the 128K row's cp traffic is 32× the bytes: 15.5 s of a
+#   28.0 s step, −45% (docs/cost-model.md (c)).
+# - TFLOPs/GPU = BF16 MFU × 989 (the H100's dense bf16 peak: 43% × 989 = 425, 41% → 405, 38% → 376, the table's
+#   430 / 400 / 380 rounded), MFU as Chowdhery et al. (2023) count model FLOPs (the paper's citation):
+#   `palm_flops`, 6N + 12·L·H·Q·T a token. Whether Meta's count took the causal (or document) mask's half of the
+#   attention is not said: at 8K the attention term is 8% of the count, at 128K 57%, so the third row's published
+#   figure is uncertain by up to that much.
+LLAMA3 = "Llama 3 405B (Dubey et al. 2024)"
+FLAGS[LLAMA3] = (1, ["--dp-wire", "fp32", "--cp-attention", "allgather"], "")
+LLAMA3_405B = (126, 16384, 128, 8, 53248, 128256, 8192)
+LLAMA3_405B_CUTS = ("tok_embeddings",) + tuple(f"layers.{i}" for i in range(126))
+
+
+def _llama3(seq, gpus, cp, dp, per_dp, tflops):
+    """One row of Table 4: sequence, GPUs, CP, DP, batch size / DP, TFLOPs/GPU (TP 8, PP 16 on every row)."""
+    row = Row(f"Llama 3 405B s{seq}", LLAMA3, "llama", LLAMA3_405B[:-1] + (seq,), 8, 16, gpus, dp * per_dp, 1,
+              tflops, "TFLOP/s", "h100", "", virtual=8, cp=cp, cuts=LLAMA3_405B_CUTS, sp=True)
+    if row.dp != dp:
+        raise ValueError(f"Llama 3 405B: {gpus} GPUs / (tp 8 × pp 16 × cp {cp}) = dp {row.dp}, the table says {dp}")
+    return row
+
+
+ROWS += [_llama3(8192, 8192, 1, 64, 32, 430), _llama3(8192, 16384, 1, 128, 16, 400),
+         _llama3(131072, 16384, 16, 8, 16, 380)]
+
+# Megatron-LM's README (NVIDIA/Megatron-LM README.md, "GPT-3 Example", the same words in its 2021 text, the one
+# bigscience-workshop/Megatron-DeepSpeed forked, and at commit 0010ab748, 2024): "With full global batch size of 1536
+# on 1024 A100 GPUs, each iteration takes around 32 seconds resulting in 138 teraFLOPs per GPU which is 44% of the
+# theoretical peak FLOPs" (eq. 3's count over 32 s: 137.7). The script the 2021 text names for it,
+# examples/pretrain_gpt3_175B.sh (at 090e141cc; 128 nodes of 8, container nvcr.io/nvidia/pytorch:20.12):
+# tp 8, pp 16 (dp 8), 96 layers, hidden 12288, 96 heads, sequence 2048, micro-batch 1, global batch 1536, fp16,
+# `--checkpoint-activations` (every layer recomputed), no virtual stages, Megatron's own DDP (the default then: its
+# all-reduce after the backward), GPT-2's vocabulary padded to 51200: the system of the Table 1 rows above, so their
+# flags. The README does not name the A100's memory: Selene's 80 GB (the SC21 paper's cluster), the a100 preset.
+MEGATRON_README = "Megatron-LM README (GPT-3 175B)"
+FLAGS[MEGATRON_README] = FLAGS[MEGATRON]
+ROWS += [_gpt("GPT-3 175B", MEGATRON_README, (96, 12288, 96, 51200, 2048), 8, 16, 1024, 1536, 1, 138)]
+
 
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
@@ -426,11 +508,27 @@ def megatron_flops(layers, hidden, vocab, seq, batch) -> float:
     return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+def palm_flops(row: Row) -> float:
+    """FLOPs per step as PaLM's model FLOPs count them (Chowdhery et al. 2023, arXiv:2204.02311, Appendix B):
+    6N + 12·L·H·Q·T a token (N parameters, L layers, H heads of Q dims, T the sequence), the attention's score and
+    value matmuls counted over the whole T × T square; no recompute."""
+    layers, dim, heads, _, _, _, seq = row.shape
+    return row.batch * seq * (6 * row.params + 12 * layers * dim * seq)
+
+
+def source_flops(row: Row) -> float:
+    """FLOPs per step as the row's source counts them for its TFLOP/s figure: Megatron's eq. 3 (the GPT rows)
+    or PaLM's model FLOPs (the llama rows)."""
+    if row.arch == "gpt":
+        layers, hidden, _, vocab, seq = row.shape
+        return megatron_flops(layers, hidden, vocab, seq, row.batch)
+    return palm_flops(row)
+
+
 def published_step(row: Row) -> float:
     """The step's seconds the row's published throughput implies."""
     if row.unit == "TFLOP/s":
-        layers, hidden, _, vocab, seq = row.shape
-        return megatron_flops(layers, hidden, vocab, seq, row.batch) / (row.published * 1e12 * row.gpus)
+        return source_flops(row) / (row.published * 1e12 * row.gpus)
     return row.batch * row.shape[-1] / (row.published * row.gpus)
 
 
@@ -445,6 +543,16 @@ def fill_slots(rows: list[Row], micro: int) -> float:
     return a / b
 
 
+def pipeline_text(row: Row) -> str:
+    """The row's `pipeline` statement: 1F1B, or interleaved with its virtual stages; stages placed by parc
+    (`stages=auto`) unless the row states the source's cuts."""
+    schedule = f"interleaved_1f1b stages={{}} virtual={row.virtual}" if row.virtual > 1 else "1f1b stages={}"
+    if not row.cuts:
+        return f"pipeline schedule={schedule.format('auto')}\n"
+    cuts = "".join(f' cut after "{c}"\n' for c in row.cuts)
+    return f"pipeline schedule={schedule.format(len(row.cuts) + 1)} {{\n{cuts}}}\n"
+
+
 def plan_text(row: Row) -> str:
     """The row's published plan as a .par."""
     _, _, inter = FLAGS[row.source]
@@ -452,9 +560,10 @@ def plan_text(row: Row) -> str:
     cp = f" cp={row.cp}" if row.cp > 1 else ""
     return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
-            (TP_RULES if row.arch == "gpt" else "") +
-            (f"pipeline schedule=interleaved_1f1b stages=auto virtual={row.virtual}\n" if row.virtual > 1 else
-             "pipeline schedule=1f1b stages=auto\n" if row.pp > 1 else "") +
+            (TP_RULES if row.arch == "gpt" else
+             "tensor_parallel {\n" + LLAMA_TP_RULES + (" sequence_parallel\n" if row.sp else "") + "}\n"
+             if row.tp > 1 else "") +
+            (pipeline_text(row) if row.pp > 1 else "") +
             (f"zero stage={zero}\n" if zero else "") +
             ("recompute " + " ".join(f'"{p}"' for p in row.recompute.split()) + "\n" if row.recompute else "") +
             "precision bf16\n")
@@ -487,8 +596,7 @@ def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
         rep = report.build_from_args(args)
     step = rep["utilization"]["step_seconds"]
     if row.unit == "TFLOP/s":
-        layers, hidden, _, vocab, seq = row.shape
-        return megatron_flops(layers, hidden, vocab, seq, row.batch) / step / row.gpus / 1e12, rep
+        return source_flops(row) / step / row.gpus / 1e12, rep
     return rep["utilization"]["tokens_per_step"] / step / row.gpus, rep
 
 

@@ -413,6 +413,10 @@ def parser() -> argparse.ArgumentParser:
                        help="when ZeRO-3 gathers the next layer in the backward: pre (parc; PyTorch FSDP's "
                             "BACKWARD_PRE: under the current layer's gradients) or post (FSDP's BACKWARD_POST, "
                             "Composer's default: after them, so each backward gather is exposed)")
+    other.add_argument("--cp-attention", choices=System.CP_ATTENTION, default="parc",
+                       help="context parallelism's attention: parc (the plan's ring or all-to-all, as parc runs it) "
+                            "or allgather (K and V all-gathered over cp at their kv heads, before GQA repeats them, "
+                            "and the local queries' attention computed; gradients reduce-scattered: Llama 3's)")
     other.add_argument("--dp-wire", choices=tuple(System.WIRE),
                        help="dtype of gradients on the dp wire (default: the plan's precision layout)")
     other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "

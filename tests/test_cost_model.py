@@ -149,7 +149,7 @@ def test_op_table_of_the_tiny_gpt(traced):
     assert mm[(1, tokens, 64, 256)] == (2, 4)      # mlp.proj: row, k split
     assert mm[(1, tokens, 256, 64)] == (1, 5)      # mlp.fc (column, 4 layers) and lm_head (vocab): 64 → 256
     (attn,) = s["ops"]["attn"]
-    assert attn == [2 * 4, 32, 16, 1, 3, 0, 4]     # b·heads, T, head size, causal, heads split, 4 layers
+    assert attn == [2 * 4, 32, 16, 1, 3, 0, 1, 4]  # b·heads, T, head size, causal, heads split, no kv repeat, 4 layers
     # memory-bound ops by kind: count per kind, and a bias per linear that has one (1/tp in a column layer)
     kinds: dict = {}
     for kind, nbytes, sharded, rec, count in s["ops"]["mem"]:

@@ -248,3 +248,89 @@ def test_mpt_rows_state_their_own_stage_kernel_and_gpu():
             ("a100_40gb", 3, "bf16", "post", "fused")
     with pytest.raises(ValueError, match=r"8 GPUs × micro 4 × accum 2 != global 60"):
         published._mpt(published.MPT_A100_40, "1b", 2048, 8, 4, 2, 60, 1.0, False)
+
+
+def test_llama3_405b_rows_are_table_4s_plans_priced_by_palms_count():
+    """The Llama 3 405B rows (Dubey et al. 2024, Table 4) as .par: tp 8 × pp 16 with cp and dp from the table, in the
+    paper's order [TP, CP, PP, DP]; Megatron tp over bench/llama_sized.py's names with sequence parallelism; the
+    interleaved schedule of 8 one-layer chunks a rank, cut after the embedding and after every layer (126 layers and
+    the embedding's and the output's chunks: 128 = 16 × 8); ZeRO-1 (one reduce-scatter a step), no recompute. Their
+    TFLOP/s is PaLM's model FLOPs (6N + 12·L·H·Q·T a token), checked here against the arithmetic by hand."""
+    from parc.grammar.parser import parse
+
+    published = _published()
+    rows = [r for r in published.ROWS if r.source == published.LLAMA3]
+    assert [(r.gpus, r.cp, r.dp, r.shape[-1], r.batch // r.dp) for r in rows] == [
+        (8192, 1, 64, 8192, 32), (16384, 1, 128, 8192, 16), (16384, 16, 8, 131072, 16)]
+    for row in rows:
+        plan = parse(published.plan_text(row), file="row.par")
+        m = plan.mesh
+        assert (m.tp, m.cp, m.pp, m.dp) == (8, row.cp, 16, row.dp)
+        assert m.order[:1] == ("tp",) and (m.order == ("tp", "cp", "pp", "dp") or row.cp == 1)
+        assert plan.tensor_parallel.sequence_parallel
+        assert {r.pattern: r.style for r in plan.tensor_parallel.rules} == {
+            **{f"layers.*.attention.{w}": "column" for w in ("wq", "wk", "wv")}, "layers.*.attention.wo": "row",
+            "layers.*.feed_forward.w1": "column", "layers.*.feed_forward.w3": "column",
+            "layers.*.feed_forward.w2": "row", "tok_embeddings": "vocab", "output": "vocab"}
+        pipe = plan.pipeline
+        assert (pipe.schedule, pipe.virtual, pipe.stages) == ("interleaved_1f1b", 8, 128)
+        assert [c.path for c in pipe.cuts] == ["tok_embeddings"] + [f"layers.{i}" for i in range(126)]
+        assert all(c.where == "after" for c in pipe.cuts)
+        assert plan.zero.stage == 1 and not plan.recompute.patterns
+    # 405B by hand: per layer q and o (16384²), k and v (16384 × 8 heads × 128), the SwiGLU's three (16384 × 53248);
+    # the embedding and the untied output (128256 × 16384 each)
+    n = 126 * (2 * 16384 ** 2 + 2 * 16384 * 1024 + 3 * 16384 * 53248) + 2 * 128256 * 16384
+    assert rows[0].params == n == 405_849_243_648
+    tokens = 2048 * 8192
+    flops = tokens * (6 * n + 12 * 126 * 128 * 128 * 8192)   # L·H·Q = 126 layers × 128 heads × 128 dims
+    assert published.palm_flops(rows[0]) == flops
+    assert published.published_step(rows[0]) == pytest.approx(flops / (430e12 * 8192))   # 12.56 s
+
+
+def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_path, monkeypatch):
+    """`--cp-attention allgather` (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2): per attention and
+    micro-batch, K and V all-gathered forward, gathered again and dK, dV reduce-scattered backward, each the whole
+    sequence of the rank's kv heads, before GQA repeats them to the query heads (compute.kv_repeat), in bf16; parc's
+    ring sends the repeated heads' blocks in fp32. A tiny Llama with 8 query heads on 2 kv heads (repeat 4), cp 2,
+    2 micro-batches: the gathered sizes by hand, and the ring's by its own rule."""
+    monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")   # layers, dim, heads, kv heads, ffn, vocab, T
+    plan = tmp_path / "cp.par"
+    plan.write_text("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
+    llama = ROOT / "bench" / "llama_sized.py"
+
+    def cp_row(*flags):
+        rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
+                                                               "--preset", "h100", *flags]))
+        (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "cp"]
+        return row, rep
+
+    gathered, rep = cp_row("--cp-attention", "allgather")
+    kv = 1 * 2 * 64 * 32 * 2              # one sample's K of 2 kv heads × T 64 × head size 32, bf16: 8 KiB
+    size = (2 + 2 + 2) * kv * 2 * 2       # K, V forward; K, V again and dK, dV backward; 2 layers; 2 micro-batches
+    assert gathered["collective"] == "all-gather"
+    assert gathered["bytes_per_rank"] == pytest.approx(size * (2 - 1) / 2)   # each rank receives the other half
+    assert any("cp attention allgather" in n for n in rep["notes"])
+    ring, _ = cp_row()
+    block = 1 * 8 * 32 * 32 * 4           # a ring block: 8 query heads × T/cp 32 × 32, fp32
+    assert ring["bytes_per_rank"] == pytest.approx((2 + 4) * (2 - 1) * block * 2 * 2)
+    assert ring["bytes_per_rank"] / gathered["bytes_per_rank"] == pytest.approx(4 * 2)   # the repeat, fp32 / bf16
+    # no cp: the flag changes nothing, and says so
+    plan.write_text("mesh dp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
+    rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
+                                                           "--preset", "h100", "--cp-attention", "allgather"]))
+    assert any("has no context parallelism" in n for n in rep["notes"])
+
+
+def test_kv_repeat_finds_gqas_heads_before_their_repetition(monkeypatch):
+    """The attention rows carry how many query heads share a K head: bench/llama_sized.py repeats its kv heads with
+    repeat_interleave (torchtitan's repeat_kv) before SDPA: 8 heads on 2 is 4; examples/gpt.py's K is its own: 1."""
+    from parc.analysis import compute
+    from parc.grammar.parser import parse
+
+    monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")
+    monkeypatch.setenv("PARC_BENCH_GPT", "2,256,8,1000,64")
+    plan = parse("mesh dp=1\nbatch global=1 micro=1\n", file="p.par")
+    for model, repeat in ((ROOT / "bench" / "llama_sized.py", 4), (SIZED, 1)):
+        stats = report._trace_stats(model, plan, ())
+        rows = [r for s in stats["stages"] for r in compute.attn_rows(s["ops"])]
+        assert rows and {r[6] for r in rows} == {repeat}, model

@@ -12,7 +12,9 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   backward is the two matmuls dX = dY·Wᵀ (m, k, n) and dW = Xᵀ·dY (n, k, m),
   each looked up at its own shape.
 - `attn`: scaled_dot_product_attention as [b·heads, T, hs, causal, split,
-  recomputed, count]. FLOPs 4·b·h·T²·hs (halved when causal: a flash kernel skips
+  recomputed, kv repeat, count] (`attn_rows`; kv repeat: how many query heads share
+  each K/V head, GQA's repetition before the kernel (`kv_repeat`), 1 without; rows
+  written before it have 7 fields and read as 1). FLOPs 4·b·h·T²·hs (halved when causal: a flash kernel skips
   the masked half), the backward 2.5× the forward (flash recomputes QKᵀ: five
   matmuls to the forward's two); efficiency from the preset's attention table.
   `attention="materialized"` prices a system that writes the scores out instead
@@ -56,6 +58,9 @@ before they existed) falls back to FLOPs / (peak · achievable): `fallback`.
 from __future__ import annotations
 
 import math
+
+# ops that copy or repeat their input along the way from a K projection to the attention kernel (`kv_repeat`)
+REPEATS = ("aten.repeat_interleave.", "aten.clone.", "aten.contiguous.", "aten._to_copy.", "aten.expand.")
 
 # ---------------------------------------------------------------- efficiency tables
 
@@ -191,7 +196,7 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
                     [_mm_work(hw, dtype, b, m, k, n), _mm_work(hw, dtype, b, n, k, m)])
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
-    for bh, t, hs, causal, split, rec, count in ops.get("attn", ()):
+    for bh, t, hs, causal, split, rec, _, count in attn_rows(ops):
         if tp > 1 and split:
             bh = bh / tp
         if attention == "materialized":
@@ -382,6 +387,33 @@ def _bias(node):
     return bias if hasattr(bias, "meta") and _shape(bias) is not None else None
 
 
+def attn_rows(ops: dict):
+    """`ops`' attention rows as (b·heads, T, hs, causal, split, recomputed, kv repeat, count): a row of 7
+    fields (written before the kv repeat was counted) reads as kv repeat 1."""
+    for bh, t, hs, causal, split, rec, *repeat, count in ops.get("attn", ()):
+        yield bh, t, hs, causal, split, rec, (repeat[0] if repeat else 1), count
+
+
+def kv_repeat(sdpa) -> int:
+    """How many query heads share each of an attention's K heads: K's elements over the fewest its values had
+    on their way to the kernel through views, copies and repeats (`repeat_interleave`, or `expand` + reshape:
+    grouped-query attention's K/V heads repeated to the query heads, torchtitan's and HF's `repeat_kv`). 1 when
+    K reaches the kernel as computed. A system that moves K and V between ranks before that repetition
+    (all-gather context parallelism, `cp_cost`) moves 1/repeat of the kernel's K and V."""
+    from parc.analysis.activations import _is, is_alias
+
+    k = sdpa.args[1] if len(sdpa.args) > 1 else None
+    if not hasattr(k, "meta") or _shape(k) is None:
+        return 1
+    full = fewest = math.prod(_shape(k))
+    node = k
+    while (node.op == "call_function" and (is_alias(node) or _is(node, REPEATS)) and node.all_input_nodes
+           and _shape(node.all_input_nodes[0]) is not None):
+        node = node.all_input_nodes[0]
+        fewest = min(fewest, math.prod(_shape(node)))
+    return max(1, round(full / fewest)) if fewest else 1
+
+
 def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool = False,
              fused_loss: bool = False) -> dict:
     """One stage's ops, aggregated by identical shape (layers repeat): see the module docstring.
@@ -413,7 +445,7 @@ def op_table(nodes, *, size_of, split_of, sharded_of, recomputed_of, bf16: bool 
         if "scaled_dot_product" in name:
             q = _shape(n.args[0])
             causal = bool(n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False))
-            key = (math.prod(q[:-2]), q[-2], q[-1], int(causal), split_of(n), rec)
+            key = (math.prod(q[:-2]), q[-2], q[-1], int(causal), split_of(n), rec, kv_repeat(n))
             attn[key] = attn.get(key, 0) + 1
             continue
         dims = matmul_dims(n) if _is(n, LOWERED) else None

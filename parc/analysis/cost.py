@@ -131,8 +131,10 @@ class System:
     pp_engine: str = "parc"
     zero_prefetch: str = "pre"
     loss: str = "eager"
+    cp_attention: str = "parc"
 
     ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
+    CP_ATTENTION = ("parc", "allgather")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
     ZERO_PREFETCH = ("pre", "post")
@@ -161,7 +163,8 @@ class System:
                                           ("dp wire", self.dp_wire, None), ("NICs per node", self.nics, 0),
                                           ("recompute saves", ",".join(self.recompute_saves), ""),
                                           ("ZeRO-3 backward prefetch", self.zero_prefetch, "pre"),
-                                          ("loss", self.loss, "eager"))
+                                          ("loss", self.loss, "eager"),
+                                          ("cp attention", self.cp_attention, "parc"))
                 if v != d]
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 

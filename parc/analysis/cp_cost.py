@@ -19,6 +19,12 @@ plus the cp traffic itself (`comms`), per rank per step, each attention of each 
                (recomputed layers run the forward ring again in their backward)
   all-to-all:  forward 4 (q, k, v scattered by head, the output back), backward 7 (q, k, v and the output's
                gradient again, dQ, dK, dV back), each moving (cp−1)/cp of a b·h·(T/cp)·hs tensor
+  all-gather:  another system's context parallelism (`parc report --cp-attention allgather`; Llama 3's, Dubey et
+               al. 2024 §3.3.2: "we first all-gather the key (K) and value (V) tensors, and then compute attention
+               output for the local query (Q) tensor chunk"): forward K and V all-gathered, backward K and V
+               gathered again and dK, dV reduce-scattered, each (cp−1)/cp of a whole sequence's K (or V) of the
+               rank's kv heads, b·h·T·hs / kv repeat (GQA's heads before their repetition, compute.kv_repeat),
+               in the activations' dtype
 
 charged to the step, not overlapped: exact for the backward ring and the all-to-alls (they wait), an upper
 bound for the forward ring, whose next hop is posted before the block computes.
@@ -29,7 +35,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parc import mesh as meshlib
-from parc.analysis import cost, experts
+from parc.analysis import compute, cost, experts
 
 RING_BYTES = 4  # the ring sends its K/V blocks and dK/dV accumulators in fp32 (ring_attention.py)
 # statistics of one micro-batch that scale with its tokens (the rest: parameters, counts of tensors)
@@ -68,21 +74,26 @@ def _stage(d: dict, cp: int) -> dict:
     return out
 
 
-def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None) -> list[cost.Comm]:
+def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None,
+          allgather: bool = False) -> list[cost.Comm]:
     """The cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic,
     from the serial statistics: with virtual stages a pp rank runs the chunks i ≡ its rank (mod pp). `groups`:
-    the cp groups to price over (the planner passes one of each placement), else every cp group of the mesh."""
+    the cp groups to price over (the planner passes one of each placement), else every cp group of the mesh.
+    `allgather`: price another system's all-gather context parallelism instead of the plan's method."""
     m, cp = plan.mesh, plan.mesh.cp
-    ring = plan.context_parallel.method == "ring"
+    ring = plan.context_parallel.method == "ring" and not allgather
     act_b = 4 if plan.precision == "fp32" else 2
     acc = plan.accumulation
     per_stage = []
     for d in stats["stages"]:  # in stage order: chunk i runs on pp rank i mod pp
         volume, calls = 0.0, 0
-        for bh, t, hs, causal, split, rec, count in (d.get("ops") or {}).get("attn", ()):
+        for bh, t, hs, causal, split, rec, repeat, count in compute.attn_rows(d.get("ops") or {}):
             block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
             again = 2 if rec else 1  # a recomputed layer runs its forward communication again
-            if ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 (K, V and the dK, dV sums); fp32
+            if allgather:  # the whole sequence's K and V of the rank's kv heads: forward 2, backward 2 + 2
+                volume += count * acc * (2 * again + 4) * block * cp / repeat * act_b
+                calls += count * acc * (2 * again + 4)
+            elif ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 (K, V and the dK, dV sums); fp32
                 volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4) * block * RING_BYTES
                 calls += count * acc * (cp - 1) * (again + 1)
             else:  # 4 all-to-alls forward, 7 backward, each sending (cp−1)/cp of a block
@@ -95,6 +106,9 @@ def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None 
     if not calls:
         return []
     groups = groups or meshlib.groups(m, "cp")
+    if allgather:  # `volume` the gathered sizes: the collective prices their (cp−1)/cp
+        return [cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce,
+                                 latency_steps=calls * (cp - 1), calls=calls)]
     if ring:
         return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
                                  calls=calls)]
@@ -109,7 +123,8 @@ def groups_of(mesh) -> dict[str, list[list[int]]]:
             "cp": meshlib.groups(mesh, "cp")}
 
 
-def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, **options) -> cost.Estimate:
+def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, cp_allgather: bool = False,
+                  **options) -> cost.Estimate:
     """The cost model's estimate of any plan from the serial model's statistics: a cp plan's through `estimate`
     (each rank on T/cp tokens), another's through `cost.estimate`; without `params_per_rank` (an artifact's),
     an ep rank holds its own experts (`experts.params_per_rank`). What `parc report` prices and `parc check`
@@ -117,12 +132,13 @@ def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_
     if params_per_rank is None and stats.get("experts") is not None:
         params_per_rank = experts.params_per_rank(stats["experts"], plan.mesh.ep)
     if plan.mesh.cp > 1:
-        return estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
+        return estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank,
+                        cp_allgather=cp_allgather, **options)
     return cost.estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
 
 
 def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
-             local: dict | None = None, **options) -> cost.Estimate:
+             local: dict | None = None, cp_allgather: bool = False, **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
     `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `local`:
     `local_stats(stats, cp)` when the caller keeps it (a planner's, so that its memo sees the same dicts).
@@ -133,14 +149,17 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
     est = cost.estimate(priced, local, hw, allreduce=allreduce, params_per_rank=params_per_rank,
                         groups={a: groups[a] for a in ("dp", "pp", "tp")}, **options)
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
-    rows = comms(plan, stats, hw, allreduce, groups["cp"])
+    rows = comms(plan, stats, hw, allreduce, groups["cp"], allgather=cp_allgather)
     est = cost.on_step(est, rows, "cp_seconds") if rows else est
-    ring = plan.context_parallel.method == "ring"
+    ring = plan.context_parallel.method == "ring" and not cp_allgather
+    method = "all-gather, another system's" if cp_allgather else plan.context_parallel.method
     est.notes.append(
-        f"context parallelism cp {m.cp} ({plan.context_parallel.method}): each rank computes and keeps the "
+        f"context parallelism cp {m.cp} ({method}): each rank computes and keeps the "
         f"activations of T/{m.cp} tokens of every sample; gradients reduce over dp {m.dp} × cp {m.cp} = "
         f"{m.dp * m.cp} ranks (ZeRO shards over them); "
-        + ("the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward, fp32)"
+        + ("K and V all-gathered per attention forward, gathered again and their gradients reduce-scattered "
+           "backward, at their kv heads (before GQA's repetition)" if cp_allgather else
+           "the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward, fp32)"
            if ring else "4 all-to-alls per attention forward and 7 backward")
         + " are charged to the step, not overlapped"
         + (" (an upper bound for the forward ring, whose hops are posted before each block computes)" if ring else ""))

@@ -128,7 +128,8 @@ def system_of(args) -> cost.System:
     saves = tuple(x for x in (args.recompute_saves or "").split(",") if x)
     return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
                        dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves,
-                       pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch, loss=args.loss)
+                       pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch, loss=args.loss,
+                       cp_attention=args.cp_attention)
 
 
 def build_from_args(args) -> dict:
@@ -160,8 +161,11 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     # a cp plan: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py); an ep rank its
     # own experts, unless the artifact counted what each rank holds
     est = cp_cost.estimate_plan(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=art_params,
-                                **system.estimate_options())
+                                cp_allgather=system.cp_attention == "allgather", **system.estimate_options())
     notes += system.notes()
+    if system.cp_attention != "parc" and plan_obj.mesh.cp == 1:
+        notes.append(f"--cp-attention {system.cp_attention}: the plan has no context parallelism (mesh cp 1), "
+                     "so it changes nothing")
     if system.recompute_saves and not plan_obj.recompute.patterns:
         notes.append("--recompute-saves: the plan recomputes nothing (no `recompute` line), so it changes nothing")
     ep = experts.section(ep_info, plan_obj, hw)  # mesh ep > 1: the all-to-all row, the experts' state
