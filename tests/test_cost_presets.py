@@ -34,7 +34,7 @@ def test_plan_with_a_preset_file_parses_checks_compiles_and_reports(tmp_path, ca
             "--preset", "presets/mine.json", "-o", "out/plan.par"]
     assert cli.main(argv) == 0
     said = capsys.readouterr().out
-    assert "the winner" in said and f"wrote out/plan.par" in said
+    assert "the winner" in said and "wrote out/plan.par" in said
     text = out.read_text()
     assert "preset=../presets/mine.json" in text and "predicted on my-h100" in text
     assert cli.main(["check", "out/plan.par", "--model", str(GPT), "--world-size", "4"]) == 0
@@ -134,18 +134,24 @@ def test_every_shipped_preset_is_a_name_a_plan_can_state():
 def test_h100_hbm2e_is_the_h100_with_slower_memory():
     """The 96 GB HBM2e H100 (torchtitan's benchmark GPUs): the same die and clocks, so matmuls, attention and the
     network are priced as the h100's; a memory-bound op moves its bytes at 0.8 × 2.4 TB/s instead of 3.35."""
-    from parc.analysis import compute
-
     h100, hbm2e = cost.hardware("h100"), cost.hardware("h100_hbm2e")
     assert hbm2e.memory == 95 * cost.GiB and h100.memory == 80 * cost.GiB
-    assert (hbm2e.matmul, hbm2e.attention, hbm2e.flops, hbm2e.matmul_sustained, hbm2e.intra_bw, hbm2e.inter_bw) == \
-        (h100.matmul, h100.attention, h100.flops, h100.matmul_sustained, h100.intra_bw, h100.inter_bw)
+    _same_die_other_memory(h100, hbm2e, 3.35e12, 2.4e12)
+
+
+def _same_die_other_memory(big, other, big_hbm: float, other_hbm: float) -> None:
+    """`other` is `big`'s die with other HBM: matmuls, attention and the network priced alike, a memory-bound op's
+    bytes at 0.8 × its own HBM bandwidth."""
+    from parc.analysis import compute
+
+    fields = ("matmul", "attention", "flops", "matmul_sustained", "intra_bw", "inter_bw")
+    assert [getattr(other, f) for f in fields] == [getattr(big, f) for f in fields]
     mm = {"mm": [[1, 4096, 4096, 4096, 0, 0, 1]]}
-    assert compute.stage_seconds(mm, hbm2e, "bf16", 1) == compute.stage_seconds(mm, h100, "bf16", 1)
+    assert compute.stage_seconds(mm, other, "bf16", 1) == compute.stage_seconds(mm, big, "bf16", 1)
     ew = {"mem": [["ew", 1e9, 0, 0, 1]]}
-    fwd, bwd = compute.stage_seconds(ew, hbm2e, "bf16", 1)[:2]
-    assert fwd == pytest.approx(1e9 / (0.8 * 2.4e12))
-    assert fwd / compute.stage_seconds(ew, h100, "bf16", 1)[0] == pytest.approx(3.35 / 2.4)
+    fwd = compute.stage_seconds(ew, other, "bf16", 1)[0]
+    assert fwd == pytest.approx(1e9 / (0.8 * other_hbm))
+    assert fwd / compute.stage_seconds(ew, big, "bf16", 1)[0] == pytest.approx(big_hbm / other_hbm)
 
 
 def _one_stage(params: int) -> dict:
@@ -161,20 +167,13 @@ def test_a100_40gb_is_the_a100_with_half_the_memory_and_slower_hbm():
     """The A100 40GB (MosaicML's A100 40GB table): the 80GB part's die, clocks and network, so its matmul, attention
     and network figures; 40 GiB of HBM2 at 1,555 GB/s, so memory-bound ops move their bytes at 0.8 × 1.555 TB/s
     and a plan that fits an a100 can fail on it."""
-    from parc.analysis import compute, presets
+    from parc.analysis import presets
     from parc.analysis.review import review
     from parc.grammar.parser import parse
 
     a100, small = cost.hardware("a100"), cost.hardware("a100_40gb")
     assert small.memory == 40 * cost.GiB and a100.memory == 80 * cost.GiB
-    assert (small.matmul, small.attention, small.flops, small.matmul_sustained, small.intra_bw, small.inter_bw) == \
-        (a100.matmul, a100.attention, a100.flops, a100.matmul_sustained, a100.intra_bw, a100.inter_bw)
-    mm = {"mm": [[1, 4096, 4096, 4096, 0, 0, 1]]}
-    assert compute.stage_seconds(mm, small, "bf16", 1) == compute.stage_seconds(mm, a100, "bf16", 1)
-    ew = {"mem": [["ew", 1e9, 0, 0, 1]]}
-    fwd = compute.stage_seconds(ew, small, "bf16", 1)[0]
-    assert fwd == pytest.approx(1e9 / (0.8 * 1.555e12))
-    assert fwd / compute.stage_seconds(ew, a100, "bf16", 1)[0] == pytest.approx(2.039 / 1.555)
+    _same_die_other_memory(a100, small, 2.039e12, 1.555e12)
     # why the tables are kept: no entry is bandwidth-bound on the slower memory. The most demanding is FlashAttention-2's
     # T = 512, head size 128, forward at 110 TFLOP/s: 2·512²·128 FLOPs over Q, K, V, O once (4·512·128 bf16 elements)
     # = 128 FLOP a byte, so 110e12 / 128 = 0.86 TB/s of the 1.244 an elementwise kernel reaches: 0.69
