@@ -184,7 +184,7 @@ MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire",
 MOSAIC_LARGE = ["--dp-wire", "fp32", "--loss", "fused"]
 # The A100 40GB rows: MOSAIC's kernels, prefetch and loss (mosaic_gpt.py at c4f8c7540: "fused_crossentropy", its
 # setup.py's gpu extra installing xentropy-cuda-lib), Composer's PURE: gradients reduced in bf16
-MOSAIC_PURE = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "bf16", "--loss", "fused"]
+MOSAIC_PURE = MOSAIC + ["--dp-wire", "bf16"]   # the last --dp-wire wins
 FLAGS = {MEGATRON: (0, OLD_MEGATRON + ["--dp-wire", "fp16"], ""),
          BLOOM: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp32", "--nics", "4"], " inter=12.5GB/s"),
          MTNLG: (1, OLD_MEGATRON + DEEPSPEED_PIPE + ["--dp-wire", "fp16"], ""),

@@ -147,12 +147,13 @@ class System:
         return replace(hw, nics_per_node=self.nics) if self.nics else hw
 
     def estimate_options(self) -> dict:
-        """The keyword arguments of `estimate` that price this system."""
+        """The keyword arguments of `cp_cost.estimate_plan` that price this system (`cp_allgather` is its own;
+        the rest it passes to `estimate`)."""
         return dict(attention=self.attention if self.attention.startswith("flash") else "materialized",
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
                     dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine,
-                    zero_backward_prefetch=self.zero_prefetch == "pre")
+                    zero_backward_prefetch=self.zero_prefetch == "pre", cp_allgather=self.cp_attention == "allgather")
 
     def notes(self) -> list[str]:
         """The report's line saying which options differ from parc's runtime (none: no line)."""

@@ -161,7 +161,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     # a cp plan: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py); an ep rank its
     # own experts, unless the artifact counted what each rank holds
     est = cp_cost.estimate_plan(plan_obj, stats, hw, allreduce=allreduce or "ring", params_per_rank=art_params,
-                                cp_allgather=system.cp_attention == "allgather", **system.estimate_options())
+                                **system.estimate_options())
     notes += system.notes()
     if system.cp_attention != "parc" and plan_obj.mesh.cp == 1:
         notes.append(f"--cp-attention {system.cp_attention}: the plan has no context parallelism (mesh cp 1), "
