@@ -32,8 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPT_MODEL = ROOT / "bench" / "gpt_sized.py"
 LLAMA_MODEL = ROOT / "bench" / "llama_sized.py"
-TP_RULES = ('tensor_parallel {\n "blocks.*.attn.qkv" : column\n "blocks.*.attn.proj" : row\n'
-            ' "blocks.*.mlp.fc" : column\n "blocks.*.mlp.proj" : row\n "wte" : vocab\n "lm_head" : vocab\n}\n')
+# bench/gpt_sized.py under Megatron's tensor parallelism: the attention's qkv and the MLP's first projection by
+# columns, their output projections by rows, the token embedding and the output layer over the vocabulary
+TP_RULES = (' "blocks.*.attn.qkv" : column\n "blocks.*.attn.proj" : row\n'
+            ' "blocks.*.mlp.fc" : column\n "blocks.*.mlp.proj" : row\n "wte" : vocab\n "lm_head" : vocab\n')
 # bench/llama_sized.py under Megatron's tensor parallelism: q, k, v and the SwiGLU's two input projections by columns
 # (heads and ffn split over tp), the attention's output and the MLP's down projection by rows, the token embedding and
 # the output layer over the vocabulary
@@ -222,7 +224,7 @@ class Row:
     zero: int | None = None       # the row's own ZeRO stage, over its source's (`FLAGS`)
     attention: str = ""           # the row's own attention kernel (`--attention`), over its source's
     cuts: tuple = ()              # the pipeline's stages as the source cut them (`cut after` each path), else auto
-    sp: bool = False              # llama under tp: Megatron's sequence parallelism (`sequence_parallel`)
+    sp: bool = False              # under tp: Megatron's sequence parallelism (`sequence_parallel`)
 
     @property
     def zero_stage(self) -> int:
@@ -493,9 +495,53 @@ MEGATRON_README = "Megatron-LM README (GPT-3 175B)"
 FLAGS[MEGATRON_README] = FLAGS[MEGATRON]
 ROWS += [_gpt("GPT-3 175B", MEGATRON_README, (96, 12288, 96, 51200, 2048), 8, 16, 1024, 1536, 1, 138)]
 
+# Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023, arXiv:2205.05198):
+# Megatron-LM in 2022 on Selene (8 A100-80GB a node, 8 × 200 Gbit/s HDR: the a100 preset), "mixed precision",
+# sequence 2048, vocabulary 51,200. Table 3, the configurations: 22B (64 heads, hidden 6144, 48 layers, tp 8, pp 1, 8
+# GPUs, global batch 4, micro-batch 4), 175B (96, 12288, 96, tp 8, pp 8, 64 GPUs, batch 64, micro 1), 530B (128,
+# 20480, 105, tp 8, pp 35, 280 GPUs, batch 280, micro 1) and 1T (160, 25600, 128, tp 8, pp 64, 512 GPUs, batch 512,
+# micro 1); §6: "the interleaving schedule with three interleaving stages" on 175B and 530B, no data parallelism.
+# Table 5, the end-to-end iteration time in seconds, "Full Recompute" / "Present Work": 22B 1.42 / 1.10, 175B
+# 18.13 / 13.75, 530B 49.05 / 37.83, 1T 94.42 / 71.49; and §6.3: the 530B at 8-way data parallelism (2240 GPUs, the
+# batch × 8) "increases slightly from 37.83 seconds to 39.15 seconds", with "no overlapping of gradient all-reduces
+# with back-propagation". Each row's throughput is that time's: batch × 2048 tokens / seconds / GPUs.
+# - "Full Recompute": every transformer layer recomputed, no sequence parallelism: `recompute "blocks.*"`.
+# - "Present Work": sequence parallelism (`sequence_parallel`) and selective activation recomputation (§5): only
+#   the attention's core (QK^T, softmax, its dropout, the attention over V) is recomputed, the rest of the layer
+#   kept. As parc plan and flags: the attention module recomputed (`recompute "blocks.*.attn"`) with its
+#   matmuls' outputs saved (`--recompute-saves matmul`: qkv and the output projection), so what runs again is
+#   the attention op alone, priced by the source's `--attention materialized-dropout`.
+# The system is Megatron's of the Table 1 rows above (its materialised attention, scatter/gather pipeline sends
+# where tp runs without sequence parallelism, its dp all-reduce after the backward): their flags.
+KORTHIKANTI = "Megatron-LM 2022 (Korthikanti et al.)"
+FLAGS[KORTHIKANTI] = FLAGS[MEGATRON]
+SELECTIVE = "blocks.*.attn"
+
+
+def _korthikanti(size, shape, pp, gpus, batch, micro, seconds, virtual=1, present=False):
+    """One row of Table 5 (tp 8): the model's shape (layers, hidden, heads) and its iteration time, full recompute
+    or the paper's sequence parallelism with selective recompute (`present`)."""
+    layers, hidden, heads = shape
+    return Row(f"GPT {size} " + ("selective + sp" if present else "full recompute"), KORTHIKANTI, "gpt",
+               (layers, hidden, heads, 51200, 2048), 8, pp, gpus, batch, micro, batch * 2048 / seconds / gpus,
+               "tokens/s", "a100", SELECTIVE if present else "blocks.*", saves="matmul" if present else "",
+               virtual=virtual, dp_overlap=False, sp=present)
+
+
+ROWS += [_korthikanti(size, shape, pp, gpus, batch, micro, t, virtual, present)
+         for size, shape, pp, gpus, batch, micro, virtual, times in [
+             ("22B", (48, 6144, 64), 1, 8, 4, 4, 1, (1.42, 1.10)),
+             ("175B", (96, 12288, 96), 8, 64, 64, 1, 3, (18.13, 13.75)),
+             ("530B", (105, 20480, 128), 35, 280, 280, 1, 3, (49.05, 37.83)),
+             ("1T", (128, 25600, 160), 64, 512, 512, 1, 1, (94.42, 71.49))]
+         for present, t in zip((False, True), times)]
+ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtual=3, present=True)]
+
 
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
+    if row.recompute == SELECTIVE:
+        return "selective (the attention's core)"
     if row.saves:
         return f"op (saves {row.saves})"
     return {"": "none", "blocks.*": "full", "layers.*": "full", EVERY_SECOND: "every 2nd layer",
@@ -560,9 +606,8 @@ def plan_text(row: Row) -> str:
     cp = f" cp={row.cp}" if row.cp > 1 else ""
     return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
             f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
-            (TP_RULES if row.arch == "gpt" else
-             "tensor_parallel {\n" + LLAMA_TP_RULES + (" sequence_parallel\n" if row.sp else "") + "}\n"
-             if row.tp > 1 else "") +
+            ("tensor_parallel {\n" + (TP_RULES if row.arch == "gpt" else LLAMA_TP_RULES) +
+             (" sequence_parallel\n" if row.sp else "") + "}\n" if row.tp > 1 else "") +
             (pipeline_text(row) if row.pp > 1 else "") +
             (f"zero stage={zero}\n" if zero else "") +
             ("recompute " + " ".join(f'"{p}"' for p in row.recompute.split()) + "\n" if row.recompute else "") +
@@ -674,7 +719,7 @@ def main() -> int:
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
               f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {row.zero_stage} | {recompute_label(row)}"
               f"{', fused norm' if row.fused_norm else ''} | "
-              f"{row.published:g} {row.unit} | {pred:.0f} | "
+              f"{row.published:.5g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
               f"{'yes' if rep['memory']['fits'] else 'NO'} |", flush=True)
         print(f"<!-- {row.name}: traced and estimated in {time.time() - t0:.0f} s -->", file=sys.stderr)

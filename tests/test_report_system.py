@@ -287,6 +287,35 @@ def test_llama3_405b_rows_are_table_4s_plans_priced_by_palms_count():
     assert published.published_step(rows[0]) == pytest.approx(flops / (430e12 * 8192))   # 12.56 s
 
 
+def test_korthikantis_selective_rows_recompute_the_attentions_core_and_nothing_else():
+    """Korthikanti et al.'s Table 5 as rows: "Present Work" is Megatron's tp 8 with sequence parallelism and selective
+    recomputation (the attention module recomputed with its matmuls' outputs saved), "Full Recompute" every layer
+    without sequence parallelism; each row's tokens/s is its iteration time's. The FLOPs run again, by hand for the
+    22B (48 layers, b 4, s 2048, h 6144), the attention over the whole square (Megatron's materialised kernel):
+    selective, the core's forward alone, QK^T and the product with V at 2·b·s²·h each; full, a whole block's forward."""
+    from parc.grammar.parser import parse
+
+    published = _published()
+    full, present = [r for r in published.ROWS if r.source == published.KORTHIKANTI and r.name.startswith("GPT 22B")]
+    assert published.published_step(full) == pytest.approx(1.42) and published.published_step(present) == \
+        pytest.approx(1.10)
+    for row, sp, patterns in ((full, False, ("blocks.*",)), (present, True, ("blocks.*.attn",))):
+        plan = parse(published.plan_text(row), file="row.par")
+        assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.dp, plan.micro_batch) == (8, 1, 1, 4)
+        assert plan.tensor_parallel.sequence_parallel == sp and plan.recompute.patterns == patterns
+    assert "--recompute-saves" in published.report_flags(present) and \
+        "--recompute-saves" not in published.report_flags(full)
+    layers, b, s, h = 48, 4, 2048, 6144
+    again = {}
+    for row in (full, present):
+        u = published.predict(row)[1]["utilization"]
+        again[row] = u["hardware_flops_per_step"] - u["model_flops_per_step"]
+    assert again[present] == layers * 4 * b * s * s * h
+    # full: the block's matmuls and attention, and its other ops at one FLOP an output element (node_flops): two
+    # layer norms and two residual adds of b·s·h, the GELU of b·s·4h
+    assert again[full] == layers * (24 * b * s * h * h + 4 * b * s * s * h + 8 * b * s * h)
+
+
 def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_path, monkeypatch):
     """`--cp-attention allgather` (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2): per attention and
     micro-batch, K and V all-gathered forward, gathered again and dK, dV reduce-scattered backward, each the whole
