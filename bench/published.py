@@ -324,6 +324,35 @@ ROWS = [
         saves=TITAN_OP_SAVES),
 ]
 
+# The same paper's Table 2 ("Comparison of PTD Parallelism to ZeRO-3 (without model parallelism)", §5.2), its PTD
+# Parallelism rows: "174.6" B at model-parallel size 96, batch 1536, micro-batch 1 on 384 / 768 / 1536 GPUs: 153 /
+# 149 / 141 teraFLOP/s per GPU; "529.6" B at model-parallel size 280, batch 2240, micro-batch 1 on 560 / 1120 /
+# 2240 GPUs: 171 / 167 / 159. The shapes: "the standard GPT-3 model architecture" (96 layers × 12288, 96 heads: the
+# 174.6B of eq. 2) and "the 530-billion-parameter model from Table 1" (105 × 20480, 128 heads); sequence 2048, vocab
+# 51200 and the throughput's count (eq. 3) as Table 1's. Model-parallel size 96 = tp 8 × pp 12 and 280 = tp 8 × pp 35
+# (tp 8 within a DGX node, Table 1's rule and its 530B's pp 35). What the table does not state is inferred from the
+# authors' own scripts at the same shape (examples/sc21/, as Table 1's rows above), not from the table: the 175B on pp
+# 12 as run_figure_12.sh and run_figure_18.sh run it (`--num-layers-per-virtual-pipeline-stage 2`: 96 / 12 / 2 = 4
+# virtual stages, DDP=local), the 530B as run_table_1.sh's 530B case (1 layer a virtual stage: 3 virtual stages,
+# DDP=local). §5.1 states "we use the interleaved pipeline schedule with the scatter/gather optimization enabled"
+# for Table 1 only. The interleaved schedule needs the micro-batches a pipeline (1536 / dp, 2240 / dp) to be a
+# multiple of pp, which every row's are. Priced as Table 1 (its `FLAGS`: fp16 wire, scatter/gather sends,
+# materialised attention with dropout; Megatron's own DDP: its all-reduce after the backward). The 529.6B on 560 GPUs
+# (171) is not a row: at dp 2 a pipeline runs 1120 micro-batches, pp 35 × virtual 3 × 1120 = 117,600 schedule slots,
+# which `parc compile` and `parc report` refuse (grammar/validate.py's MAX_SCHEDULE_SLOTS, 65,536).
+# The table's ZeRO-3 rows are DeepSpeed's ZeRO-3 of early 2021, not parc's runtime, and no `parc report` flag
+# describes that implementation: they are not rows (bench/megatron_figures.py prices them for comparison).
+MEGATRON_T2 = "Megatron-LM 2021 Table 2"
+FLAGS[MEGATRON_T2] = FLAGS[MEGATRON]
+GPT3_175B = (96, 12288, 96, 51200, 2048)
+GPT_530B = (105, 20480, 128, 51200, 2048)
+TABLE_2 = [_gpt("GPT 174.6B", MEGATRON_T2, GPT3_175B, 8, 12, gpus, 1536, 1, tflops, virtual=4)
+           for gpus, tflops in ((384, 153), (768, 149), (1536, 141))] + \
+          [_gpt("GPT 529.6B", MEGATRON_T2, GPT_530B, 8, 35, gpus, 2240, 1, tflops, virtual=3)
+           for gpus, tflops in ((1120, 167), (2240, 159))]
+_END_OF_TABLE_1 = max(i for i, r in enumerate(ROWS) if r.source == MEGATRON) + 1
+ROWS[_END_OF_TABLE_1:_END_OF_TABLE_1] = TABLE_2   # read beside Table 1; `--rows 10` is still Table 1
+
 MPT_SHAPES = {"1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
               "30b": (48, 7168, 56), "70b": (80, 8192, 64)}   # n_layers, d_model, n_heads (the yamls above)
 
