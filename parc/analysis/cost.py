@@ -734,8 +734,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     for r in range(pp):
         held = [stages[r + k * pp] for k in range(virtual)]
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
-        kept = sum(per_tp(d, "kept_bytes") for d in held) / len(held)
-        rpeak = max(per_tp(d, "recompute_peak_bytes") for d in held)
+        # another system's materialised attention keeps its T × T probabilities, which the traced flash kernel does not
+        probs = [_materialized_probs(d, tp, attention, attention_dropout) for d in held]
+        kept = sum(per_tp(d, "kept_bytes") + p[0] for d, p in zip(held, probs)) / len(held)
+        rpeak = max(per_tp(d, "recompute_peak_bytes") + p[1] for d, p in zip(held, probs))
         transient = max(_transient(d, tp, act_b, fused_loss=stats.get("loss") == "fused") for d in held)
         act = kept * inflight[r] + max(rpeak, transient)
         memory.append({"pp_rank": r, "params_count": params,
@@ -995,6 +997,28 @@ def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual
     half = replace(total, bytes=total.bytes / 2, intra=total.intra / 2, inter=total.inter / 2,
                    seconds=total.seconds / 2)
     return [replace(half, collective="all-gather"), replace(half, collective="reduce-scatter")]
+
+
+def _materialized_probs(d: dict, tp: int, attention: str, dropout: bool) -> tuple[float, float]:
+    """(kept, recompute peak) bytes of one micro-batch that a materialised attention holds beyond the flash kernel
+    parc traces: the softmax's output, b·heads·T² in 16 bits, saved for the softmax's and the value matmul's
+    backward; with dropout on the probabilities also its mask (1 byte) and the dropped probabilities the value matmul
+    reads (2): 5 bytes an element (Korthikanti et al. 2023, arXiv:2205.05198 §4.1: "2as²b", "as²b", "2as²b"; the
+    scores before Megatron's fused scale-mask-softmax are not kept). Heads split over tp where the row says so. A
+    recomputed attention's are held only while its region is recomputed: one at a time, the largest."""
+    if attention.startswith("flash"):
+        return 0.0, 0.0
+    per = 5 if dropout else 2
+    kept = peak = 0.0
+    from parc.analysis.compute import attn_rows
+
+    for bh, t, _, _, split, rec, _, count in attn_rows(d.get("ops", {})):
+        el = bh / (tp if split else 1) * t * t
+        if rec:
+            peak = max(peak, el * per)
+        else:
+            kept += count * el * per
+    return kept, peak
 
 
 def _transient(d: dict, tp: int, act_b: int, fused_loss: bool = False) -> float:
