@@ -22,7 +22,8 @@ Activations: what autograd saves is estimated as every non-view value the forwar
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
 outputs: parc/analysis/activations.py); the logits' gradient is a transient peak on the
-loss's stage. Times: compute per operation (parc/analysis/compute.py: efficiency
+loss's stage; a materialised attention (`System.attention`) adds the probabilities it keeps
+(`_materialized_probs`). Times: compute per operation (parc/analysis/compute.py: efficiency
 tables by matmul shape and for attention, memory-bound ops by kind, measured or
 bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
