@@ -406,7 +406,9 @@ def parser() -> argparse.ArgumentParser:
     other.add_argument("--pp-engine", choices=System.PP_ENGINES, default="parc",
                        help="the pipeline's executor: parc (its 1F1B, adjacent sends and receives posted together, "
                             "transfers under the next compute) or deepspeed (DeepSpeed's pipeline engine: its "
-                            "TrainSchedule's order, each send and receive blocking both ranks; 1F1B plans only)")
+                            "TrainSchedule's order, each send and receive blocking both ranks, each micro-batch's "
+                            "gradient accumulated after its backward, bf16 gradients all-reduced in fp32; 1F1B "
+                            "plans, ZeRO-1 at most)")
     other.add_argument("--no-dp-overlap", action="store_true",
                        help="dp's gradient reduction waits for the whole backward (parc overlaps it)")
     other.add_argument("--zero-prefetch", choices=System.ZERO_PREFETCH, default="pre",

@@ -301,6 +301,29 @@ def step_seconds(hw, params_local: float, optimizer: str, dtype: str, micro_batc
         + tensors * hw.optimizer_per_tensor
 
 
+def deepspeed_accumulate_seconds(hw, params: float, precision: str, micro_batches: int) -> float:
+    """Seconds one micro-batch's backward spends accumulating its gradient under DeepSpeed's pipeline engine, on
+    `params` parameters (the stage's, one tp rank's share). The engine runs the accumulation right after each
+    micro-batch's backward, on its stage (deepspeed/runtime/pipe/engine.py `_exec_backward_pass`), so it is part
+    of every backward slot of the pipeline, not work after the last one:
+
+    - bf16 (DeepSpeed's BF16_Optimizer, 2022: deepspeed/runtime/bf16_optimizer.py `update_hp_grads`, which the
+      engine calls after every backward): `hp_grad.add_(lp.grad.to(fp32))`, two kernels: the cast (2 bytes read,
+      4 written) and the add (4 + 4 read, 4 written), 18 bytes a parameter, on every micro-batch (the fp32
+      gradients are zeroed after each step, so the first micro-batch adds too);
+    - fp16 and fp32 (its FP16 and ZeRO-1 optimizers keep the gradients in the parameters' dtype): autograd adds
+      each micro-batch's gradient into `.grad` in place (fp16: 2 + 2 read, 2 written; fp32: 4 + 4, 4) on every
+      micro-batch but the first, whose gradient is written by its matmul: priced on each backward at
+      (m − 1)/m of an add, their mean over the step."""
+    if not params:
+        return 0.0
+    if precision == "bf16":
+        return _mem_op(hw, "ew", params * 6)[0] + _mem_op(hw, "ew", params * 12)[0]
+    width = 2 if precision == "fp16" else 4
+    extra = (micro_batches - 1) / micro_batches if micro_batches > 1 else 0.0
+    return extra * _mem_op(hw, "ew", params * 3 * width)[0]
+
+
 def zero_grad_seconds(hw, params: float, grad_b: int, wire_b: int, low_acc: bool = False) -> float:
     """Seconds of the copies ZeRO-2/3 make of one micro-batch's whole gradient before reduce-scattering it, on
     `params` parameters (the stage's, one tp rank's share), as runtime/parallel/zero.py runs them in the backward

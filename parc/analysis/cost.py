@@ -105,7 +105,9 @@ class System:
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
     - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
       transfers under the next compute) or "deepspeed" (DeepSpeed's pipeline engine: its `TrainSchedule`'s
-      instruction order, each transfer blocking both ranks until it is done; `schedule.deepspeed_train`).
+      instruction order, each transfer blocking both ranks until it is done; `schedule.deepspeed_train`; each
+      micro-batch's gradient accumulated after its backward on the stage and, under bf16, all-reduced in fp32:
+      `estimate`).
     - `dp_overlap`: False for a system whose dp all-reduce (or ZeRO's collectives) waits for the whole backward.
     - `dp_wire`: the dtype of gradients on the dp wire ("fp32", "bf16", "fp16"); None: the plan's layout.
     - `nics`: network links per node (0: the preset's, one per GPU), each at the topology's `inter=`.
@@ -601,8 +603,12 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     "materialized" a system that writes the scores out (any before FlashAttention, 2022); "flash-triton"
     FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER). `pp_engine`:
     "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
-    schedule is a 1F1B, so a plan with another is refused. `zero_backward_prefetch=False`: ZeRO-3's backward
-    gathers are issued after each layer's gradient computation, exposed (`System.zero_prefetch` "post").
+    schedule is a 1F1B, so a plan with another is refused, and it runs ZeRO-1 at most (a ZeRO-2/3 plan is
+    refused). It also accumulates the gradients as that engine does, after each micro-batch's backward on its
+    stage (`compute.deepspeed_accumulate_seconds`), and under bf16 its BF16_Optimizer all-reduces the fp32
+    gradients (`_bf16_reduce_grads`) where parc's ZeRO-1 reduce-scatters them.
+    `zero_backward_prefetch=False`: ZeRO-3's backward gathers are issued after each layer's gradient
+    computation, exposed (`System.zero_prefetch` "post").
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
@@ -625,6 +631,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     if getattr(plan, "grad_accumulate", "fp32") == "bf16":  # `accumulate=bf16`: ZeRO-1/2's accumulators are bf16
         gb = 2
     z = plan.zero.stage
+    if pp_engine == "deepspeed" and z >= 2:
+        raise ParcError(f"cost model: --pp-engine deepspeed prices DeepSpeed's pipeline engine, which runs ZeRO-1 at "
+                        f"most (deepspeed/runtime/pipe/engine.py: \"ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                        f"parallelism\"); this plan has zero stage={z}",
+                        hint="write `zero stage=1` to price that engine's run")
     # HSDP (`zero shard=K`): ZeRO's state is cut over K ranks (the shard groups) and replicated over dp / K
     k = (plan.zero.shard or dp) if z >= 1 else dp
     wire = 2 if plan.grad_reduce == "bf16" else gb  # `precision bf16 reduce=bf16`: the dp gradient reduction
@@ -671,6 +682,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         if z >= 2:   # the whole gradient laid out, cast and divided for each micro-batch's reduce-scatter
             b += compute.zero_grad_seconds(hw, per_tp(d, "params"), act_b, dp_bytes or wire,
                                            low_acc=z < 3 and gb == act_b)
+        if pp_engine == "deepspeed":   # the engine accumulates each micro-batch's gradient after its backward
+            b += compute.deepspeed_accumulate_seconds(hw, per_tp(d, "params"), plan.precision, acc)
         return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
     tp_times: list[float] = []
     tp_on_nics: list[tuple[float, float]] = []   # per stage: (F, B) seconds tp holds the node's NICs
@@ -779,7 +792,12 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             rs = acc if z >= 2 else 1
             ag = 2 * acc if z == 3 else 1
             gap = acc * micro_s / ((rs + ag) * units)   # the step's compute over all its calls
-            comms += _zero_comms(m, k, groups, hw, allreduce, big * wire, big * (cb or pb), rs, ag, units, gap)
+            # DeepSpeed's BF16_Optimizer (its "ZeRO-1 equivalent") all-reduces the fp32 gradients, then steps its
+            # shard and all-gathers (pipe/engine.py `_bf16_reduce_grads`: `buffered_allreduce_fallback`)
+            buffers = math.ceil(big / DEEPSPEED_ALLREDUCE_ELEMENTS) \
+                if pp_engine == "deepspeed" and plan.precision == "bf16" else 0
+            comms += _zero_comms(m, k, groups, hw, allreduce, big * wire, big * (cb or pb), rs, ag, units, gap,
+                                 all_reduce=buffers)
     if tp > 1:
         comms += _tp_rows(tp_comms, tp_times, pp, virtual, acc, plan.tensor_parallel.sequence_parallel)
     if pp > 1:
@@ -810,7 +828,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
     # ZeRO-0/1 accumulate every micro-batch's whole gradient before the reduction; ZeRO-2/3 their shard
     optimizer_s = compute.step_seconds(hw, big / (k if z >= 1 else 1), plan.optimizer.name, dtype, acc,
-                                       tensors=tensors, params_grads=big / (k if z >= 2 else 1))
+                                       tensors=tensors,
+                                       # DeepSpeed's engine accumulates in each backward (stage_times), not here
+                                       params_grads=0.0 if pp_engine == "deepspeed" else big / (k if z >= 2 else 1))
     # the optimizer step in place (`in_step`), and the step's own work beyond its micro-batches and optimizer
     # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
@@ -834,6 +854,14 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     if overlap_dp and dp > 1 and any(f + b for f, b in nic):
         overlap += ("; tp's groups cross nodes and hold the NICs dp's collectives need, so those overlap "
                     "compute only, not tp's time")
+    if pp_engine == "deepspeed":
+        how = {"bf16": "its BF16_Optimizer's cast and add into the fp32 gradients (18 bytes a parameter)",
+               "fp16": "autograd's add into the fp16 .grad", "fp32": "autograd's add into the fp32 .grad"}
+        notes.append("DeepSpeed's pipeline engine: each micro-batch's gradient is accumulated right after its backward "
+                     f"on its stage, {how[plan.precision]}, inside the pipeline's slots"
+                     + ("; the bf16 gradients are all-reduced in fp32 (its _bf16_reduce_grads), each rank then "
+                        "stepping and all-gathering its shard" if plan.precision == "bf16" and z >= 1 and dp > 1
+                        else ""))
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     if z >= 2:
@@ -889,6 +917,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     return est
 
 
+# DeepSpeed's engine all-reduces gradients in flat buffers of this many elements (MEMORY_OPT_ALLREDUCE_SIZE)
+DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
+
+
 @functools.lru_cache(maxsize=64)
 def _zero_groups(m, k: int) -> dict[str, list[list[int]]]:
     """parc/mesh.py `zero_groups`, once per mesh and shard size (the planner prices many plans of one mesh)."""
@@ -898,11 +930,14 @@ def _zero_groups(m, k: int) -> dict[str, list[list[int]]]:
 
 
 def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_bytes: float, gathered_bytes: float,
-                rs: int, ag: int, units: int, gap: float) -> list[Comm]:
+                rs: int, ag: int, units: int, gap: float, all_reduce: int = 0) -> list[Comm]:
     """ZeRO's collectives a step (runtime/parallel/zero.py): `rs` reduce-scatters of the gradients and `ag`
     all-gathers of the parameters, one call a bucket (`units`), over the shard groups: all of dp, or K ranks
     under HSDP, which then all-reduces each rank's 1/K of the gradients once a step over the dp / K replicas
-    (the groups of parc/mesh.py `zero_groups`, priced by where their ranks sit: intra- or inter-node)."""
+    (the groups of parc/mesh.py `zero_groups`, priced by where their ranks sit: intra- or inter-node).
+    `all_reduce` > 0: the gradients are all-reduced whole instead of reduce-scattered, in that many calls
+    (DeepSpeed's BF16_Optimizer under its pipeline engine: `buffered_allreduce_fallback`, one call a buffer of
+    `DEEPSPEED_ALLREDUCE_ELEMENTS`), each rank then stepping its own shard."""
     dp = m.dp
     if k == dp:
         shard, replicate = groups["dp"], None
@@ -914,8 +949,12 @@ def _zero_comms(m, k: int, groups: dict, hw: Hardware, allreduce: str, grad_byte
         # each bucket is a collective call of its own, and a ring call walks its k − 1 steps whatever its size,
         # each step paying the link's latency: (k − 1) steps per call (NCCL's all-gather and reduce-scatter
         # are rings: no tree to shorten them), which at thousands of ranks is most of a small bucket's time
-        out.append(_collective("dp", "reduce-scatter", k, grad_bytes * rs, shard, hw, allreduce,
-                               latency_steps=(k - 1) * rs * units, calls=rs * units, gap=gap))
+        if all_reduce:   # a ring all-reduce: 2(k − 1) steps a call
+            out.append(_collective("dp", "all-reduce", k, grad_bytes * rs, shard, hw, allreduce,
+                                   latency_steps=2 * (k - 1) * all_reduce, calls=all_reduce, gap=gap))
+        else:
+            out.append(_collective("dp", "reduce-scatter", k, grad_bytes * rs, shard, hw, allreduce,
+                                   latency_steps=(k - 1) * rs * units, calls=rs * units, gap=gap))
         out.append(_collective("dp", "all-gather", k, gathered_bytes * ag, shard, hw, allreduce,
                                latency_steps=(k - 1) * ag * units, calls=ag * units, gap=gap))
     if replicate is not None:
