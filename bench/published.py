@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +172,17 @@ AUTOMODEL_H100 = "NeMo AutoModel performance summary (H100)"
 OLD_MEGATRON = ["--attention", "materialized-dropout", "--pp-sends", "scatter-gather"]
 # BLOOM and MT-NLG ran DeepSpeed's pipeline engine (Megatron-DeepSpeed's GPTModelPipe): its TrainSchedule's order,
 # each send and receive blocking both ranks (deepspeed/runtime/pipe/schedule.py and p2p.py, 2021; its activations
-# and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above)
+# and gradients sent 1/tp per tp rank and all-gathered, engine.py `is_pipe_partitioned`: the scatter/gather above),
+# and its gradients as that engine handles them: each micro-batch's accumulated right after its backward on its
+# stage (BLOOM's bf16: the BF16_Optimizer's update_hp_grads, a cast and an add into fp32; MT-NLG's fp16: autograd's
+# add into the fp16 .grad) and, under bf16, all-reduced in fp32 (engine.py `_bf16_reduce_grads`, the DeepSpeed
+# branch BLOOM ran: microsoft/DeepSpeed 819abe2a7, 2022-02, olruwase's bf16 work merged in #1801)
 DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
+# Their ranks as DeepSpeed placed them: Megatron-DeepSpeed builds PipeModelDataParallelTopology(num_pp, num_mp,
+# num_dp), axes ['pipe', 'data', 'model'] laid out row-major (deepspeed/runtime/pipe/topology.py): tp innermost,
+# then dp, pp outermost. BLOOM's tp 4 puts two dp ranks of one stage on each node of 8 (parc's default, tp,pp,dp,
+# would put two stages there); MT-NLG's tp 8 fills a node either way
+DEEPSPEED_ORDER = "tp,dp,pp"
 # MosaicML's MPT runs (above): llm-foundry's Triton FlashAttention, FSDP's BACKWARD_POST, fp32 gradient reduction
 # (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`), and its loss:
 # model.loss_fn defaults to "fused_crossentropy" (llmfoundry/models/mpt/modeling_mpt.py at 3e5b9604e, mosaic_gpt.py
@@ -225,6 +234,8 @@ class Row:
     attention: str = ""           # the row's own attention kernel (`--attention`), over its source's
     cuts: tuple = ()              # the pipeline's stages as the source cut them (`cut after` each path), else auto
     sp: bool = False              # under tp: Megatron's sequence parallelism (`sequence_parallel`)
+    precision: str = "bf16"       # the plan's `precision` (16-bit compute over fp32 masters: bf16, or fp16)
+    order: str = ""               # the mesh's rank placement (`mesh ... order=`, inner to outer), else parc's default
 
     @property
     def zero_stage(self) -> int:
@@ -287,7 +298,8 @@ ROWS = [
     # BigScience, BLOOM-176B (bigscience.notion.site "BigScience 176B Model"; Le Scao et al. 2022,
     # arXiv:2211.05100 §3.4): 384 A100-80GB on Jean Zay (48 nodes of 8, 4 × 100 Gbit/s Omni-Path per
     # node), tp 4 × pp 12 × dp 8, global batch 2048, bf16, ZeRO-1, "about 150 TFLOPs" per GPU.
-    _gpt("BLOOM 176B", BLOOM, (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150),
+    replace(_gpt("BLOOM 176B", BLOOM, (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150),
+            order=DEEPSPEED_ORDER),
     # Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990) §2.4,
     # as quoted by llm-analysis (github.com/cli99/llm-analysis, examples/megatron-turing-nlg): 105 × 20480,
     # 128 heads, sequence 2048, global batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 (Selene),
@@ -299,9 +311,13 @@ ROWS = [
     # = 34 slots. At micro-batch 2 it is 34.3 (33.1 from the paper's seconds, 60.1 / 50.2 / 44.4); at 1 it is
     # twice that (the fill and drain paid twice, which DeepSpeed's engine does not: docs/cost-model.md (c)), at
     # 4 half; 3 does not divide dp 12's 160 sequences. Micro-batch 2.
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2240, 1920, 2, 126),
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 2800, 1920, 2, 121),
-    _gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, 3360, 1920, 2, 113),
+    # fp16: DeepSpeed of the time had no bf16 (v0.5.4, 2021-10-06, the week MT-NLG was announced: neither
+    # deepspeed/runtime/engine.py nor pipe/engine.py knows bfloat16; the pipeline engine allocates its buffers
+    # in fp16 or fp32, `_allocate_zeros`), so the runs were fp16 under its ZeRO-1 optimizer: the gradients kept
+    # and accumulated in fp16 `.grad` by autograd (`--pp-engine deepspeed` prices that accumulation)
+    *(replace(_gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, gpus, 1920, 2, tflops),
+              precision="fp16", order=DEEPSPEED_ORDER)
+      for gpus, tflops in ((2240, 126), (2800, 121), (3360, 113))),
     # torchtitan, 64 A100-80GB, FSDP2 over all 64 (local batch × 64 = global batch): WPS per GPU
     # the 8B and 13B configs of then (train_configs/llama3_8b.toml, llama2_13b.toml at 1ea476e9f, 2024-04-24, the
     # commit that wrote these figures) set norm_type = "fused_rmsnorm"; the 70B ones "rmsnorm"
@@ -633,14 +649,15 @@ def plan_text(row: Row) -> str:
     _, _, inter = FLAGS[row.source]
     zero = row.zero_stage
     cp = f" cp={row.cp}" if row.cp > 1 else ""
-    return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}\ntopology nodes={max(row.gpus // 8, 1)} gpus_per_node="
-            f"{min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
+    order = f" order={row.order}" if row.order else ""
+    return (f"mesh dp={row.dp} pp={row.pp} tp={row.tp}{cp}{order}\ntopology nodes={max(row.gpus // 8, 1)} "
+            f"gpus_per_node={min(row.gpus, 8)}{inter}\nbatch global={row.batch} micro={row.micro}\n" +
             ("tensor_parallel {\n" + (TP_RULES if row.arch == "gpt" else LLAMA_TP_RULES) +
              (" sequence_parallel\n" if row.sp else "") + "}\n" if row.tp > 1 else "") +
             (pipeline_text(row) if row.pp > 1 else "") +
             (f"zero stage={zero}\n" if zero else "") +
             ("recompute " + " ".join(f'"{p}"' for p in row.recompute.split()) + "\n" if row.recompute else "") +
-            "precision bf16\n")
+            f"precision {row.precision}\n")
 
 
 def report_flags(row: Row) -> list[str]:
