@@ -847,10 +847,12 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     model_flops = 3 * fwd * acc * dp
     hw_flops = model_flops + sum(d["flops_recomputed"] for d in stages) * acc * dp
     mfu = model_flops / (step * m.world_size * hw.flops.get(plan.precision, hw.flops["fp32"])) if step else 0.0
+    # DeepSpeed's bf16 engine all-reduces ZeRO-1's gradients (`_zero_comms`)
+    grad_reduces = "all-reduces" if pp_engine == "deepspeed" and plan.precision == "bf16" else "reduce-scatters"
     overlap = "plain dp's bucket all-reduces overlap the last micro-batch's backward, all but the last " \
         "bucket (25 MiB)" if z == 0 and overlap_dp else "dp's all-reduce after the backward, not overlapped" \
         if z == 0 else _zero_overlap_note(z, units, zero_backward_prefetch) if overlap_dp \
-        else f"ZeRO-{z}'s reduce-scatters and all-gathers are not overlapped"
+        else f"ZeRO-{z}'s {grad_reduces} and all-gathers are not overlapped"
     if overlap_dp and dp > 1 and any(f + b for f, b in nic):
         overlap += ("; tp's groups cross nodes and hold the NICs dp's collectives need, so those overlap "
                     "compute only, not tp's time")
