@@ -339,6 +339,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     from parc.passes.zero import unit_of
 
     units: list[dict] = [{} for _ in range(n_stages)]   # ZeRO's buckets: unit → its elements on one tp rank
+    ties = []   # parameters more than one stage uses (a tied embedding and lm head): their gradients are summed
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
@@ -348,6 +349,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if style == "row" and spec.fqn.endswith(".bias"):
             style = None  # a row layer adds its bias after the all-reduce: every tp rank holds all of it
         sharded = style in ("column", "row", "vocab")
+        if len(used) > 1:
+            ties.append({"stages": used, "elements": math.prod(spec.shape), "sharded": sharded})
         for s in used or [0]:
             stages[s]["params_sharded" if sharded else "params_replicated"] += math.prod(spec.shape)
             stages[s]["param_tensors"] += 1          # the optimizer's per-tensor loop (CPU)
@@ -360,7 +363,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if n_stages > 1 else []
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
     return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
-            "tokens_per_sample": tokens, **({"loss": loss} if loss != "eager" else {})}
+            "tokens_per_sample": tokens, **({"loss": loss} if loss != "eager" else {}),
+            **({"tied": ties} if ties else {})}
 
 
 def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=frozenset(),
@@ -803,6 +807,17 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     if pp > 1:
         comms.append(_collective("pp", "send/recv", 2, 2 * send_bytes * acc * virtual, groups["pp"], hw,
                                  allreduce, latency_steps=2 * acc * virtual, calls=2 * acc * virtual))
+    # a parameter held by more than one pp rank (a tied embedding and lm head) has its gradient summed over them once
+    # a step, after the backward (runtime/parallel/pipeline.py `sync_tied`; DeepSpeed's `_exec_reduce_tied_grads`)
+    tied_s = 0.0
+    for tie in stats.get("tied", ()) if pp > 1 else ():
+        holders = sorted({s % pp for s in tie["stages"]})
+        if len(holders) > 1:
+            size = tie["elements"] / (tp if tie["sharded"] else 1) * gb
+            c = _collective("pp", "all-reduce", len(holders), size, [[g[r] for r in holders] for g in groups["pp"]],
+                            hw, allreduce)
+            comms.append(c)
+            tied_s += c.seconds
     # tp and pp time is inside the simulated makespan. dp: plain dp's bucket all-reduces overlap the last
     # micro-batch's backward (runtime/parallel/data_parallel.py), all but the last bucket's share; ZeRO's
     # overlap the compute runtime/parallel/zero.py runs them under ("Overlap"), all but one bucket's share each
@@ -834,7 +849,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # the optimizer step in place (`in_step`), and the step's own work beyond its micro-batches and optimizer
     # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
-    step = makespan + dp_exposed + optimizer_s
+    step = makespan + dp_exposed + tied_s + optimizer_s
     if z >= 1 and getattr(plan.zero, "offload", None):  # ZeRO-Offload (parc/analysis/offload_cost.py)
         # the gradient download runs under the last micro-batch's backward, bucket by bucket (runtime/parallel/offload.py)
         bwd = sum(times[big_rank + v * pp][1] for v in range(virtual)) if overlap_dp else 0.0
@@ -864,6 +879,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                      + ("; the bf16 gradients are all-reduced in fp32 (its _bf16_reduce_grads), each rank then "
                         "stepping and all-gathering its shard" if plan.precision == "bf16" and z >= 1 and dp > 1
                         else ""))
+    if tied_s:
+        notes.append(f"tied parameters (held by more than one pp rank): their gradients summed over those ranks once a "
+                     f"step after the backward, {tied_s:.3g} s, not overlapped (counted in pp's exposed time)")
     notes.append(f"communication: tp and pp inside the simulated pipeline; {overlap}; "
                  f"{dp_exposed / step if step else 0:.1%} of the step is exposed dp communication")
     if z >= 2:
@@ -913,7 +931,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     est = Estimate(hw, memory, comms, step, compute_s, bubble, sched_bubble, inflight, model_flops, hw_flops, mfu,
                    notes)
     est.dp_exposed_seconds, est.optimizer_seconds = dp_exposed, optimizer_s
-    est.p2p_exposed_seconds = max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0
+    est.p2p_exposed_seconds = (max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0) + tied_s
     est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
     est.stage_seconds = times
     return est
