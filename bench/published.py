@@ -183,6 +183,10 @@ DEEPSPEED_PIPE = ["--pp-engine", "deepspeed"]
 # then dp, pp outermost. BLOOM's tp 4 puts two dp ranks of one stage on each node of 8 (parc's default, tp,pp,dp,
 # would put two stages there); MT-NLG's tp 8 fills a node either way
 DEEPSPEED_ORDER = "tp,dp,pp"
+# Their output layer is the token embedding: GPTModelPipe lists TiedLayerSpec('embed', EmbeddingPipe, ...) first and
+# last (megatron/model/gpt_model.py, microsoft/Megatron-DeepSpeed 0d887558 and the bigscience fork 4c13c617), so the
+# first and last stages each hold it and the engine all-reduces its gradient between them after the pipeline
+# (`_exec_reduce_tied_grads`): bench/gpt_sized.py's `tied`
 # MosaicML's MPT runs (above): llm-foundry's Triton FlashAttention, FSDP's BACKWARD_POST, fp32 gradient reduction
 # (Composer's "DEFAULT" mixed precision; the two older 70b A100 rows' "PURE" is their own `wire`), and its loss:
 # model.loss_fn defaults to "fused_crossentropy" (llmfoundry/models/mpt/modeling_mpt.py at 3e5b9604e, mosaic_gpt.py
@@ -299,7 +303,7 @@ ROWS = [
     # arXiv:2211.05100 §3.4): 384 A100-80GB on Jean Zay (48 nodes of 8, 4 × 100 Gbit/s Omni-Path per
     # node), tp 4 × pp 12 × dp 8, global batch 2048, bf16, ZeRO-1, "about 150 TFLOPs" per GPU.
     replace(_gpt("BLOOM 176B", BLOOM, (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150),
-            order=DEEPSPEED_ORDER),
+            order=DEEPSPEED_ORDER, tied=True),
     # Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990) §2.4,
     # as quoted by llm-analysis (github.com/cli99/llm-analysis, examples/megatron-turing-nlg): 105 × 20480,
     # 128 heads, sequence 2048, global batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 (Selene),
@@ -316,7 +320,7 @@ ROWS = [
     # in fp16 or fp32, `_allocate_zeros`), so the runs were fp16 under its ZeRO-1 optimizer: the gradients kept
     # and accumulated in fp16 `.grad` by autograd (`--pp-engine deepspeed` prices that accumulation)
     *(replace(_gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, gpus, 1920, 2, tflops),
-              precision="fp16", order=DEEPSPEED_ORDER)
+              precision="fp16", order=DEEPSPEED_ORDER, tied=True)
       for gpus, tflops in ((2240, 126), (2800, 121), (3360, 113))),
     # torchtitan, 64 A100-80GB, FSDP2 over all 64 (local batch × 64 = global batch): WPS per GPU
     # the 8B and 13B configs of then (train_configs/llama3_8b.toml, llama2_13b.toml at 1ea476e9f, 2024-04-24, the
