@@ -262,8 +262,12 @@ class Row:
 
 
 def _gpt(name, source, shape, tp, pp, gpus, batch, micro, tflops, virtual=1, dp_overlap=False):
+    """A Megatron-LM GPT row. Its output layer is the word embedding's weight (megatron/model/gpt_model.py's logits
+    from `word_embeddings_weight()`), and with pp > 1 the first and last stages' copies have their gradients
+    all-reduced once a step (megatron/training.py `train_step`: "All-reduce word_embeddings' grad across first and
+    last stages"): bench/gpt_sized.py's `tied`."""
     return Row(name, source, "gpt", shape, tp, pp, gpus, batch, micro, tflops, "TFLOP/s", "a100",
-               virtual=virtual, dp_overlap=dp_overlap)
+               virtual=virtual, dp_overlap=dp_overlap, tied=True)
 
 
 LLAMA3_8B = (32, 4096, 32, 8, 14336, 128256, 8192)
@@ -574,7 +578,7 @@ def _korthikanti(size, shape, pp, gpus, batch, micro, seconds, virtual=1, presen
     return Row(f"GPT {size} " + ("selective + sp" if present else "full recompute"), KORTHIKANTI, "gpt",
                (layers, hidden, heads, 51200, 2048), 8, pp, gpus, batch, micro, batch * 2048 / seconds / gpus,
                "tokens/s", "a100", SELECTIVE if present else "blocks.*", saves="matmul" if present else "",
-               virtual=virtual, dp_overlap=False, sp=present)
+               virtual=virtual, dp_overlap=False, sp=present, tied=True)
 
 
 ROWS += [_korthikanti(size, shape, pp, gpus, batch, micro, t, virtual, present)
@@ -673,15 +677,20 @@ def report_flags(row: Row) -> list[str]:
             *(("--attention", row.attention) if row.attention else ())]
 
 
+def model_env(row: Row) -> tuple[str, str]:
+    """The environment variable and value that size the row's model file (bench/gpt_sized.py, llama_sized.py)."""
+    env = "PARC_BENCH_GPT" if row.arch == "gpt" else "PARC_BENCH_LLAMA"
+    return env, ",".join(map(str, row.shape + (("fused",) if row.fused_norm else ()) + (("tied",) if row.tied else ())))
+
+
 def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
     """(predicted throughput in the row's unit, the report) through `parc report`'s own code path, with the
     row's `report_flags` (or `flags`)."""
     from parc.analysis import report
     from parc.cli import parser
 
-    env = "PARC_BENCH_GPT" if row.arch == "gpt" else "PARC_BENCH_LLAMA"
-    os.environ[env] = ",".join(map(str, row.shape + (("fused",) if row.fused_norm else ()) +
-                                   (("tied",) if row.tied else ())))
+    env, spec = model_env(row)
+    os.environ[env] = spec
     with tempfile.TemporaryDirectory() as tmp:
         par = Path(tmp) / f"{row.name.replace(' ', '_')}.par"
         par.write_text(plan_text(row))

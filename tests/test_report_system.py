@@ -120,7 +120,7 @@ def test_the_published_bench_prices_a_row_as_parc_report_does(tmp_path, capsys, 
     published = _published()
     for row in (published.ROWS[0], next(r for r in published.ROWS if r.name == "GPT 39.1B")):
         predicted, rep = published.predict(row)
-        monkeypatch.setenv("PARC_BENCH_GPT", ",".join(map(str, row.shape)))
+        monkeypatch.setenv(*published.model_env(row))
         plan = tmp_path / "row.par"
         plan.write_text(published.plan_text(row))
         capsys.readouterr()
