@@ -51,10 +51,12 @@ class Config:
 
 def run(label, *, tp, pp, layers, hidden, heads, batch, micro=1, virtual=1, recompute=True, zero=None, dp=1,
         sends="scatter-gather") -> Config:
-    """A case as the script writes it: DDP=local (dp's all-reduce after the backward), A100s 8 a node."""
+    """A case as the script writes it: DDP=local (dp's all-reduce after the backward), A100s 8 a node, Megatron's GPT
+    with its output layer tied to the word embedding (published._gpt)."""
     gpus = tp * pp * dp
     row = Row(label, MEGATRON, "gpt", (layers, hidden, heads, VOCAB, SEQ), tp, pp, gpus, batch, micro, math.nan,
-              "TFLOP/s", "a100", "blocks.*" if recompute else "", virtual=virtual, dp_overlap=False, zero=zero)
+              "TFLOP/s", "a100", "blocks.*" if recompute else "", virtual=virtual, dp_overlap=False, zero=zero,
+              tied=True)
     return Config(label, row, sends)
 
 
