@@ -262,7 +262,8 @@ class Row:
 
 
 def _gpt(name, source, shape, tp, pp, gpus, batch, micro, tflops, virtual=1, dp_overlap=False):
-    """A Megatron-LM GPT row. Its output layer is the word embedding's weight (megatron/model/gpt_model.py's logits
+    """A row of Megatron's GPT (Megatron-LM's, and Megatron-DeepSpeed's GPTModelPipe for BLOOM and MT-NLG: see
+    DEEPSPEED_ORDER's comment). Its output layer is the word embedding's weight (megatron/model/gpt_model.py's logits
     from `word_embeddings_weight()`), and with pp > 1 the first and last stages' copies have their gradients
     all-reduced once a step (megatron/training.py `train_step`: "All-reduce word_embeddings' grad across first and
     last stages"): bench/gpt_sized.py's `tied`."""
@@ -307,7 +308,7 @@ ROWS = [
     # arXiv:2211.05100 §3.4): 384 A100-80GB on Jean Zay (48 nodes of 8, 4 × 100 Gbit/s Omni-Path per
     # node), tp 4 × pp 12 × dp 8, global batch 2048, bf16, ZeRO-1, "about 150 TFLOPs" per GPU.
     replace(_gpt("BLOOM 176B", BLOOM, (70, 14336, 112, 250880, 2048), 4, 12, 384, 2048, 2, 150),
-            order=DEEPSPEED_ORDER, tied=True),
+            order=DEEPSPEED_ORDER),
     # Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990) §2.4,
     # as quoted by llm-analysis (github.com/cli99/llm-analysis, examples/megatron-turing-nlg): 105 × 20480,
     # 128 heads, sequence 2048, global batch 1920, tp 8 × pp 35 on 280 / 350 / 420 DGX A100 (Selene),
@@ -324,7 +325,7 @@ ROWS = [
     # in fp16 or fp32, `_allocate_zeros`), so the runs were fp16 under its ZeRO-1 optimizer: the gradients kept
     # and accumulated in fp16 `.grad` by autograd (`--pp-engine deepspeed` prices that accumulation)
     *(replace(_gpt("MT-NLG 530B", MTNLG, (105, 20480, 128, 51200, 2048), 8, 35, gpus, 1920, 2, tflops),
-              precision="fp16", order=DEEPSPEED_ORDER, tied=True)
+              precision="fp16", order=DEEPSPEED_ORDER)
       for gpus, tflops in ((2240, 126), (2800, 121), (3360, 113))),
     # torchtitan, 64 A100-80GB, FSDP2 over all 64 (local batch × 64 = global batch): WPS per GPU
     # the 8B and 13B configs of then (train_configs/llama3_8b.toml, llama2_13b.toml at 1ea476e9f, 2024-04-24, the
