@@ -26,7 +26,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,12 +51,12 @@ class Config:
 
 def run(label, *, tp, pp, layers, hidden, heads, batch, micro=1, virtual=1, recompute=True, zero=None, dp=1,
         sends="scatter-gather") -> Config:
-    """A case as the script writes it: DDP=local (dp's all-reduce after the backward), A100s 8 a node, Megatron's GPT
-    with its output layer tied to the word embedding (published._gpt)."""
-    gpus = tp * pp * dp
-    row = Row(label, MEGATRON, "gpt", (layers, hidden, heads, VOCAB, SEQ), tp, pp, gpus, batch, micro, math.nan,
-              "TFLOP/s", "a100", "blocks.*" if recompute else "", virtual=virtual, dp_overlap=False, zero=zero,
-              tied=True)
+    """A case as the script writes it: a Megatron GPT row as published._gpt builds them (DDP=local: dp's all-reduce
+    after the backward; A100s 8 a node; the output layer tied to the word embedding), with this case's recompute
+    and ZeRO stage."""
+    row = replace(published._gpt(label, MEGATRON, (layers, hidden, heads, VOCAB, SEQ), tp, pp, tp * pp * dp, batch,
+                                 micro, math.nan, virtual=virtual),
+                  recompute="blocks.*" if recompute else "", zero=zero)
     return Config(label, row, sends)
 
 
