@@ -317,9 +317,13 @@ def table2_ptd() -> list[Config]:
 
 
 def claim_t2_fewer(res):
-    r = res["175B ptd-p 384 gpus"].tflops / res["175B zero-3 384 gpus mbs 4"].tflops - 1
-    # "6% higher" read within 5 points (the 530B's 24% is against PTD-P on 560 GPUs, which parc cannot schedule)
-    return abs(r - 0.06) <= 0.05, f"175B, 384 GPUs: PTD-P over ZeRO-3 {r:+.0%} (530B on 560 GPUs: not priced)"
+    # the fewest GPUs each: ZeRO-3's 530B at micro-batch 4 did not fit on 560, so Table 2 runs it on 640
+    r = {"175B": res["175B ptd-p 384 gpus"].tflops / res["175B zero-3 384 gpus mbs 4"].tflops - 1,
+         "530B": res["530B ptd-p 560 gpus"].tflops / res["530B zero-3 640 gpus mbs 4"].tflops - 1}
+    # "6% and 24% higher", each read within 5 points
+    return all(abs(r[k] - x) <= 0.05 for k, x in (("175B", 0.06), ("530B", 0.24))), \
+        "PTD-P over ZeRO-3 on the fewest GPUs: 175B (384 and 384) " + f"{r['175B']:+.0%}, 530B (560 and 640) " \
+        f"{r['530B']:+.0%}"
 
 
 def claim_t2_double(res):

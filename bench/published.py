@@ -363,8 +363,8 @@ ROWS = [
 # for Table 1 only. The interleaved schedule needs the micro-batches a pipeline (1536 / dp, 2240 / dp) to be a
 # multiple of pp, which every row's are. Priced as Table 1 (its `FLAGS`: fp16 wire, scatter/gather sends,
 # materialised attention with dropout; Megatron's own DDP: its all-reduce after the backward). The 529.6B on 560 GPUs
-# (171) is not a row: at dp 2 a pipeline runs 1120 micro-batches, pp 35 × virtual 3 × 1120 = 117,600 schedule slots,
-# which `parc compile` and `parc report` refuse (grammar/validate.py's MAX_SCHEDULE_SLOTS, 65,536).
+# runs 1120 micro-batches a pipeline at dp 2: pp 35 × virtual 3 × 1120 = 117,600 schedule slots (grammar/validate.py's
+# MAX_SCHEDULE_SLOTS, 262,144, was 65,536 until this row showed a published plan beyond it).
 # The table's ZeRO-3 rows are DeepSpeed's ZeRO-3 of early 2021, not parc's runtime, and no `parc report` flag
 # describes that implementation: they are not rows (bench/megatron_figures.py prices them for comparison).
 MEGATRON_T2 = "Megatron-LM 2021 Table 2"
@@ -374,7 +374,7 @@ GPT_530B = (105, 20480, 128, 51200, 2048)
 TABLE_2 = [_gpt("GPT 174.6B", MEGATRON_T2, GPT3_175B, 8, 12, gpus, 1536, 1, tflops, virtual=4)
            for gpus, tflops in ((384, 153), (768, 149), (1536, 141))] + \
           [_gpt("GPT 529.6B", MEGATRON_T2, GPT_530B, 8, 35, gpus, 2240, 1, tflops, virtual=3)
-           for gpus, tflops in ((1120, 167), (2240, 159))]
+           for gpus, tflops in ((560, 171), (1120, 167), (2240, 159))]
 _END_OF_TABLE_1 = max(i for i, r in enumerate(ROWS) if r.source == MEGATRON) + 1
 ROWS[_END_OF_TABLE_1:_END_OF_TABLE_1] = TABLE_2   # read beside Table 1; `--rows 10` is still Table 1
 

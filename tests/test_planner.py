@@ -59,7 +59,7 @@ def test_infeasible_candidates_carry_their_reason(tiny):
 
 
 def test_the_search_prices_schedules_up_to_its_own_bound():
-    """parc compiles schedules up to 65536 slots (grammar/validate.py); the search simulates one per
+    """parc compiles schedules up to 262144 slots (grammar/validate.py); the search simulates one per
     candidate, so it stops at SEARCH_SLOTS and says so rather than spending minutes on deep pipelines."""
     deep = parse(f"mesh pp=8\nbatch global={8 * 1024} micro=8\n", "t.par")  # 8 × 1024 slots: compiles
     assert 8 * 1024 > planner.SEARCH_SLOTS

@@ -50,6 +50,7 @@ from parc.analysis.report import _size
 from parc.errors import ParcError
 from parc.grammar.plan import (CP_DEFAULT_ORDER, CP_METHODS, Batch, ContextParallel, Mesh, Pipeline, Plan, Recompute,
                                TensorParallel, Topology, TPRule, Zero)
+from parc.grammar.validate import MAX_SCHEDULE_SLOTS
 
 log = logging.getLogger(__name__)
 MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
@@ -520,7 +521,7 @@ def _too_long(plan: Plan) -> str | None:
     if slots <= SEARCH_SLOTS:
         return None
     return (f"pipeline schedule of {slots} slots (pp × virtual × micro-batches) > {SEARCH_SLOTS}, the most the "
-            "search simulates per candidate (parc compiles up to 65536: write such a plan by hand)")
+            f"search simulates per candidate (parc compiles up to {MAX_SCHEDULE_SLOTS}: write such a plan by hand)")
 
 
 def _refusal(plan: Plan, traced) -> str | None:
