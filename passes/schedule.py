@@ -283,13 +283,44 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1,
     `order_costs` ({kind: [seconds per stage]}) places the sends and receives for those costs
     instead of unit costs (the cost model's simulation: the order the real costs call for; any
     positive costs keep it deadlock-free). The compiled executor uses unit costs."""
-    _check(name, pp, micro_batches, virtual)
-    m = micro_batches
-    orders = {"gpipe": lambda: _gpipe(pp, m),
-              "1f1b": lambda: _one_f_one_b(pp, m),
-              "zb_h1": lambda: _zb_h1(pp, m),
-              "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
-    return Schedule(name, pp, m, virtual, _with_p2p(orders, pp, pp * virtual, order_instants(order_costs)))
+    orders = _orders(name, pp, micro_batches, virtual)
+    return Schedule(name, pp, micro_batches, virtual,
+                    _with_p2p(orders, pp, pp * virtual, order_instants(order_costs)))
+
+
+def _orders(name: str, pp: int, m: int, virtual: int) -> list[list[tuple]]:
+    """The named schedule's compute order per rank, checked (`_check`)."""
+    _check(name, pp, m, virtual)
+    return {"gpipe": lambda: _gpipe(pp, m),
+            "1f1b": lambda: _one_f_one_b(pp, m),
+            "zb_h1": lambda: _zb_h1(pp, m),
+            "interleaved_1f1b": lambda: _interleaved(pp, m, virtual)}[name]()
+
+
+# a compute action's change of the micro-batches a rank holds activations for: its forward ran, its backward
+# (B, or ZB-H1's W, which frees them) has not
+HOLDS = {"F": 1, "B": -1, "I": 0, "W": -1}
+
+
+def _peak(kinds) -> int:
+    held = most = 0
+    for kind in kinds:
+        held += HOLDS.get(kind, 0)
+        most = max(most, held)
+    return most
+
+
+def peak_inflight(name: str, pp: int, micro_batches: int, virtual: int = 1) -> list[int]:
+    """Per pp rank, the most micro-batches in flight (`parc.passes.simulate.simulate`'s peak_inflight), read off
+    the compute order alone: it depends on neither the costs nor where the sends go, so a caller that only needs
+    memory need not build the schedule (its sends, the costly part) or time it. `deepspeed_train`'s schedule:
+    `peak_of(schedule)`."""
+    return [_peak(kind for kind, _, _ in seq) for seq in _orders(name, pp, micro_batches, virtual)]
+
+
+def peak_of(schedule: Schedule) -> list[int]:
+    """`peak_inflight` of a built schedule."""
+    return [_peak(a.kind for a in seq) for seq in schedule.actions]
 
 
 def deepspeed_train(pp: int, m: int) -> Schedule:

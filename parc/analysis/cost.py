@@ -593,7 +593,8 @@ def _by_size(rows: list[tuple[float, float]], size: float) -> float:
 def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups: dict | None = None,
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
              dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None, attention: str = "flash",
-             attention_dropout: bool = False, pp_engine: str = "parc", zero_backward_prefetch: bool = True) -> Estimate:
+             attention_dropout: bool = False, pp_engine: str = "parc", zero_backward_prefetch: bool = True,
+             memory_limit: float | None = None) -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -613,11 +614,13 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     gradients (`_bf16_reduce_grads`) where parc's ZeRO-1 reduce-scatters them.
     `zero_backward_prefetch=False`: ZeRO-3's backward gathers are issued after each layer's gradient
     computation, exposed (`System.zero_prefetch` "post").
+    `memory_limit` (bytes): a plan whose fullest rank needs more comes back with its memory rows only, its step
+    infinite and nothing timed (a search's drop: its pipeline schedule is neither built nor simulated).
     """
     from parc import mesh as meshlib
     from parc.analysis import compute
     from parc.analysis.schedules import Schedules
-    from parc.passes.schedule import deepspeed_train
+    from parc.passes.schedule import deepspeed_train, peak_inflight, peak_of
 
     memo = schedules if schedules is not None else Schedules()
     build_schedule, simulate = memo.build, memo.simulate
@@ -697,54 +700,15 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     send_el = max(stats.get("send_elements") or [0])
     sp = plan.tensor_parallel.sequence_parallel and tp > 1
     send_bytes = send_el * act_b / (tp if sp or (p2p_scatter_gather and tp > 1) else 1)
-    if pp > 1:
-        name = plan.pipeline.schedule if plan.pipeline else "1f1b"
-        # a send follows one F or B of the sender's stage (the mean action: the gap between two sends)
-        action = sum(cost_f + cost_b) / (2 * len(cost_f))
-        p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1,
-                          gap=action)
-        p2p_t = p2p.seconds
-        if hw.p2p_post:
-            # the executor posts about one batch of sends/receives per action (runtime/parallel/pipeline.py batches
-            # adjacent ones; a --trace shows 15–17 posts for 16 actions): the poster's time goes on its own
-            # timeline, each F and B. The measured hop (half a round trip) holds the sender's post: taken off
-            cost_f = [c + hw.p2p_post for c in cost_f]
-            cost_b = [c + hw.p2p_post for c in cost_b]
-            p2p_t = max(p2p_t - hw.p2p_post, 0.0)
-        if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
-            p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
-        split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
-        engine = {}
-        if pp_engine == "deepspeed":
-            if name != "1f1b" or virtual != 1:
-                raise ParcError(f"cost model: --pp-engine deepspeed prices DeepSpeed's pipeline engine, whose one "
-                                f"training schedule is a 1F1B (TrainSchedule); this plan's is {name}"
-                                f"{f' with {virtual} virtual stages' if virtual > 1 else ''}",
-                                hint="write `pipeline schedule=1f1b` to price that engine's run")
-            # its order, every transfer blocking both ranks (free transfers below: the same rules at cost 0)
-            schedule, engine = deepspeed_train(pp, acc), {"p2p": "blocking", "send_waits": True}
-        else:
-            schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
-        sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split, **engine)
-        if name == "interleaved_1f1b":
-            # the unit-cost placement can idle ranks that wait on a slow chunk; placed for the stages' own
-            # costs it often does not. The better of the two: the order an executor should use (the
-            # compiled one still uses unit costs; docs/cost-model.md)
-            placed = build_schedule(name, pp, acc, virtual, order_costs={"F": cost_f, "B": cost_b})
-            other = simulate(placed, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t)
-            if other.makespan < sim.makespan:
-                schedule, sim = placed, other
-        makespan, bubble, inflight = sim.makespan, sim.bubble_fraction, sim.peak_inflight
-        free = simulate(schedule, cost_f=cost_f, cost_b=cost_b, **split, **engine) if any(cost_f + cost_b) else None
-        sched_bubble = free.bubble_fraction if free else \
-            simulate(build_schedule(name, pp, acc, virtual), **({"cost_i": 1.0, "cost_w": 1.0} if split else {})
-                     ).bubble_fraction
-    else:
-        makespan, bubble, sched_bubble, inflight, free = acc * (times[0][0] + times[0][1]), 0.0, 0.0, [1], None
-    # the busiest pp rank's compute: all its virtual stages, every micro-batch
-    compute_s = max(acc * sum(times[r + k * pp][0] + times[r + k * pp][1] for k in range(virtual))
-                    for r in range(pp))
-
+    name = plan.pipeline.schedule if plan.pipeline else "1f1b"
+    if pp > 1 and pp_engine == "deepspeed" and (name != "1f1b" or virtual != 1):
+        raise ParcError(f"cost model: --pp-engine deepspeed prices DeepSpeed's pipeline engine, whose one "
+                        f"training schedule is a 1F1B (TrainSchedule); this plan's is {name}"
+                        f"{f' with {virtual} virtual stages' if virtual > 1 else ''}",
+                        hint="write `pipeline schedule=1f1b` to price that engine's run")
+    # micro-batches in flight per pp rank: the compute order's, whatever the costs (the simulator's peak)
+    inflight = [1] if pp == 1 else peak_of(deepspeed_train(pp, acc)) if pp_engine == "deepspeed" else \
+        peak_inflight(name, pp, acc, virtual)
     # -- memory per pp rank
     memory = []
     # bf16 ZeRO keeps only this rank's range of the fp32 masters (fp32: the masters are the parameters)
@@ -771,6 +735,54 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         row["zero_working"] = _zero_working(z, [stages[r + k * pp] for k in range(virtual)], row["params_count"],
                                             cb or pb, wire if dp > 1 else gb)
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["zero_working"]
+
+    if memory_limit is not None and not getattr(plan.zero, "offload", None) and \
+            max(row["total"] for row in memory) > memory_limit:
+        # it does not fit (ZeRO-Offload moves state off the device below: not decided here): what a search needs
+        # to drop it, without building or timing its schedule
+        return Estimate(hw, memory, [], math.inf, 0.0, 0.0, 0.0, inflight, 0.0, 0.0, 0.0,
+                        [f"not timed: it needs more than memory_limit, {memory_limit / GiB:.1f} GiB"])
+    if pp > 1:
+        # a send follows one F or B of the sender's stage (the mean action: the gap between two sends)
+        action = sum(cost_f + cost_b) / (2 * len(cost_f))
+        p2p = _collective("pp", "send/recv", 2, send_bytes, groups["pp"], hw, allreduce, latency_steps=1,
+                          gap=action)
+        p2p_t = p2p.seconds
+        if hw.p2p_post:
+            # the executor posts about one batch of sends/receives per action (runtime/parallel/pipeline.py batches
+            # adjacent ones; a --trace shows 15–17 posts for 16 actions): the poster's time goes on its own
+            # timeline, each F and B. The measured hop (half a round trip) holds the sender's post: taken off
+            cost_f = [c + hw.p2p_post for c in cost_f]
+            cost_b = [c + hw.p2p_post for c in cost_b]
+            p2p_t = max(p2p_t - hw.p2p_post, 0.0)
+        if p2p_scatter_gather and tp > 1 and not sp:   # the receiver's all-gather over NVLink
+            p2p_t += _collective("tp", "all-gather", tp, send_el * act_b, groups["tp"], hw, allreduce).seconds
+        split = {"cost_i": [b / 2 for b in cost_b], "cost_w": [b / 2 for b in cost_b]} if name == "zb_h1" else {}
+        engine = {}
+        if pp_engine == "deepspeed":
+            # its order, every transfer blocking both ranks (free transfers below: the same rules at cost 0)
+            schedule, engine = deepspeed_train(pp, acc), {"p2p": "blocking", "send_waits": True}
+        else:
+            schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
+        sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split, **engine)
+        if name == "interleaved_1f1b":
+            # the unit-cost placement can idle ranks that wait on a slow chunk; placed for the stages' own
+            # costs it often does not. The better of the two: the order an executor should use (the
+            # compiled one still uses unit costs; docs/cost-model.md)
+            placed = build_schedule(name, pp, acc, virtual, order_costs={"F": cost_f, "B": cost_b})
+            other = simulate(placed, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t)
+            if other.makespan < sim.makespan:
+                schedule, sim = placed, other
+        makespan, bubble = sim.makespan, sim.bubble_fraction
+        free = simulate(schedule, cost_f=cost_f, cost_b=cost_b, **split, **engine) if any(cost_f + cost_b) else None
+        sched_bubble = free.bubble_fraction if free else \
+            simulate(build_schedule(name, pp, acc, virtual), **({"cost_i": 1.0, "cost_w": 1.0} if split else {})
+                     ).bubble_fraction
+    else:
+        makespan, bubble, sched_bubble, free = acc * (times[0][0] + times[0][1]), 0.0, 0.0, None
+    # the busiest pp rank's compute: all its virtual stages, every micro-batch
+    compute_s = max(acc * sum(times[r + k * pp][0] + times[r + k * pp][1] for k in range(virtual))
+                    for r in range(pp))
 
     # -- communication per rank per step (the worst pp rank's sizes)
     comms = []

@@ -32,6 +32,7 @@ bound for the forward ring, whose next hop is posted before the block computes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from parc import mesh as meshlib
@@ -148,6 +149,8 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
     groups = groups or groups_of(m)
     est = cost.estimate(priced, local, hw, allreduce=allreduce, params_per_rank=params_per_rank,
                         groups={a: groups[a] for a in ("dp", "pp", "tp")}, **options)
+    if math.isinf(est.step_seconds):   # over `memory_limit`: memory only, nothing timed
+        return est
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
     rows = comms(plan, stats, hw, allreduce, groups["cp"], allgather=cp_allgather)
     est = cost.on_step(est, rows, "cp_seconds") if rows else est

@@ -572,7 +572,9 @@ class _Search:
             keys.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
         return list(keys.values())
 
-    def estimate(self, plan: Plan):
+    def estimate(self, plan: Plan, limit: float | None = None):
+        """`cost.estimate`'s (or `cp_cost.estimate`'s) of `plan`, as `parc report` prices it. `limit`: the bytes a
+        rank has; a plan needing more comes back untimed (its memory only, step infinite: `_fits` drops it)."""
         m = plan.mesh
         virtual = plan.pipeline.virtual if plan.pipeline is not None and m.pp > 1 else 1
         variant = (bool(plan.recompute.patterns), m.tp > 1, plan.tensor_parallel.sequence_parallel,
@@ -584,11 +586,12 @@ class _Search:
             if held is None or held[0] is not stats:
                 held = self.local[key] = (stats, cp_cost.local_stats(stats, m.cp))
             est = cp_cost.estimate(plan, stats, self.hw, params_per_rank=plan_experts.params_per_rank(plan, self.moe),
-                                   groups=self._groups(m), local=held[1], schedules=self.schedules)
-            return plan_experts.price(est, plan, self.moe, self.hw)
-        est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
-                            params_per_rank=plan_experts.params_per_rank(plan, self.moe))
-        return plan_experts.price(est, plan, self.moe, self.hw)
+                                   groups=self._groups(m), local=held[1], schedules=self.schedules,
+                                   memory_limit=limit)
+        else:
+            est = cost.estimate(plan, stats, self.hw, groups=self._groups(m), schedules=self.schedules,
+                                params_per_rank=plan_experts.params_per_rank(plan, self.moe), memory_limit=limit)
+        return est if math.isinf(est.step_seconds) else plan_experts.price(est, plan, self.moe, self.hw)
 
     def _fits(self, c: Candidate, est) -> bool:
         c.peak = max(r["total"] for r in est.memory)
@@ -623,7 +626,7 @@ class _Search:
         for c in cands:
             p = c.plan
             if p.mesh.pp == 1:
-                c.est = self.estimate(p)
+                c.est = self.estimate(p, limit=self.hw.memory)
                 if self._fits(c, c.est):
                     done.append(c)
                 continue
@@ -657,7 +660,7 @@ class _Search:
                 continue
             if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
                 continue
-            c.est = self.estimate(c.plan)
+            c.est = self.estimate(c.plan, limit=self.hw.memory)
             log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
             if self._fits(c, c.est):
                 done.append(c)
