@@ -29,7 +29,7 @@ into one readable program per rank, then runs them under torchrun.
   parc import-deepspeed ds_config.json [--world-size N]       a .par from a DeepSpeed config
   parc report  compiled/ [--json]                             memory, communication, step time, MFU
                (--attention, --pp-sends, --pp-engine, --no-dp-overlap, --zero-prefetch, --dp-wire, --nics,
-               --recompute-saves: price another framework's run)
+               --recompute-saves, --tp-overlap: price another framework's run)
   parc calibrate --device cpu -o preset.json                    measure this device: a preset for --preset FILE
   parc plan    model.py --gpus N --global-batch B -o plan.par  search the plans, write the fastest that fits
   parc viz     compiled/ -o viz/                              mesh, pipeline schedule, stages as SVG/PNG
@@ -428,6 +428,11 @@ def parser() -> argparse.ArgumentParser:
                             "outputs are saved, comma-separated from matmul, matmul-odd (the 1st, 3rd, ... of a "
                             "region), attention; every other op runs again in the backward (torchtitan's op "
                             "policy: matmul-odd,attention). Default: the whole region is recomputed (parc)")
+    other.add_argument("--tp-overlap", choices=System.TP_OVERLAP, default="none",
+                       help="where tp's collectives run: none (parc: between the matmuls), backward (Megatron-LM's "
+                            "asynchronous tp communication: the backward's under the weight-gradient matmuls) or "
+                            "gemm (Transformer Engine's userbuffers, NeMo's ub_tp_comm_overlap: each under its "
+                            "linear's matmul, forward and backward)")
     other.add_argument("--loss", choices=System.LOSS, default="eager",
                        help="the cross-entropy's kernel: eager (parc: PyTorch's, an fp32 log-softmax kept for the "
                             "backward) or fused (one kernel keeping the logits and a log-sum-exp a row, its gradient "

@@ -223,6 +223,26 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
     return fwd, bwd
 
 
+def tp_gemm_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float, float, float]:
+    """Kernel seconds of one micro-batch's tp-split linears on one tp rank of a stage (column- and row-parallel
+    matmuls, those whose collectives tp runs): (forward, backward, the backward's weight-gradient part, the
+    forward run again in the backward under recompute). The windows another system overlaps tp's collectives
+    with (`cost.System.tp_overlap`)."""
+    fwd = bwd = wgrad = again = 0.0
+    for b, m, n, k, split, rec, count in ops.get("mm", ()):
+        if tp == 1 or split not in (1, 2):
+            continue
+        n, k = (n / tp, k) if split == 1 else (n, k / tp)
+        if not b * m * n * k:
+            continue
+        f, w = _mm_work(hw, dtype, b, m, n, k), _mm_work(hw, dtype, b, n, k, m)
+        fwd += count * f
+        bwd += count * (_mm_work(hw, dtype, b, m, k, n) + w)
+        wgrad += count * w
+        again += count * f if rec else 0.0
+    return fwd, bwd, wgrad, again
+
+
 def materialized_attention(hw, dtype: str, bh: float, t: float, hs: float, dropout: bool) -> tuple[float, float]:
     """(forward, backward) seconds of attention that writes its scores out (Megatron-LM and
     Megatron-DeepSpeed before FlashAttention: two batched matmuls and a fused scale-mask-softmax kernel).

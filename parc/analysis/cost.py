@@ -120,6 +120,17 @@ class System:
       whose outputs the system saves in the forward (`SAVES`: "matmul", "matmul-odd", "attention";
       torchtitan's op policy is matmul-odd and attention), every other op of the region run again in the
       backward. Empty: parc's recompute, the whole region (its collectives' outputs kept under `compile`).
+    - `tp_overlap`: where tp's collectives run. "none" (parc: each on its stage's timeline, between the
+      matmuls), "backward" (Megatron-LM's asynchronous tensor-parallel communication, 2021–2022, Korthikanti et al.'s
+      code: in the backward of a column-parallel linear the input gradient's all-reduce, or under sequence
+      parallelism its reduce-scatter, runs while the weight gradient is computed, megatron/mpu/layers.py
+      `LinearWithGradAccumulationAndAsyncCommunication`; priced as those collectives, every backward one
+      without sequence parallelism and half with it, the row-parallel linears' all-gathers staying exposed,
+      under the stage's tp-split weight-gradient matmuls, what they cannot hide exposed) or "gemm"
+      (Transformer Engine's userbuffers, Megatron-core's `tp_comm_overlap` / NeMo's `ub_tp_comm_overlap`: each
+      all-gather and reduce-scatter cut into chunks pipelined with its linear's matmul, forward and backward;
+      priced as each pass's collectives under that pass's tp-split matmuls, `compute.tp_gemm_seconds`). What
+      the overlap costs the matmuls it runs beside (SMs the communication kernels hold) is not priced.
     - `loss`: the cross-entropy's kernel. "eager" (PyTorch's, what parc runs: under autocast an fp32
       log-softmax of the logits kept for the backward, an fp32 gradient and its bf16 cast) or "fused" (one
       kernel that keeps the logits as they are and a log-sum-exp a row, and writes the gradient in the logits'
@@ -135,6 +146,7 @@ class System:
     zero_prefetch: str = "pre"
     loss: str = "eager"
     cp_attention: str = "parc"
+    tp_overlap: str = "none"
 
     ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
     CP_ATTENTION = ("parc", "allgather")
@@ -142,6 +154,7 @@ class System:
     PP_ENGINES = ("parc", "deepspeed")
     ZERO_PREFETCH = ("pre", "post")
     LOSS = ("eager", "fused")
+    TP_OVERLAP = ("none", "backward", "gemm")
     SAVES = ("matmul", "matmul-odd", "attention")   # activations.saved_ops
     WIRE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -156,7 +169,8 @@ class System:
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
                     dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine,
-                    zero_backward_prefetch=self.zero_prefetch == "pre", cp_allgather=self.cp_attention == "allgather")
+                    zero_backward_prefetch=self.zero_prefetch == "pre", cp_allgather=self.cp_attention == "allgather",
+                    tp_overlap=self.tp_overlap)
 
     def notes(self) -> list[str]:
         """The report's line saying which options differ from parc's runtime (none: no line)."""
@@ -168,7 +182,8 @@ class System:
                                           ("recompute saves", ",".join(self.recompute_saves), ""),
                                           ("ZeRO-3 backward prefetch", self.zero_prefetch, "pre"),
                                           ("loss", self.loss, "eager"),
-                                          ("cp attention", self.cp_attention, "parc"))
+                                          ("cp attention", self.cp_attention, "parc"),
+                                          ("tp overlap", self.tp_overlap, "none"))
                 if v != d]
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
@@ -594,7 +609,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
              params_per_rank: list[int] | None = None, p2p_scatter_gather: bool = False,
              dp_bytes: int | None = None, overlap_dp: bool = True, schedules=None, attention: str = "flash",
              attention_dropout: bool = False, pp_engine: str = "parc", zero_backward_prefetch: bool = True,
-             memory_limit: float | None = None) -> Estimate:
+             memory_limit: float | None = None, tp_overlap: str = "none") -> Estimate:
     """`params_per_rank` (per pp rank, one tp rank's share) replaces the analytic count: the artifact's.
 
     `p2p_scatter_gather`: pipeline sends under tp without SP go as Megatron's scatter/gather (each
@@ -614,6 +629,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     gradients (`_bf16_reduce_grads`) where parc's ZeRO-1 reduce-scatters them.
     `zero_backward_prefetch=False`: ZeRO-3's backward gathers are issued after each layer's gradient
     computation, exposed (`System.zero_prefetch` "post").
+    `tp_overlap`: "none" (parc: each tp collective on the stage's timeline), "backward" (the backward's under the
+    tp-split linears' weight-gradient matmuls) or "gemm" (every one under the same pass's tp-split matmuls):
+    `System.tp_overlap`.
     `memory_limit` (bytes): a plan whose fullest rank needs more comes back with its memory rows only, its step
     infinite and nothing timed (a search's drop: its pipeline schedule is neither built nor simulated).
     """
@@ -681,7 +699,19 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                              latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
                              gap=(f + b) * slow / calls) if tp > 1 and rec_calls else None
         tp_r = tp_r_c.seconds if tp_r_c else 0.0
-        tp_times.append(tp_t + tp_r)
+        # on the stage's timeline: the forward's collectives, the backward's and the recomputed forward's; another
+        # system may run them under its tp-split linears' matmuls (`System.tp_overlap`)
+        tp_f, tp_b = tp_t / 2, tp_t / 2 + tp_r
+        if tp > 1 and tp_overlap != "none" and compute.has_model(hw, d):
+            win_f, win_b, win_w, win_r = compute.tp_gemm_seconds(d["ops"], hw, dtype, tp)
+            if tp_overlap == "gemm":
+                tp_f, tp_b = max(0.0, tp_t / 2 - win_f), max(0.0, tp_t / 2 - win_b) + max(0.0, tp_r - win_r)
+            else:   # "backward": the column-parallel linears' input-gradient collectives under the weight gradients'
+                # matmuls: every backward collective without sequence parallelism (the f operator's all-reduces); with
+                # it the reduce-scatters, half, while the row-parallel linears' all-gathers stay on the timeline
+                share = 0.5 if plan.tensor_parallel.sequence_parallel else 1.0
+                tp_b = tp_t / 2 * (1 - share) + max(0.0, tp_t / 2 * share - win_w) + tp_r
+        tp_times.append(tp_f + tp_b)
         tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c) if c is not None])
         # a tp group across nodes is priced at the node's NICs (`_collective`): while it runs, they are busy
         tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
@@ -691,7 +721,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                            low_acc=z < 3 and gb == act_b)
         if pp_engine == "deepspeed":   # the engine accumulates each micro-batch's gradient after its backward
             b += compute.deepspeed_accumulate_seconds(hw, per_tp(d, "params"), plan.precision, acc)
-        return f * slow + tp_t / 2, b * slow + tp_t / 2 + tp_r
+        return f * slow + tp_f, b * slow + tp_b
     tp_times: list[float] = []
     tp_on_nics: list[tuple[float, float]] = []   # per stage: (F, B) seconds tp holds the node's NICs
     tp_comms: list[list[Comm]] = []   # per stage: its tp collectives of one micro-batch, as priced above

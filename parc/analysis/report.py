@@ -129,7 +129,7 @@ def system_of(args) -> cost.System:
     return cost.System(attention=args.attention, pp_sends=args.pp_sends, dp_overlap=not args.no_dp_overlap,
                        dp_wire=args.dp_wire, nics=args.nics or 0, recompute_saves=saves,
                        pp_engine=args.pp_engine, zero_prefetch=args.zero_prefetch, loss=args.loss,
-                       cp_attention=args.cp_attention)
+                       cp_attention=args.cp_attention, tp_overlap=args.tp_overlap)
 
 
 def build_from_args(args) -> dict:
