@@ -566,9 +566,13 @@ ROWS += [_gpt("GPT-3 175B", MEGATRON_README, (96, 12288, 96, 51200, 2048), 8, 16
 #   matmuls' outputs saved (`--recompute-saves matmul`: qkv and the output projection), so what runs again is
 #   the attention op alone, priced by the source's `--attention materialized-dropout`.
 # The system is Megatron's of the Table 1 rows above (its materialised attention, scatter/gather pipeline sends
-# where tp runs without sequence parallelism, its dp all-reduce after the backward): their flags.
+# where tp runs without sequence parallelism, its dp all-reduce after the backward): their flags, and one more:
+# by then a column-parallel linear's backward ran its input gradient's all-reduce (under sequence parallelism its
+# reduce-scatter) asynchronously under the weight-gradient matmul (NVIDIA/Megatron-LM megatron/mpu/layers.py
+# `LinearWithGradAccumulationAndAsyncCommunication` at cfd2e2160, 2022-04-28, the commit that added
+# sequence_parallel; the all-reduce since 16c90445e, 2021-09, after the 2021 paper): `--tp-overlap backward`.
 KORTHIKANTI = "Megatron-LM 2022 (Korthikanti et al.)"
-FLAGS[KORTHIKANTI] = FLAGS[MEGATRON]
+FLAGS[KORTHIKANTI] = (FLAGS[MEGATRON][0], FLAGS[MEGATRON][1] + ["--tp-overlap", "backward"], FLAGS[MEGATRON][2])
 SELECTIVE = "blocks.*.attn"
 
 
@@ -590,6 +594,29 @@ ROWS += [_korthikanti(size, shape, pp, gpus, batch, micro, t, virtual, present)
              ("1T", (128, 25600, 160), 64, 512, 512, 1, 1, (94.42, 71.49))]
          for present, t in zip((False, True), times)]
 ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtual=3, present=True)]
+
+# NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking), NeMo Megatron's GPT-3 175B on H100s
+# in BF16: nemo_megatron/README_175b.md at 0b71cfda5 ("NeMo Megatron BF16 (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)":
+# training step time 8.309 / 8.408 / 8.42 / 8.453 / 8.49 s on 128 / 256 / 512 / 1024 / 2048 H100s at global batch
+# 256 / 512 / 1024 / 2048 / 4096, "nodes × 16" in configure.sh at 143b90dd9), tokens/s per GPU = 2048 × batch /
+# step / GPUs (the table's throughput column over the GPUs). The run's config, gpt3_175b_hydra.yaml at 35a9aecc8 with
+# configure.sh's overrides (`model.fp8=false` for BF16): Megatron-core's GPT (`mcore_gpt`, its output layer the
+# embedding's: `tied`) on Transformer Engine, 96 × 12288, 96 heads, FFN 49152, sequence 2048, vocabulary GPT-2's
+# 50,257 padded as Megatron pads (megatron/training/vocab_utils.py: to a multiple of make_vocab_size_divisible_by 128
+# × tp 4: 50,688), tp 4, pp 8, 12
+# virtual stages, micro-batch 1, `sequence_parallel: true`, no activation checkpointing, `ub_tp_comm_overlap:
+# true` (each tp all-gather and reduce-scatter pipelined with its linear's matmul: `--tp-overlap gemm`),
+# `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (the optimizer
+# state sharded over dp, the gradients reduce-scattered once a step under the last backward and the parameters
+# gathered under the next forward: parc's ZeRO-1, `--dp-wire bf16`), `overlap_p2p_comm: true` (parc's engine
+# posts its sends eagerly too), NVTE_FUSED_ATTN=0 (TE's flash-attn backend: parc's flash). Not priced: the
+# config's dropout (hidden and attention 0.1; the traced GPT has none). The DGX Cloud H100 nodes: 8 × 400 Gbit/s
+# InfiniBand (the h100 preset), taken as the cluster the table ran on.
+NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
+FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
+ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", (96, 12288, 96, 50688, 2048), 4, 8, gpus, 2 * gpus, 1, 2048 * 2 * gpus / step / gpus,
+             "tokens/s", "h100", "", virtual=12, tied=True, sp=True)
+         for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))]
 
 
 def recompute_label(row: Row) -> str:
