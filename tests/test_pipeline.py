@@ -258,3 +258,27 @@ def test_interleaved_needs_multiple_of_pp(tmp_path):
 def test_warns_layers_not_dividing(tmp_path):
     msgs = _warnings(tmp_path, "mesh pp=3\nbatch global=6 micro=2\npipeline schedule=1f1b\n")
     assert any("4 layers do not divide into 3 stages (4 = 1 × 3 + 1)" in m for m in msgs), msgs
+
+
+def test_a_post_frees_done_sends_oldest_first_and_looks_no_further():
+    """`drop_sent` frees the buffers of sends that are done, oldest first, and stops at the first one that is not:
+    each post costs O(1) however many sends are held (gloo reports a send done only once waited, so a scan of all
+    of them each post made a step quadratic in its micro-batches)."""
+    from collections import deque
+
+    asked = []
+
+    class Work:
+        def __init__(self, name, done):
+            self.name, self.done = name, done
+
+        def is_completed(self):
+            asked.append(self.name)
+            return self.done
+
+    sends = deque((Work(n, d), None) for n, d in (("a", True), ("b", True), ("c", False), ("d", True)))
+    pipeline.drop_sent(sends)
+    assert [w.name for w, _ in sends] == ["c", "d"] and asked == ["a", "b", "c"]
+    asked.clear()
+    pipeline.drop_sent(sends)
+    assert asked == ["c"]     # the held ones behind it are not looked at again
