@@ -603,9 +603,9 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # configure.sh's overrides (`model.fp8=false` for BF16): Megatron-core's GPT (`mcore_gpt`, its output layer the
 # embedding's: `tied`) on Transformer Engine, 96 × 12288, 96 heads, FFN 49152, sequence 2048, vocabulary GPT-2's
 # 50,257 padded as Megatron pads (megatron/training/vocab_utils.py: to a multiple of make_vocab_size_divisible_by 128
-# × tp 4: 50,688), tp 4, pp 8, 12
-# virtual stages, micro-batch 1, `sequence_parallel: true`, no activation checkpointing, `ub_tp_comm_overlap:
-# true` (each tp all-gather and reduce-scatter pipelined with its linear's matmul: `--tp-overlap gemm`),
+# × tp 4: 50,688), tp 4, pp 8, 12 virtual stages, micro-batch 1, `sequence_parallel: true`, no activation
+# checkpointing, `ub_tp_comm_overlap: true` (each tp all-gather and reduce-scatter pipelined with its linear's
+# matmul: `--tp-overlap gemm`),
 # `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (the optimizer
 # state sharded over dp, the gradients reduce-scattered once a step under the last backward and the parameters
 # gathered under the next forward: parc's ZeRO-1, `--dp-wire bf16`), `overlap_p2p_comm: true` (parc's engine
@@ -614,7 +614,8 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # InfiniBand (the h100 preset), taken as the cluster the table ran on.
 NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
 FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
-ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", (96, 12288, 96, 50688, 2048), 4, 8, gpus, 2 * gpus, 1, 2048 * 2 * gpus / step / gpus,
+GPT3_175B_NEMO = (96, 12288, 96, 50688, 2048)
+ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpus, 1, 2048 * 2 * gpus / step / gpus,
              "tokens/s", "h100", "", virtual=12, tied=True, sp=True)
          for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))]
 
