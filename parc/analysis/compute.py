@@ -177,6 +177,14 @@ def _op(hw, kind: str, fwd_work: float, bwd_work: list[float]) -> tuple[float, f
     return _kernel(hw, fwd_work), sum(_kernel(hw, w) for w in bwd_work)
 
 
+def _tp_share(b: float, n: float, k: float, split: int, tp: int) -> tuple[float, float, float]:
+    """A matmul row's (batch, n, k) on one tp rank: `split` 1 cuts n (column-parallel), 2 k (row-parallel), 3 the
+    batch (heads); 0 none."""
+    if tp == 1 or not split:
+        return b, n, k
+    return (b / tp if split == 3 else b), (n / tp if split == 1 else n), (k / tp if split == 2 else k)
+
+
 def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
                   attention_dropout: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch on one tp rank of a stage; recompute inside backward.
@@ -188,8 +196,7 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
     `materialized_attention`), with a dropout on the probabilities when `attention_dropout`."""
     fwd = bwd = 0.0
     for b, m, n, k, split, rec, count in ops.get("mm", ()):
-        if tp > 1 and split:
-            b, n, k = (b / tp if split == 3 else b), (n / tp if split == 1 else n), (k / tp if split == 2 else k)
+        b, n, k = _tp_share(b, n, k, split, tp)
         if not b * m * n * k:
             continue
         f, bk = _op(hw, "mm", _mm_work(hw, dtype, b, m, n, k),
@@ -232,7 +239,7 @@ def tp_gemm_seconds(ops: dict, hw, dtype: str, tp: int) -> tuple[float, float, f
     for b, m, n, k, split, rec, count in ops.get("mm", ()):
         if tp == 1 or split not in (1, 2):
             continue
-        n, k = (n / tp, k) if split == 1 else (n, k / tp)
+        b, n, k = _tp_share(b, n, k, split, tp)
         if not b * m * n * k:
             continue
         f, w = _mm_work(hw, dtype, b, m, n, k), _mm_work(hw, dtype, b, n, k, m)

@@ -736,9 +736,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                         f"training schedule is a 1F1B (TrainSchedule); this plan's is {name}"
                         f"{f' with {virtual} virtual stages' if virtual > 1 else ''}",
                         hint="write `pipeline schedule=1f1b` to price that engine's run")
+    # DeepSpeed's engine trains in its own order, built once for memory and timing
+    ds_order = deepspeed_train(pp, acc) if pp > 1 and pp_engine == "deepspeed" else None
     # micro-batches in flight per pp rank: the compute order's, whatever the costs (the simulator's peak)
-    inflight = [1] if pp == 1 else peak_of(deepspeed_train(pp, acc)) if pp_engine == "deepspeed" else \
-        peak_inflight(name, pp, acc, virtual)
+    inflight = [1] if pp == 1 else peak_of(ds_order) if ds_order else peak_inflight(name, pp, acc, virtual)
     # -- memory per pp rank
     memory = []
     # bf16 ZeRO keeps only this rank's range of the fp32 masters (fp32: the masters are the parameters)
@@ -791,7 +792,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         engine = {}
         if pp_engine == "deepspeed":
             # its order, every transfer blocking both ranks (free transfers below: the same rules at cost 0)
-            schedule, engine = deepspeed_train(pp, acc), {"p2p": "blocking", "send_waits": True}
+            schedule, engine = ds_order, {"p2p": "blocking", "send_waits": True}
         else:
             schedule = build_schedule(name, pp, acc, virtual)   # sends placed for unit costs, as compiled
         sim = simulate(schedule, cost_f=cost_f, cost_b=cost_b, cost_comm=p2p_t, **split, **engine)
