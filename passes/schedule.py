@@ -28,6 +28,7 @@ Guarantees, for every schedule built here:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -315,7 +316,13 @@ def peak_inflight(name: str, pp: int, micro_batches: int, virtual: int = 1) -> l
     the compute order alone: it depends on neither the costs nor where the sends go, so a caller that only needs
     memory need not build the schedule (its sends, the costly part) or time it. `deepspeed_train`'s schedule:
     `peak_of(schedule)`."""
-    return [_peak(kind for kind, _, _ in seq) for seq in _orders(name, pp, micro_batches, virtual)]
+    return list(_peaks(name, pp, micro_batches, virtual))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peaks(name: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
+    """`peak_inflight`, once per schedule shape (the planner asks for each shape again and again)."""
+    return tuple(_peak(kind for kind, _, _ in seq) for seq in _orders(name, pp, micro_batches, virtual))
 
 
 def peak_of(schedule: Schedule) -> list[int]:

@@ -58,14 +58,21 @@ def test_infeasible_candidates_carry_their_reason(tiny):
     assert any(r.startswith("bounded out: its step is at least") for r in reasons)
 
 
-def test_the_search_prices_schedules_up_to_its_own_bound():
-    """parc compiles schedules up to 262144 slots (grammar/validate.py); the search simulates one per
-    candidate, so it stops at SEARCH_SLOTS and says so rather than spending minutes on deep pipelines."""
-    deep = parse(f"mesh pp=8\nbatch global={8 * 1024} micro=8\n", "t.par")  # 8 × 1024 slots: compiles
-    assert 8 * 1024 > planner.SEARCH_SLOTS
-    assert planner._too_long(deep).startswith("pipeline schedule of 8192 slots (pp × virtual × micro-batches) > 4096")
-    assert planner._too_long(parse("mesh pp=8\nbatch global=64 micro=1\n", "t.par")) is None
-    assert planner._too_long(parse(f"mesh dp=8\nbatch global={8 * 1024} micro=1\n", "t.par")) is None
+def test_the_search_prices_schedules_of_any_length_parc_compiles():
+    """The search once dropped every schedule of more than 4096 slots (pp × virtual × micro-batches) unpriced,
+    so it was exact only below that. Now a long schedule is bounded or estimated like any other: with a budget
+    nothing can reach, 2 GPUs at global batch 2560 estimate schedules up to pp 2 × 2 virtual × 2560 = 10240
+    slots of every kind, each bound below its full estimate, and the default budget keeps the same winner."""
+    every = planner.search(GPT, gpus=2, preset="h100", global_batch=2560, precision="fp32", top=10 ** 9)
+    assert not any("slots" in (c.reason or "") for c in every.dropped)
+    long = [c for c in every.ranked
+            if c.plan.mesh.pp > 1 and c.plan.mesh.pp * c.plan.pipeline.virtual * c.plan.accumulation > 4096]
+    assert {c.plan.pipeline.schedule for c in long} == {"1f1b", "gpipe", "zb_h1", "interleaved_1f1b"}
+    assert max(c.plan.mesh.pp * c.plan.pipeline.virtual * c.plan.accumulation for c in long) == 10240
+    for c in long:
+        assert c.bound <= c.step * (1 + 1e-9), (c.describe(), c.bound, c.step)
+    one = planner.search(GPT, gpus=2, preset="h100", global_batch=2560, precision="fp32", top=1)
+    assert one.winner.plan == every.winner.plan and one.winner.step == every.winner.step
 
 
 def test_tp_rules_derived_from_the_model(tiny):

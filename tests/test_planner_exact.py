@@ -34,7 +34,9 @@ def test_winner_is_the_same_for_any_top_and_bounds_hold(gpus, batch):
 def test_bound_of_a_pipeline_counts_fill_and_drain():
     """pipeline_bound on hand-made stage costs: 1F1B over pp 2 with F 1, B 2 per stage and 4 micro-batches
     is at least the second rank's wait (F 1), its 4 × 3, then the first rank's last B (2): 15; ZB-H1 drops
-    the drain (13); interleaved falls back to compute alone."""
+    the drain (13). Interleaved over pp 2 with 2 virtual stages (a probe of 4 stages, rank 1 holding the
+    second and fourth): the same wait and drain around rank 1's 4 × (3 + 3): 27; a probe whose stages are
+    not pp × virtual falls back to compute alone."""
     from types import SimpleNamespace as NS
 
     probe = NS(stage_seconds=[(1.0, 2.0), (1.0, 2.0)], compute_seconds=3.0, optimizer_seconds=0.5,
@@ -47,6 +49,8 @@ def test_bound_of_a_pipeline_counts_fill_and_drain():
     assert planner.pipeline_bound(probe, plan("gpipe")) == 15.5
     assert planner.pipeline_bound(probe, plan("zb_h1")) == 13.5
     assert planner.pipeline_bound(probe, plan("interleaved_1f1b", 2)) == 12.5
+    four = NS(**{**vars(probe), "stage_seconds": [(1.0, 2.0)] * 4, "compute_seconds": 6.0})
+    assert planner.pipeline_bound(four, plan("interleaved_1f1b", 2)) == 27.5
 
 
 def test_bound_adds_the_probes_exposed_dp_but_not_under_measured_collectives():

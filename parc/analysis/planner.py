@@ -50,16 +50,12 @@ from parc.analysis.report import _size
 from parc.errors import ParcError
 from parc.grammar.plan import (CP_DEFAULT_ORDER, CP_METHODS, Batch, ContextParallel, Mesh, Pipeline, Plan, Recompute,
                                TensorParallel, Topology, TPRule, Zero)
-from parc.grammar.validate import MAX_SCHEDULE_SLOTS
 
 log = logging.getLogger(__name__)
 MICROS = (1, 2, 4, 8)            # micro-batch sizes tried (those dividing global / dp)
 VIRTUALS = (2, 3, 4)             # virtual stages per pp rank tried with interleaved 1F1B
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 KINDS_SHOWN = 12                 # kinds of reasons printed (--json has every dropped plan)
-SEARCH_SLOTS = 4096              # the largest schedule (pp × virtual × micro-batches) a candidate may have:
-                                 # each is timed slot by slot, several times a candidate (4096 slots of 1F1B:
-                                 # ~25 ms a timing, schedules.timing)
 
 
 # ---------------------------------------------------------------- tensor-parallel rules from the graph
@@ -305,6 +301,7 @@ class Candidate:
     reason: str | None = None          # why it was dropped; None while it competes
     bound: float = 0.0                 # lower bound on step seconds (pipelines)
     guess: float = 0.0                 # step seconds extrapolated from the probe (pipelines; for ordering)
+    probe: object = None               # the probe's cost.Estimate (pipelines): one micro-batch, its bound and memory
     est: object = None                 # cost.Estimate
     peak: float = 0.0                  # bytes on the fullest rank
 
@@ -513,17 +510,6 @@ def offload_variants(plans: list[Plan]) -> list[Plan]:
     return [replace(p, zero=replace(p.zero, offload="cpu")) for p in plans if p.zero.stage >= 1]
 
 
-def _too_long(plan: Plan) -> str | None:
-    """Why the search does not price `plan`'s schedule (parc would compile it), or None."""
-    if plan.mesh.pp == 1:
-        return None
-    slots = plan.mesh.pp * (plan.pipeline.virtual if plan.pipeline else 1) * plan.accumulation
-    if slots <= SEARCH_SLOTS:
-        return None
-    return (f"pipeline schedule of {slots} slots (pp × virtual × micro-batches) > {SEARCH_SLOTS}, the most the "
-            f"search simulates per candidate (parc compiles up to {MAX_SCHEDULE_SLOTS}: write such a plan by hand)")
-
-
 def _refusal(plan: Plan, traced) -> str | None:
     """What parc check / compile would refuse in `plan`, as one line; None if nothing."""
     from parc.analysis.review import review
@@ -636,7 +622,7 @@ class _Search:
                    p.zero)
             if key not in probes:
                 probes[key] = self._probe(c)
-            probe = probes[key]
+            c.probe = probe = probes[key]
             c.bound = pipeline_bound(probe, p)
             # 1F1B's step is the probe's (fill, drain, dp) plus a compute per further micro-batch (a ranking)
             c.guess = probe.step_seconds + probe.compute_seconds * (p.accumulation - 1)
@@ -658,7 +644,7 @@ class _Search:
                             f"{self.top}th best, {kth:.3g} s")
                 pruned.append(c)
                 continue
-            if not self._fits(c, self._probe(c)):  # fewer micro-batches in flight than at full size
+            if not self._fits(c, c.probe):  # fewer micro-batches in flight than at full size
                 continue
             c.est = self.estimate(c.plan, limit=self.hw.memory)
             log.debug("estimated %s: %.3g s, %.1f s CPU", c.describe(), c.step, time.process_time())
@@ -671,11 +657,13 @@ class _Search:
 def pipeline_bound(probe, plan: Plan) -> float:
     """A lower bound on `plan`'s step from its probe (one micro-batch, the same stages): the simulated
     makespan is at least, for any pp rank r, the forwards of the stages before r (its first micro-batch
-    arrives through them), then all of r's own work (acc × (F + B), one action at a time), then under
-    1F1B and GPipe the backwards of the stages before r (the last micro-batch's gradient leaves r last and
-    crosses them; ZB-H1 may run weight gradients after it: not counted). The optimizer step follows it
-    (the probe's, at one micro-batch: no more than at acc). P2P only adds. An interleaved plan's ranks hold
-    several stages: compute alone there (the busiest rank's).
+    arrives through them), then all of r's own work (acc × (F + B) of each stage it holds, one action at a
+    time), then under 1F1B, GPipe and interleaved 1F1B the backwards of the stages before r (r's last action
+    is a backward of its first stage: every action of a micro-batch on r comes before that micro-batch's
+    backward there, which then crosses the stages before r; ZB-H1 may run weight gradients after it: not
+    counted). The optimizer step follows it (the probe's, at one micro-batch: no more than at acc). P2P only
+    adds. An interleaved probe has one stage per virtual stage, pp × virtual of them: rank r holds stages
+    r, r + pp, ….
 
     The dp communication the step exposes after the makespan (`cost.estimate`'s `dp_exposed`) is added too,
     the probe's: it prices the same mesh, groups, parameters per rank and one micro-batch's backward as its
@@ -683,16 +671,17 @@ def pipeline_bound(probe, plan: Plan) -> float:
     ZeRO-2's per-micro-batch reduce-scatter is one of the plan's `acc` (`cost.zero_exposed`). Not where the
     probe differs from the plan (interleaved: one stage a rank) or a call's price depends on the compute
     between calls (a calibrated CPU's measured `collectives`)."""
-    acc, pp = plan.accumulation, plan.mesh.pp
+    acc, pp, virtual = plan.accumulation, plan.mesh.pp, plan.pipeline.virtual
     fb = probe.stage_seconds
-    if plan.pipeline.virtual > 1 or len(fb) != pp:
+    if len(fb) != pp * virtual:
         return probe.compute_seconds * acc + probe.optimizer_seconds
-    drain = plan.pipeline.schedule in ("1f1b", "gpipe")
+    drain = plan.pipeline.schedule in ("1f1b", "gpipe", "interleaved_1f1b")
     best, before_f, before_b = 0.0, 0.0, 0.0
-    for f, b in fb:
-        best = max(best, before_f + acc * (f + b) + (before_b if drain else 0.0))
-        before_f, before_b = before_f + f, before_b + b
-    dp = probe.dp_exposed_seconds if not probe.hw.collectives else 0.0
+    for r in range(pp):
+        own = sum(f + b for f, b in fb[r::pp])
+        best = max(best, before_f + acc * own + (before_b if drain else 0.0))
+        before_f, before_b = before_f + fb[r][0], before_b + fb[r][1]
+    dp = probe.dp_exposed_seconds if virtual == 1 and not probe.hw.collectives else 0.0
     return best + probe.optimizer_seconds + dp
 
 
@@ -730,7 +719,7 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | No
     log.info("%d plans built, %.1f s CPU", len(plans), time.process_time() - c0)
     cands = []
     for plan in plans:
-        c = Candidate(plan, _too_long(plan) or _refusal(plan, traced))
+        c = Candidate(plan, _refusal(plan, traced))
         (dropped if c.reason else cands).append(c)
     if not cands:
         why = sorted({c.reason for c in dropped})
