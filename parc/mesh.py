@@ -66,12 +66,18 @@ def groups(mesh: Mesh, axis: str) -> list[list[int]]:
     planner can ask for the groups of 16,384 ranks many times (decoding every rank's coordinates took
     0.15 s a call there).
     """
+    return [list(g) for g in iter_groups(mesh, axis)]
+
+
+def iter_groups(mesh: Mesh, axis: str):
+    """`groups`, one `range` at a time: for a caller that needs only some of them (the planner keeps one group
+    of each placement on the nodes and stops once it has seen every one)."""
     if axis not in AXES and not (axis == "cp" and "cp" in mesh.order):
         raise ValueError(f"unknown mesh axis {axis!r}")
     stride, size = _stride(mesh, axis), mesh.degree(axis)
     # the first ranks are those with `axis` coordinate 0: every block of stride × size ranks starts stride of them
-    return [list(range(r, r + stride * size, stride))
-            for block in range(0, mesh.world_size, stride * size) for r in range(block, block + stride)]
+    return (range(r, r + stride * size, stride)
+            for block in range(0, mesh.world_size, stride * size) for r in range(block, block + stride))
 
 
 def dp_cp_groups(mesh: Mesh) -> list[list[int]]:

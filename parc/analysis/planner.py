@@ -539,23 +539,27 @@ class _Search:
         from parc import mesh as meshlib
         key = (mesh.dp, mesh.pp, mesh.tp, mesh.cp, mesh.order)
         if key not in self.groups:  # the same for every candidate of one mesh shape
-            every = cp_cost.groups_of(mesh) if mesh.cp > 1 else {a: meshlib.groups(mesh, a) for a in ("dp", "pp", "tp")}
+            every = cp_cost.groups_of(mesh) if mesh.cp > 1 else \
+                {a: meshlib.iter_groups(mesh, a) for a in ("dp", "pp", "tp")}
             self.groups[key] = {a: self._distinct(g) for a, g in every.items()}
         return self.groups[key]
 
-    def _distinct(self, groups: list[list[int]]) -> list[list[int]]:
+    def _distinct(self, groups) -> list[list[int]]:
         """One group of each placement: groups whose ranks sit alike on their nodes (the same slots, the same
         node offsets from the first) cost the same, so the cost model need not walk all world / n of them.
-        Assumes the groups are translates of one another, as an axis's (and dp × cp's) are."""
+        Assumes the groups are translates of one another, as an axis's (and dp × cp's) are. `groups`: any
+        iterable of them, read only until every slot of a node has started one."""
         per, seen = self.hw.gpus_per_node, {}
         for g in groups:
             # the groups of an axis are translates of one another (parc/mesh.py `groups`): one whose first rank
             # has the same slot on its node as a group seen sits alike (its key would be the same)
             if g[0] % per not in seen:
                 seen[g[0] % per] = g
+                if len(seen) == per:   # no other slot is left to start a group
+                    break
         keys = {}
         for g in seen.values():
-            keys.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), g)
+            keys.setdefault(tuple((r // per - g[0] // per, r % per) for r in g), list(g))
         return list(keys.values())
 
     def estimate(self, plan: Plan, limit: float | None = None):
