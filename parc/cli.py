@@ -416,9 +416,11 @@ def parser() -> argparse.ArgumentParser:
                             "BACKWARD_PRE: under the current layer's gradients) or post (FSDP's BACKWARD_POST, "
                             "Composer's default: after them, so each backward gather is exposed)")
     other.add_argument("--cp-attention", choices=System.CP_ATTENTION, default="parc",
-                       help="context parallelism's attention: parc (the plan's ring or all-to-all, as parc runs it) "
-                            "or allgather (K and V all-gathered over cp at their kv heads, before GQA repeats them, "
-                            "and the local queries' attention computed; gradients reduce-scattered: Llama 3's)")
+                       help="context parallelism's attention: parc (the plan's ring or all-to-all, as parc runs it), "
+                            "allgather (K and V all-gathered over cp at their kv heads, before GQA repeats them, "
+                            "and the local queries' attention computed; gradients reduce-scattered: Llama 3's) "
+                            "or te-ring (Transformer Engine's ring, Megatron-core's and NeMo's: K/V blocks at their "
+                            "kv heads in the activations' dtype, each hop under the attention block beside it)")
     other.add_argument("--dp-wire", choices=tuple(System.WIRE),
                        help="dtype of gradients on the dp wire (default: the plan's precision layout)")
     other.add_argument("--nics", type=int, help="network links per node, each at the topology's inter= "

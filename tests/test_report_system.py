@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from parc import cli
-from parc.analysis import cost, report
+from parc.analysis import compute, cost, report
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZED = ROOT / "bench" / "gpt_sized.py"
@@ -348,6 +348,47 @@ def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_pat
     rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
                                                            "--preset", "h100", "--cp-attention", "allgather"]))
     assert any("has no context parallelism" in n for n in rep["notes"])
+
+
+def test_cp_attention_te_ring_sends_kv_heads_under_the_attention(tmp_path, monkeypatch):
+    """`--cp-attention te-ring` (Transformer Engine's ring, cp_comm_type "p2p": Megatron-core's and NeMo's): parc's
+    ring's hops and blocks, but of the kv heads before GQA repeats them and in the activations' dtype (bf16), so the
+    tiny Llama's ring (repeat 4) sends 1 / (4 × 2) of parc's bytes; and each hop runs under the attention block
+    beside it, so the step waits only for what the hops outlast: at T 64 the hops' fixed costs outlast the tiny
+    blocks, at T 4096 the blocks (quadratic) hide them whole."""
+    from parc.analysis import cp_cost
+    from parc.grammar.parser import parse
+
+    monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")   # layers, dim, heads, kv heads, ffn, vocab, T
+    plan = tmp_path / "cp.par"
+    plan.write_text("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
+    llama = ROOT / "bench" / "llama_sized.py"
+
+    def cp_row(*flags):
+        rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
+                                                               "--preset", "h100", *flags]))
+        (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "cp"]
+        return row, rep
+
+    te, rep = cp_row("--cp-attention", "te-ring")
+    ring, parcs = cp_row()
+    assert te["collective"] == ring["collective"] == "send/recv"
+    assert ring["bytes_per_rank"] / te["bytes_per_rank"] == pytest.approx(4 * 2)   # the repeat, fp32 / bf16
+    assert any("cp attention te-ring" in n for n in rep["notes"])
+    assert parcs["communication"]["exposed_parts"]["cp"] == pytest.approx(ring["seconds"])   # parc's: all waited
+
+    # the exposure rule on hand-made statistics: one causal attention row (b·h 8, T, head size 32, kv repeat 4),
+    # 2 micro-batches over cp 2 on one node; the hops' seconds less half the rank's attention (cp − 1 of cp blocks)
+    hw = cost.hardware("h100")
+    p = parse("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
+    for t, hidden in ((64, False), (4096, True)):
+        stats = {"stages": [{"ops": {"attn": [[8, t, 32, True, 0, False, 4, 1]]}}]}
+        local = cp_cost.local_stats(stats, 2)
+        rows, waited = cp_cost.comms(p, stats, hw, "ring", [[0, 1]], system="te-ring", local=local)
+        f, b = compute.stage_seconds({"attn": local["stages"][0]["ops"]["attn"]}, hw, "bf16", 1)
+        assert rows[0].bytes == pytest.approx((2 + 4) * 8 * (t / 2) * 32 * 2 / 4 * 2)   # 6 blocks, bf16, 2 micro
+        assert waited == pytest.approx(max(0.0, rows[0].seconds - 2 * (f + b) / 2))
+        assert (waited == 0.0) == hidden
 
 
 def test_kv_repeat_finds_gqas_heads_before_their_repetition(monkeypatch):

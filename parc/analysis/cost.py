@@ -149,7 +149,7 @@ class System:
     tp_overlap: str = "none"
 
     ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
-    CP_ATTENTION = ("parc", "allgather")
+    CP_ATTENTION = ("parc", "allgather", "te-ring")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
     ZERO_PREFETCH = ("pre", "post")
@@ -163,13 +163,13 @@ class System:
         return replace(hw, nics_per_node=self.nics) if self.nics else hw
 
     def estimate_options(self) -> dict:
-        """The keyword arguments of `cp_cost.estimate_plan` that price this system (`cp_allgather` is its own;
+        """The keyword arguments of `cp_cost.estimate_plan` that price this system (`cp_attention` is its own;
         the rest it passes to `estimate`)."""
         return dict(attention=self.attention if self.attention.startswith("flash") else "materialized",
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
                     dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine,
-                    zero_backward_prefetch=self.zero_prefetch == "pre", cp_allgather=self.cp_attention == "allgather",
+                    zero_backward_prefetch=self.zero_prefetch == "pre", cp_attention=self.cp_attention,
                     tp_overlap=self.tp_overlap)
 
     def notes(self) -> list[str]:
@@ -524,10 +524,11 @@ def _placement(groups: list[list[int]], per_node: int) -> tuple[float, int]:
     return held[1]
 
 
-def on_step(est: "Estimate", comms: list[Comm], part: str) -> "Estimate":
-    """`est` with `comms` charged to the step, not overlapped: their rows added, their seconds added to the
-    step and to `part` (the Estimate field counting that communication), the MFU that of the longer step."""
-    seconds = sum(c.seconds for c in comms)
+def on_step(est: "Estimate", comms: list[Comm], part: str, exposed: float | None = None) -> "Estimate":
+    """`est` with `comms` charged to the step, not overlapped: their rows added, their seconds (or the `exposed`
+    seconds of them the step waits for) added to the step and to `part` (the Estimate field counting that
+    communication), the MFU that of the longer step."""
+    seconds = sum(c.seconds for c in comms) if exposed is None else exposed
     step = est.step_seconds + seconds
     return replace(est, comms=[*est.comms, *comms], step_seconds=step, **{part: getattr(est, part) + seconds},
                    mfu=est.mfu * est.step_seconds / step if step else 0.0)

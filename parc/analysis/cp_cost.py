@@ -25,9 +25,16 @@ plus the cp traffic itself (`comms`), per rank per step, each attention of each 
                gathered again and dK, dV reduce-scattered, each (cp−1)/cp of a whole sequence's K (or V) of the
                rank's kv heads, b·h·T·hs / kv repeat (GQA's heads before their repetition, compute.kv_repeat),
                in the activations' dtype
+  te-ring:     another system's ring (`parc report --cp-attention te-ring`: Transformer Engine's context
+               parallelism with cp_comm_type "p2p", Megatron-core's and NeMo's default): the ring's hops and
+               blocks, of the kv heads before GQA repeats them, in the activations' dtype, each hop posted
+               before the block beside it computes
 
 charged to the step, not overlapped: exact for the backward ring and the all-to-alls (they wait), an upper
-bound for the forward ring, whose next hop is posted before the block computes.
+bound for the forward ring, whose next hop is posted before the block computes. te-ring's hops are charged
+only where they outlast the attention they run under: cp − 1 of every cp blocks of the rank's attention,
+forward and backward (recomputed forwards included), pooled over the step (exact when hops and blocks are
+alike).
 """
 
 from __future__ import annotations
@@ -75,14 +82,16 @@ def _stage(d: dict, cp: int) -> dict:
     return out
 
 
-def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None,
-          allgather: bool = False) -> list[cost.Comm]:
-    """The cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic,
-    from the serial statistics: with virtual stages a pp rank runs the chunks i ≡ its rank (mod pp). `groups`:
-    the cp groups to price over (the planner passes one of each placement), else every cp group of the mesh.
-    `allgather`: price another system's all-gather context parallelism instead of the plan's method."""
+def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None, system: str = "parc",
+          local: dict | None = None, attention: str = "flash") -> tuple[list[cost.Comm], float]:
+    """(the cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic, the
+    seconds of them the step waits for), from the serial statistics: with virtual stages a pp rank runs the
+    chunks i ≡ its rank (mod pp). `groups`: the cp groups to price over (the planner passes one of each
+    placement), else every cp group of the mesh. `system`: "parc" (the plan's method), or another system's
+    context parallelism, "allgather" or "te-ring"; te-ring's hops hide under that rank's attention in `local`
+    (one cp rank's statistics), timed with the `attention` kernel."""
     m, cp = plan.mesh, plan.mesh.cp
-    ring = plan.context_parallel.method == "ring" and not allgather
+    ring = plan.context_parallel.method == "ring" if system == "parc" else system == "te-ring"
     act_b = 4 if plan.precision == "fp32" else 2
     acc = plan.accumulation
     per_stage = []
@@ -91,31 +100,45 @@ def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None 
         for bh, t, hs, causal, split, rec, repeat, count in compute.attn_rows(d.get("ops") or {}):
             block = bh / (m.tp if split and m.tp > 1 else 1) * (t / cp) * hs  # elements of one local K (or V)
             again = 2 if rec else 1  # a recomputed layer runs its forward communication again
-            if allgather:  # the whole sequence's K and V of the rank's kv heads: forward 2, backward 2 + 2
+            if system == "allgather":  # the whole sequence's K and V of the rank's kv heads: forward 2, backward 2 + 2
                 volume += count * acc * (2 * again + 4) * block * cp / repeat * act_b
                 calls += count * acc * (2 * again + 4)
-            elif ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 (K, V and the dK, dV sums); fp32
-                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4) * block * RING_BYTES
+            elif ring:  # forward (cp−1)·2 blocks; backward (cp−1)·4 (K, V and the dK, dV sums): parc's of the
+                # repeated heads in fp32, Transformer Engine's of the kv heads in the activations' dtype
+                size = RING_BYTES if system == "parc" else act_b / repeat
+                volume += count * acc * ((cp - 1) * 2 * again + (cp - 1) * 4) * block * size
                 calls += count * acc * (cp - 1) * (again + 1)
             else:  # 4 all-to-alls forward, 7 backward, each sending (cp−1)/cp of a block
                 volume += count * acc * (4 * again + 7) * block * act_b
                 calls += count * acc * (4 * again + 7)
         per_stage.append((volume, calls))
-    per_rank = [(sum(v for v, _ in per_stage[r::m.pp]), sum(c for _, c in per_stage[r::m.pp]))
+    per_rank = [(sum(v for v, _ in per_stage[r::m.pp]), sum(c for _, c in per_stage[r::m.pp]), r)
                 for r in range(min(m.pp, len(per_stage)))]
-    volume, calls = max(per_rank, default=(0.0, 0))
+    volume, calls, busiest = max(per_rank, default=(0.0, 0, 0))
     if not calls:
-        return []
+        return [], 0.0
     groups = groups or meshlib.groups(m, "cp")
-    if allgather:  # `volume` the gathered sizes: the collective prices their (cp−1)/cp
-        return [cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce,
+    if system == "allgather":  # `volume` the gathered sizes: the collective prices their (cp−1)/cp
+        rows = [cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce,
                                  latency_steps=calls * (cp - 1), calls=calls)]
-    if ring:
-        return [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
+    elif ring:
+        rows = [cost._collective("cp", "send/recv", 2, volume, groups, hw, allreduce, latency_steps=calls,
                                  calls=calls)]
-    row = cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce, latency_steps=calls * (cp - 1),
-                           calls=calls)  # all-gather's (cp−1)/cp of the volume: what an all-to-all sends
-    return [replace(row, collective="all-to-all")]
+    else:
+        row = cost._collective("cp", "all-gather", cp, volume, groups, hw, allreduce, latency_steps=calls * (cp - 1),
+                               calls=calls)  # all-gather's (cp−1)/cp of the volume: what an all-to-all sends
+        rows = [replace(row, collective="all-to-all")]
+    waited = sum(r.seconds for r in rows)
+    if system == "te-ring" and local is not None:
+        dtype = "fp32" if plan.precision == "fp32" else "bf16"
+        under = 0.0   # the busiest rank's attention a step, forward and backward, cp − 1 of every cp blocks
+        for d in local["stages"][busiest::m.pp]:
+            if compute.has_model(hw, d):
+                f, b = compute.stage_seconds({"attn": (d.get("ops") or {}).get("attn", ())}, hw, dtype, m.tp,
+                                             attention)
+                under += acc * (f + b) * (cp - 1) / cp
+        waited = max(0.0, waited - under)
+    return rows, waited
 
 
 def groups_of(mesh) -> dict[str, list[list[int]]]:
@@ -124,7 +147,7 @@ def groups_of(mesh) -> dict[str, list[list[int]]]:
             "cp": meshlib.groups(mesh, "cp")}
 
 
-def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, cp_allgather: bool = False,
+def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, cp_attention: str = "parc",
                   **options) -> cost.Estimate:
     """The cost model's estimate of any plan from the serial model's statistics: a cp plan's through `estimate`
     (each rank on T/cp tokens), another's through `cost.estimate`; without `params_per_rank` (an artifact's),
@@ -134,12 +157,12 @@ def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_
         params_per_rank = experts.params_per_rank(stats["experts"], plan.mesh.ep)
     if plan.mesh.cp > 1:
         return estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank,
-                        cp_allgather=cp_allgather, **options)
+                        cp_attention=cp_attention, **options)
     return cost.estimate(plan, stats, hw, allreduce=allreduce, params_per_rank=params_per_rank, **options)
 
 
 def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, groups: dict | None = None,
-             local: dict | None = None, cp_allgather: bool = False, **options) -> cost.Estimate:
+             local: dict | None = None, cp_attention: str = "parc", **options) -> cost.Estimate:
     """The cost model's estimate of a cp plan (module docstring): the dp × cp pricing, the cp rows on the step.
     `groups`: `groups_of(plan.mesh)`, or one group of each placement of them (a planner's). `local`:
     `local_stats(stats, cp)` when the caller keeps it (a planner's, so that its memo sees the same dicts).
@@ -152,18 +175,24 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
     if math.isinf(est.step_seconds):   # over `memory_limit`: memory only, nothing timed
         return est
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
-    rows = comms(plan, stats, hw, allreduce, groups["cp"], allgather=cp_allgather)
-    est = cost.on_step(est, rows, "cp_seconds") if rows else est
-    ring = plan.context_parallel.method == "ring" and not cp_allgather
-    method = "all-gather, another system's" if cp_allgather else plan.context_parallel.method
+    rows, waited = comms(plan, stats, hw, allreduce, groups["cp"], system=cp_attention, local=local,
+                         attention=options.get("attention", "flash"))
+    est = cost.on_step(est, rows, "cp_seconds", exposed=waited) if rows else est
+    ring = plan.context_parallel.method == "ring" and cp_attention == "parc"
+    method = {"allgather": "all-gather, another system's", "te-ring": "Transformer Engine's ring, another system's"
+              }.get(cp_attention, plan.context_parallel.method)
     est.notes.append(
         f"context parallelism cp {m.cp} ({method}): each rank computes and keeps the "
         f"activations of T/{m.cp} tokens of every sample; gradients reduce over dp {m.dp} × cp {m.cp} = "
         f"{m.dp * m.cp} ranks (ZeRO shards over them); "
         + ("K and V all-gathered per attention forward, gathered again and their gradients reduce-scattered "
-           "backward, at their kv heads (before GQA's repetition)" if cp_allgather else
-           "the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward, fp32)"
-           if ring else "4 all-to-alls per attention forward and 7 backward")
-        + " are charged to the step, not overlapped"
-        + (" (an upper bound for the forward ring, whose hops are posted before each block computes)" if ring else ""))
+           "backward, at their kv heads (before GQA's repetition), are charged to the step, not overlapped"
+           if cp_attention == "allgather" else
+           "the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward) at their kv heads "
+           "(before GQA's repetition) in the activations' dtype run under the attention's blocks (cp−1 of every "
+           "cp); what they outlast is charged to the step" if cp_attention == "te-ring" else
+           "the ring's K/V blocks ((cp−1) hops forward, (cp−1) hops of K/V and dK/dV backward, fp32) are charged to "
+           "the step, not overlapped (an upper bound for the forward ring, whose hops are posted before each block "
+           "computes)" if ring else "4 all-to-alls per attention forward and 7 backward are charged to the step, "
+           "not overlapped"))
     return est
