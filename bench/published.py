@@ -620,6 +620,33 @@ ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpu
          for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))]
 
 
+# The same repository's Llama 3.1 recipes, NeMo on H100s in BF16 (llama3.1/README_8b.md, README_70b.md and
+# README_405b.md at 0b71cfda5: each table's "Training step time (seconds per step)"; tokens/s per GPU = 8192 ×
+# global batch / step / GPUs). The run's config: llama3.1/llama3.1_{8b,70b,405b}.yaml at 0b71cfda5 with
+# configure.sh's overrides there (the global batch scaled with the GPUs: 128 per 8 GPUs on the 8B, 128 per 64 on the
+# 70B, 252 per 576 on the 405B): Megatron-core's Llama on Transformer Engine (`mcore_gpt`, rmsnorm: TE's fused
+# kernel, `fused_norm`; swiglu, rope, no biases, the output layer untied), sequence 8192, micro-batch 1, no activation
+# checkpointing, tp × pp × cp as the tables' headers state them (8B: 1 × 1 × 2; 70B: 4 × 4 × 2 with 5 virtual
+# stages; 405B: 8 × 9 × 2 with 7), `sequence_parallel: true`, `ub_tp_comm_overlap: true` (`--tp-overlap gemm`),
+# `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (parc's ZeRO-1,
+# `--dp-wire bf16`), context parallelism by Transformer Engine's ring of K/V exchanges (the cp_comm_type it defaults
+# to, p2p: `--cp-attention te-ring`), NVTE_FUSED_ATTN=1 (cuDNN's fused attention: parc's flash), no dropout. The 405B
+# table's runs on 32, 96 and 192 GPUs cut the model to 7, 21 and 42 layers: not this model, so not rows. What the
+# model here prices differently from Transformer Engine's: its rotary and SwiGLU products are separate memory-bound
+# ops (TE fuses them), and its memory keeps fp32 gradient accumulators and SP's gathered layer inputs (NeMo's
+# bucket keeps bf16 gradients; Megatron gathers the input again in the backward): docs/cost-model.md (c).
+NEMO_LLAMA31 = "NVIDIA DGXC benchmarks: NeMo Llama 3.1 (H100)"
+FLAGS[NEMO_LLAMA31] = (1, FLAGS[NEMO_175B][1] + ["--cp-attention", "te-ring"], "")
+ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, batch * gpus // per, 1,
+             8192 * (batch * gpus // per) / step / gpus, "tokens/s", "h100", "", fused_norm=True, virtual=virtual,
+             sp=tp > 1, cp=2)
+         for size, shape, tp, pp, virtual, batch, per, steps in [
+             ("8B", LLAMA3_8B, 1, 1, 1, 128, 8, ((8, 12.78), (16, 12.99), (32, 13.00), (64, 13.00), (128, 13.16))),
+             ("70B", LLAMA3_70B, 4, 4, 5, 128, 64, ((64, 14.61), (128, 14.70), (256, 14.72), (512, 14.80),
+                                                    (1024, 14.86), (2048, 14.84))),
+             ("405B", LLAMA3_405B, 8, 9, 7, 252, 576, ((576, 17.50), (1152, 17.60), (2304, 17.70)))]
+         for gpus, step in steps]
+
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
     if row.recompute == SELECTIVE:
