@@ -316,12 +316,9 @@ def test_korthikantis_selective_rows_recompute_the_attentions_core_and_nothing_e
     assert again[full] == layers * (24 * b * s * h * h + 4 * b * s * s * h + 8 * b * s * h)
 
 
-def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_path, monkeypatch):
-    """`--cp-attention allgather` (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2): per attention and
-    micro-batch, K and V all-gathered forward, gathered again and dK, dV reduce-scattered backward, each the whole
-    sequence of the rank's kv heads, before GQA repeats them to the query heads (compute.kv_repeat), in bf16; parc's
-    ring sends the repeated heads' blocks in fp32. A tiny Llama with 8 query heads on 2 kv heads (repeat 4), cp 2,
-    2 micro-batches: the gathered sizes by hand, and the ring's by its own rule."""
+def _tiny_llama_cp(tmp_path, monkeypatch):
+    """A tiny Llama with 8 query heads on 2 kv heads (repeat 4), T 64, on cp 2 with 2 micro-batches: (its plan file,
+    `cp_row(*flags)`: its report's cp row and the report)."""
     monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")   # layers, dim, heads, kv heads, ffn, vocab, T
     plan = tmp_path / "cp.par"
     plan.write_text("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
@@ -332,6 +329,17 @@ def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_pat
                                                                "--preset", "h100", *flags]))
         (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "cp"]
         return row, rep
+
+    return plan, cp_row
+
+
+def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_path, monkeypatch):
+    """`--cp-attention allgather` (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2): per attention and
+    micro-batch, K and V all-gathered forward, gathered again and dK, dV reduce-scattered backward, each the whole
+    sequence of the rank's kv heads, before GQA repeats them to the query heads (compute.kv_repeat), in bf16; parc's
+    ring sends the repeated heads' blocks in fp32. A tiny Llama with 8 query heads on 2 kv heads (repeat 4), cp 2,
+    2 micro-batches: the gathered sizes by hand, and the ring's by its own rule."""
+    plan, cp_row = _tiny_llama_cp(tmp_path, monkeypatch)
 
     gathered, rep = cp_row("--cp-attention", "allgather")
     kv = 1 * 2 * 64 * 32 * 2              # one sample's K of 2 kv heads × T 64 × head size 32, bf16: 8 KiB
@@ -345,8 +353,9 @@ def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_pat
     assert ring["bytes_per_rank"] / gathered["bytes_per_rank"] == pytest.approx(4 * 2)   # the repeat, fp32 / bf16
     # no cp: the flag changes nothing, and says so
     plan.write_text("mesh dp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
-    rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
-                                                           "--preset", "h100", "--cp-attention", "allgather"]))
+    rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(ROOT / "bench" / "llama_sized.py"),
+                                                           "--plan", str(plan), "--preset", "h100",
+                                                           "--cp-attention", "allgather"]))
     assert any("has no context parallelism" in n for n in rep["notes"])
 
 
@@ -359,16 +368,7 @@ def test_cp_attention_te_ring_sends_kv_heads_under_the_attention(tmp_path, monke
     from parc.analysis import cp_cost
     from parc.grammar.parser import parse
 
-    monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")   # layers, dim, heads, kv heads, ffn, vocab, T
-    plan = tmp_path / "cp.par"
-    plan.write_text("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
-    llama = ROOT / "bench" / "llama_sized.py"
-
-    def cp_row(*flags):
-        rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
-                                                               "--preset", "h100", *flags]))
-        (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "cp"]
-        return row, rep
+    plan, cp_row = _tiny_llama_cp(tmp_path, monkeypatch)
 
     te, rep = cp_row("--cp-attention", "te-ring")
     ring, parcs = cp_row()
