@@ -647,6 +647,7 @@ ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, ba
              ("405B", LLAMA3_405B, 8, 9, 7, 252, 576, ((576, 17.50), (1152, 17.60), (2304, 17.70)))]
          for gpus, step in steps]
 
+
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
     if row.recompute == SELECTIVE:
