@@ -141,10 +141,11 @@ def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None 
     return rows, waited
 
 
-def groups_of(mesh) -> dict[str, list[list[int]]]:
-    """The groups a cp plan is priced over: "dp" the dp × cp ranks that reduce gradients together, "cp" the rings."""
-    return {"dp": meshlib.dp_cp_groups(mesh), "pp": meshlib.groups(mesh, "pp"), "tp": meshlib.groups(mesh, "tp"),
-            "cp": meshlib.groups(mesh, "cp")}
+def groups_of(mesh, lazily: bool = False) -> dict[str, list[list[int]]]:
+    """The groups a cp plan is priced over: "dp" the dp × cp ranks that reduce gradients together, "cp" the rings.
+    `lazily`: each mesh axis's as `meshlib.iter_groups` yields them (for a caller that keeps a few)."""
+    axis = meshlib.iter_groups if lazily else meshlib.groups
+    return {"dp": meshlib.dp_cp_groups(mesh), **{a: axis(mesh, a) for a in ("pp", "tp", "cp")}}
 
 
 def estimate_plan(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=None, cp_attention: str = "parc",

@@ -539,7 +539,7 @@ class _Search:
         from parc import mesh as meshlib
         key = (mesh.dp, mesh.pp, mesh.tp, mesh.cp, mesh.order)
         if key not in self.groups:  # the same for every candidate of one mesh shape
-            every = cp_cost.groups_of(mesh) if mesh.cp > 1 else \
+            every = cp_cost.groups_of(mesh, lazily=True) if mesh.cp > 1 else \
                 {a: meshlib.iter_groups(mesh, a) for a in ("dp", "pp", "tp")}
             self.groups[key] = {a: self._distinct(g) for a, g in every.items()}
         return self.groups[key]
