@@ -42,10 +42,13 @@ def test_mask_of_each_token_is_the_serial_one():
             assert torch.equal(got, whole[:, pos, 4:]), (cp, r)
 
 
-# fp32 as tests/test_cp_compositions.py (1e-5 / 1e-4, its reasons): the masks are the serial ones, so dropout
-# changes nothing in how the numbers are added. A token keyed by its local index instead of its global one
-# drops other elements: losses then differ by ~1e-2 from the first step.
-LOSS_TOL = 1e-5
+# fp32 as tests/test_cp_compositions.py (its reasons), with the losses held to 1e-4 as the parameters are: the
+# masks are the serial ones, so dropout changes nothing in how the numbers are added, but the ring's blocks add
+# the attention in another order and Adam at lr 1e-2 magnifies that through the steps. Measured on an AMD EPYC
+# host (dp 2 × cp 2 ring): the losses differ by 8.6e-8 at step 1, 3.5e-6 at step 2, 1.25e-5 at step 3 (dp 2
+# alone: 1.5e-6 at step 3), past the 1e-5 this file held until that host ran it. A token keyed by its local index
+# instead of its global one drops other elements: losses then differ by ~1e-2 from the first step.
+LOSS_TOL = 1e-4
 PARAM_TOL = 1e-4
 
 
