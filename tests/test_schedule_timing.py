@@ -71,3 +71,24 @@ def test_a_schedule_that_cannot_run_is_refused():
 def test_deepspeeds_peak_in_flight_read_off_its_order(pp, m):
     schedule = deepspeed_train(pp, m)
     assert peak_of(schedule) == simulate(schedule, p2p="blocking", send_waits=True).peak_inflight
+
+
+def test_the_memo_keeps_large_schedules_up_to_its_budget_and_their_timings_by_key(monkeypatch):
+    """Schedules over KEPT_SLOTS are kept up to LARGE_SLOTS slots in all, least recently asked for dropped first; a
+    dropped one is built again when asked for, and its timing is still the memoized one (keyed by what built it),
+    equal to timing the schedule afresh."""
+    from parc.analysis import schedules
+
+    monkeypatch.setattr(schedules, "KEPT_SLOTS", 16)
+    monkeypatch.setattr(schedules, "LARGE_SLOTS", 40)
+    memo = Schedules()
+    small = memo.build("1f1b", 2, 8)                      # 16 slots: kept for good
+    a = memo.build("1f1b", 2, 12)                         # 24 slots: large, kept
+    first = memo.simulate(a, cost_f=1.0, cost_b=2.0)
+    b = memo.build("1f1b", 4, 5)                          # 20 more: 44 > 40, so `a` (the older) is dropped
+    assert list(memo.large) == [memo.key_of[id(b)]] and memo.large_slots == 20
+    assert memo.build("1f1b", 2, 8) is small and memo.build("1f1b", 4, 5) is b
+    again = memo.build("1f1b", 2, 12)                     # built again: a new object, the same schedule
+    assert again is not a and again.actions == a.actions
+    assert memo.simulate(again, cost_f=1.0, cost_b=2.0) is first   # the memoized timing, by its build key
+    assert first.makespan == timing(build_schedule("1f1b", 2, 12), cost_f=1.0, cost_b=2.0).makespan

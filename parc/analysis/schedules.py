@@ -6,8 +6,18 @@ Candidates of a search that differ only in what the pipeline does not see (ZeRO 
 same shape) ask for the same schedules and timings; one `Schedules` passed to every `estimate` of the
 search (`estimate(..., schedules=memo)`) builds each once and times it once per set of costs. Schedules
 are pure functions of their arguments, so sharing them changes no result.
+
+Schedules of more than `KEPT_SLOTS` slots are kept up to `LARGE_SLOTS` slots in all, the least recently
+asked for dropped first (a search may build hundreds of 10^4–10^5 slots); a dropped one is rebuilt when asked
+for again, and its timings stay memoized by what built it.
 """
 from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+KEPT_SLOTS = 4096        # pp × virtual × micro-batches: a schedule of more is large
+LARGE_SLOTS = 1 << 18    # the slots of the large schedules kept at once
 
 
 def _frozen(v):
@@ -25,6 +35,9 @@ class Schedules:
 
     def __init__(self):
         self.built: dict = {}
+        self.large: OrderedDict = OrderedDict()   # build key → (slots, a schedule over KEPT_SLOTS), oldest first
+        self.large_slots = 0
+        self.key_of: dict = {}   # id of a schedule built here → its build key (dropped when it is freed)
         self.ran: dict = {}
         # (ids of a stage's statistics and the hardware, dtype, tp, attention) → (the statistics, the hardware,
         # their (forward, backward) seconds from parc.analysis.compute): held with both, so their ids name them
@@ -35,19 +48,35 @@ class Schedules:
 
         # costs place an order by their rounded instants: one schedule for every set of costs with the same
         key = (name, pp, acc, virtual, _frozen({**kwargs, "order_costs": order_instants(kwargs.get("order_costs"))}))
-        if key not in self.built:
-            self.built[key] = build_schedule(name, pp, acc, virtual, **kwargs)
-        return self.built[key]
+        held = self.built.get(key)
+        if held is None and key in self.large:
+            self.large.move_to_end(key)
+            held = self.large[key][1]
+        if held is None:
+            held = build_schedule(name, pp, acc, virtual, **kwargs)
+            slots = pp * virtual * acc
+            if slots <= KEPT_SLOTS:
+                self.built[key] = held
+            else:
+                self.large[key] = (slots, held)
+                self.large_slots += slots
+                while self.large_slots > LARGE_SLOTS and len(self.large) > 1:
+                    self.large_slots -= self.large.popitem(last=False)[1][0]
+            self.key_of[id(held)] = key
+            weakref.finalize(held, self.key_of.pop, id(held), None)
+        return held
 
     def simulate(self, schedule, **kwargs):
         """`parc.passes.simulate.simulate`'s timing of `schedule` (batched P2P, eager sends: the executor's):
-        `timing` when only costs are given, the checking simulator otherwise."""
+        `timing` when only costs are given, the checking simulator otherwise. Memoized by the schedule's build
+        key, or for one built elsewhere by its id (held, which keeps the id unique)."""
         from parc.passes.simulate import simulate
 
-        key = (id(schedule), _frozen(kwargs))
+        built = self.key_of.get(id(schedule))
+        key = (built if built is not None else id(schedule), _frozen(kwargs))
         if key not in self.ran:
             run = timing if set(kwargs) <= COSTS else simulate
-            self.ran[key] = (schedule, run(schedule, **kwargs))  # holding it keeps its id unique
+            self.ran[key] = (None if built is not None else schedule, run(schedule, **kwargs))
         return self.ran[key][1]
 
 
