@@ -22,6 +22,7 @@ from the two sizes. The backward is timed as `Tensor.backward`, patched in that 
 
 from __future__ import annotations
 
+import queue
 import statistics
 import time
 from pathlib import Path
@@ -99,7 +100,17 @@ def measure(root: Path, runs: tuple[int, int, int] = RUNS) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_worker, args=(free_port(), str(root), q, runs))
     p.start()
-    result = q.get(timeout=600)
+    deadline = time.monotonic() + 600
+    while True:   # a worker that dies before it reports is said at once, not after the whole wait
+        try:
+            result = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"calibrate's step probe died (exit code {p.exitcode}) before it reported") from None
+            if time.monotonic() > deadline:
+                p.kill()
+                raise RuntimeError("calibrate's step probe reported nothing in 600 s") from None
     p.join()
     return result
 
