@@ -6,7 +6,10 @@ are still alive when it ends, because autograd saved them for backward or the
 pipeline holds them to send and to backpropagate through. While tracking, a
 dispatch mode keeps a weak reference to every tensor an op returns, and a
 saved-tensor hook keeps one to every tensor autograd saves (a custom op may save
-a tensor it made internally, which the dispatch mode does not see). `sample()`
+a tensor it made internally, which the dispatch mode does not see). The hook only
+watches (runtime/saved.py): where ZeRO-3 or sequence parallelism replaces a saved
+tensor by a reference that makes it again in backward, the tensor itself dies and
+is not counted; what the reference keeps (sequence parallelism's slice) is. `sample()`
 sums the distinct storages still alive, leaving out the rank's state (weights,
 gradients, optimizer) and the step's batch (a micro-batch is a slice of it, so
 a target that the loss saves would keep the whole batch alive). A weak reference dies exactly when the tensor is freed:
@@ -39,6 +42,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from parc.runtime import saved
 
 
 def storage_bytes(tensors, exclude: frozenset[int] = frozenset()) -> int:
@@ -77,16 +82,14 @@ class ActivationProbe(TorchDispatchMode):
                                        if isinstance(t, torch.Tensor)]
         return out
 
-    def _saved(self, t: torch.Tensor) -> torch.Tensor:
+    def saw(self, t: torch.Tensor) -> None:  # runtime/saved.py: what autograd saves, before any part claims it
         self._refs.append(weakref.ref(t))
         self._saved_refs.append(weakref.ref(t))
-        return t
 
     @contextlib.contextmanager
     def tracking(self):
         """Around one forward: track what it creates and what autograd saves."""
-        with torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t), \
-                contextlib.nullcontext() if self._saved_only else self:
+        with saved.hooks(self), contextlib.nullcontext() if self._saved_only else self:
             yield
 
     def sample(self, outputs=()) -> int:

@@ -33,7 +33,7 @@ from parc.runtime.parallel.zero import ZeroOptimizer, shard_ranks
 from parc.runtime.checkpoint.state import load_state, unshard
 from parc.runtime.checkpoint.init_shards import own_init
 from parc.runtime import compiled, dropout, loss_scale, precision
-from parc.runtime.parallel import grad_norm, ops, tensor_parallel
+from parc.runtime.parallel import grad_norm, ops, sequence_regather, tensor_parallel
 from parc.runtime import data, param_groups, schedule_lr
 from parc.runtime.parallel import expert_parallel
 from parc.runtime.checkpoint import weights as pretrained
@@ -194,6 +194,9 @@ class Trainer:
         self.data = data.source_for(user, self.entry["inputs"], self.global_batch, seed, None)
         torch.manual_seed(seed + 1 + ctx.coord["dp"] * ctx.degree["pp"] + ctx.coord["pp"])  # same on a tp group (docs/tensor-parallel.md "Dropout")
         self.probe: ActivationProbe | None = None  # set to measure activations (runtime/memory.py)
+        # an eager program keeps sequence parallelism's slices, not its gathered inputs (runtime/parallel/
+        # sequence_regather.py); a compiled one's graph keeps what it saves
+        self.regather = sequence_regather.Regather() if mode == "none" and ctx.degree.get("tp", 1) > 1 else None
         self.pipeline = None
         self.tied: list[tuple[str, object]] = []  # (placeholder name, group of the pp ranks holding it)
         self.tied_elsewhere: set[str] = set()     # tied copies another pp rank counts in the grad norm
@@ -263,6 +266,14 @@ class Trainer:
                       for t in batch)
                 for k in range(self.accumulation)]
 
+    @contextlib.contextmanager
+    def saving(self):
+        """Around one forward: what autograd saves (runtime/saved.py), sequence parallelism's gathered inputs
+        replaced by their slices, and the memory probe's watch when one is measuring."""
+        with self.regather.forward() if self.regather else contextlib.nullcontext(), \
+                self.probe.tracking() if self.probe else contextlib.nullcontext():
+            yield
+
     def dropout_key(self, k: int):
         """Key the dropouts of this rank's micro-batch `k` of the current step by its first global sample."""
         first = self.ctx.coord["dp"] * (self.global_batch // self.ctx.degree["dp"]) + k * self.micro
@@ -295,7 +306,7 @@ class Trainer:
                 for k, mb in enumerate(micro_batches):
                     self.buckets.start_micro_batch(sync=k == len(micro_batches) - 1)
                     with self.dropout_key(k):  # forward and backward: a recomputed region redraws its masks
-                        with self.probe.tracking() if self.probe else contextlib.nullcontext():
+                        with self.saving():
                             (loss,) = self.forward(*self.state, *mb)
                         if self.probe:
                             self.probe.sample([loss])

@@ -132,7 +132,7 @@ CASES = {
     "tp2_sp_aot_eager": "mesh tp=2\nbatch global=4 micro=2\n" + gpt_tp_rules(sequence_parallel=True) + "compile aot_eager\n",
     "dp2_zero2_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=2\ncompile aot_eager\n",
     # ZeRO-3: the gathers run inside the compiled graph, the backward's re-gathers in the saved-tensor hook
-    # (runtime/parallel/zero.py `_pack`, decided by storage identity: it once hung, see docs/compile.md)
+    # (runtime/parallel/zero.py `pack`, decided by storage identity: it once hung, see docs/compile.md)
     "dp2_zero3_aot_eager": "mesh dp=2\nbatch global=4 micro=1\nzero stage=3\ncompile aot_eager\n",
     # tp with recompute: each block's region keeps its collectives' outputs under `compile`
     # (runtime/recompute_policy.py); backward issues no forward collective again. Inductor itself once

@@ -3,7 +3,8 @@
 examples/gpt.py has 4 layers. Megatron's count per transformer layer is 2
 all-reduces forward (g after attention and after the MLP) and 2 backward (f at
 their inputs), or with sequence parallelism 2 all-gathers + 2 reduce-scatters
-each way. Outside the layers: the vocab-parallel embedding (1 forward), the lm
+each way, and with SP the backward all-gathers each layer's two gathered inputs again
+(runtime/parallel/sequence_regather.py). Outside the layers: the vocab-parallel embedding (1 forward), the lm
 head's input (1 backward, or an all-gather each way with SP), the
 vocab-parallel cross-entropy (2 forward: max, then [sum-exp, target logit]), and
 per step the tp-aware grad-norm (1) and with SP the partial LayerNorm grads (1).
@@ -45,5 +46,8 @@ def test_collectives_per_layer(tmp_path, sp):
                      ("reduce_scatter", "fwd"): 2 * L + 1,    # after proj ×2, embedding
                      ("all_reduce", "fwd"): 2,                # cross-entropy
                      ("reduce_scatter", "bwd"): 2 * L + 1,
-                     ("all_gather", "bwd"): 2 * L + 1 + 1,    # + wpe's gradient from its sequence slice
+                     # the row layers' gradients (2 per layer), wpe's from its sequence slice, and each
+                     # gathered input again for its layer's weight gradient, Megatron's way
+                     # (runtime/parallel/sequence_regather.py): before qkv and fc, the lm head's input
+                     ("all_gather", "bwd"): 2 * L + 1 + 1 + 2 * L + 1,
                      ("all_reduce", "step"): 2}               # partial LayerNorm grads, grad norm

@@ -14,8 +14,10 @@ collective or a p=0 dropout is freed as soon as they ran. So, per node:
   rotary positions times a constant table keep the table, not the projection);
 - count each distinct copy once. Under tensor parallelism the copy a column
   layer saves is the one its input collective made (all-gathered under sequence
-  parallelism: the full sequence); under `precision bf16` the copy a matmul saves
-  is autocast's bf16 cast of an fp32 input (a layer norm's output);
+  parallelism: the full sequence, except in an eager program, which keeps the
+  slice and gathers it again in backward, as Megatron-LM does: `regather`); under
+  `precision bf16` the copy a matmul saves is autocast's bf16 cast of an fp32
+  input (a layer norm's output);
 - add what ops keep besides their inputs: attention's log-sum-exp, layer norm's
   mean and reciprocal std, cross-entropy's log-softmax, a dropout's mask.
 
@@ -213,7 +215,7 @@ def saved_ops(nodes, instance_of, saves) -> frozenset:
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
                bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False,
-               saved=frozenset(), fused_loss: bool = False) -> list[dict]:
+               saved=frozenset(), fused_loss: bool = False, regather: bool = False) -> list[dict]:
     """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
     Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
@@ -222,7 +224,9 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
     their collectives' outputs (see the module docstring); `saved`: the region nodes whose outputs are
     saved (`saved_ops`: another framework's op-level checkpointing), kept rather than rebuilt;
     `fused_loss`: the loss is one fused kernel (another framework's: `System.loss`), which keeps its logits
-    as they are and a log-sum-exp a row, where eager cross-entropy keeps its fp32 log-softmax.
+    as they are and a log-sum-exp a row, where eager cross-entropy keeps its fp32 log-softmax; `regather`:
+    sequence parallelism's gathered inputs are gathered again in backward, each column layer keeping the
+    slice it was gathered from (an eager program: runtime/parallel/sequence_regather.py; Megatron-LM).
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     size = _dtype_sizes(gm, nodes, bf16)
@@ -277,6 +281,9 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
                 copies.add((cs, own_scale(n), seen, "saved" if n in saved else "region"))
                 continue
             core = tp > 1 and sharded_of.get(c) and not sharded_of.get(n)
+            if core and regather and gathered(n, c):  # the slice it is gathered from again in backward
+                copies.add((cs, own_scale(n), seen, "own"))
+                continue
             scale = "replicated" if core else own_scale(n)         # the gathered copy is the full sequence
             cast = bf16 and _is(c, LOWERED) and seen == 4
             copies.add((cs, scale, 2 if cast else seen, "gathered" if core else "cast" if cast else "own"))

@@ -280,7 +280,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     n_stages = 1 + max((n.meta.get(STAGE, 0) for n in nodes), default=0)
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "logits_elements_sharded",
-            "logits_elements_replicated", "param_tensors", "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed")
+            "logits_elements_replicated", "param_tensors", "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed",
+            "tp_bytes_regathered", "tp_ops_regathered")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -325,9 +326,16 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         d[f"act_{tag}"] += _elements(n.meta.get("val"))
         if patterns and plan.recompute.instance(p) is not None and n not in saved:
             d["flops_recomputed"] += f
+    # sequence parallelism in an eager program gathers each column input again in the backward: kept as its
+    # slice (runtime/parallel/sequence_regather.py, Megatron-LM's way) or, in a recomputed region, with the
+    # region's forward; a compiled graph keeps the gathered copy (runtime/recompute_policy.py under recompute)
+    again = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel and getattr(plan, "compile", "none") == "none"
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
         stages[s]["tp_ops"] += 1
+        if again:
+            stages[s]["tp_bytes_regathered"] += _elements(a.meta.get("val"))
+            stages[s]["tp_ops_regathered"] += 1
     last = {}
     for n in nodes:
         last[(path_of[n], n.meta.get(STAGE, 0))] = n
@@ -346,7 +354,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         row_outputs=frozenset(last[key] for key in tp_outputs),
         keep_collectives=getattr(plan, "compile", "none") != "none",  # runtime/recompute_policy.py
-        fused_loss=loss == "fused")
+        fused_loss=loss == "fused", regather=getattr(plan, "compile", "none") == "none")
     _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved, fused_loss=loss == "fused")
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
@@ -700,22 +708,30 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                              latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
                              gap=(f + b) * slow / calls) if tp > 1 and rec_calls else None
         tp_r = tp_r_c.seconds if tp_r_c else 0.0
+        again_calls = d.get("tp_ops_regathered", 0)   # sequence parallelism's inputs gathered again, in the backward
+        tp_g_c = _collective("tp", "all-gather", tp, d.get("tp_bytes_regathered", 0) * act_b, groups["tp"], hw, allreduce,
+                             latency_steps=(tp - 1) * again_calls, calls=again_calls,
+                             gap=(f + b) * slow / calls) if tp > 1 and again_calls else None
+        tp_g = tp_g_c.seconds if tp_g_c else 0.0
         # on the stage's timeline: the forward's collectives, the backward's and the recomputed forward's; another
         # system may run them under its tp-split linears' matmuls (`System.tp_overlap`)
-        tp_f, tp_b = tp_t / 2, tp_t / 2 + tp_r
+        tp_f, tp_b = tp_t / 2, tp_t / 2 + tp_r + tp_g
         if tp > 1 and tp_overlap != "none" and compute.has_model(hw, d):
             win_f, win_b, win_w, win_r = compute.tp_gemm_seconds(d["ops"], hw, dtype, tp)
+            # either way, an input's second all-gather runs while its layer's input gradient is computed
+            # (Megatron-LM's asynchronous all-gather; Transformer Engine's likewise): under the input-gradient matmuls
+            hidden_g = max(0.0, tp_g - (win_b - win_w))
             if tp_overlap == "gemm":
-                tp_f, tp_b = max(0.0, tp_t / 2 - win_f), max(0.0, tp_t / 2 - win_b) + max(0.0, tp_r - win_r)
+                tp_f, tp_b = max(0.0, tp_t / 2 - win_f), max(0.0, tp_t / 2 - win_b) + max(0.0, tp_r - win_r) + hidden_g
             else:   # "backward": the column-parallel linears' input-gradient collectives under the weight gradients'
                 # matmuls: every backward collective without sequence parallelism (the f operator's all-reduces); with
                 # it the reduce-scatters, half, while the row-parallel linears' all-gathers stay on the timeline
                 share = 0.5 if plan.tensor_parallel.sequence_parallel else 1.0
-                tp_b = tp_t / 2 * (1 - share) + max(0.0, tp_t / 2 * share - win_w) + tp_r
+                tp_b = tp_t / 2 * (1 - share) + max(0.0, tp_t / 2 * share - win_w) + tp_r + hidden_g
         tp_times.append(tp_f + tp_b)
-        tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c) if c is not None])
+        tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c, tp_g_c) if c is not None])
         # a tp group across nodes is priced at the node's NICs (`_collective`): while it runs, they are busy
-        tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
+        tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r + tp_g) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
         f += hw.step_overhead[1]   # the runtime's own work per micro-batch (calibrated CPU; 0 elsewhere)
         if z >= 2:   # the whole gradient laid out, cast and divided for each micro-batch's reduce-scatter
             b += compute.zero_grad_seconds(hw, per_tp(d, "params"), act_b, dp_bytes or wire,
@@ -1094,13 +1110,19 @@ def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual
     if not held:
         return []
     n = held[0].group
-    total = Comm("tp", "all-reduce", n, *(acc * sum(getattr(c, f) for c in held)
-                                         for f in ("bytes", "intra", "inter", "seconds")))
+    fields = ("bytes", "intra", "inter", "seconds")
+
+    def summed(comms: list[Comm], name: str, scale: float = 1.0) -> Comm:
+        return Comm("tp", name, n, *(scale * acc * sum(getattr(c, f) for c in comms) for f in fields))
+
+    total = summed([c for c in held if c.collective == "all-reduce"], "all-reduce")
     if not sequence_parallel:
         return [total]
-    half = replace(total, bytes=total.bytes / 2, intra=total.intra / 2, inter=total.inter / 2,
-                   seconds=total.seconds / 2)
-    return [replace(half, collective="all-gather"), replace(half, collective="reduce-scatter")]
+    # each pair half to each row; the inputs gathered again in the backward (`tp_bytes_regathered`) to the first
+    gathers = summed([c for c in held if c.collective == "all-reduce"], "all-gather", 0.5)
+    again = summed([c for c in held if c.collective == "all-gather"], "all-gather")
+    gathers = replace(gathers, **{f: getattr(gathers, f) + getattr(again, f) for f in fields})
+    return [gathers, summed([c for c in held if c.collective == "all-reduce"], "reduce-scatter", 0.5)]
 
 
 def _materialized_probs(d: dict, tp: int, attention: str, dropout: bool) -> tuple[float, float]:

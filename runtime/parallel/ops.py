@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parc.runtime import eager
+from parc.runtime.parallel import sequence_regather
 
 _GROUPS: dict[str, object] = {}  # axis → ProcessGroup; see the module docstring for why this is global
 _RECORD: list | None = None
@@ -221,11 +222,18 @@ def allgather_reducescatter(x: Tensor, axis: str, dim: int, parts: int) -> Tenso
     return all_gather(x, dim, axis, "fwd")
 
 
+def _gather_ctx(ctx, inputs, output):
+    _axis_ctx(ctx, inputs, output)
+    # an eager forward gathers a slice its backward can gather again (runtime/parallel/sequence_regather.py)
+    x, axis, dim, _ = inputs
+    sequence_regather.note(ctx, x, output, lambda shard: all_gather(shard, dim, axis, "bwd"))
+
+
 allgather_reducescatter.register_fake(
     lambda x, axis, dim, parts: x.new_empty(_chunked_shape(x, dim, parts, grow=True)))
 eager.register_autograd(
     allgather_reducescatter,
-    lambda ctx, g: (eager.call("parc::bwd_reduce_scatter", g, *ctx.args), None, None, None), setup_context=_axis_ctx)
+    lambda ctx, g: (eager.call("parc::bwd_reduce_scatter", g, *ctx.args), None, None, None), setup_context=_gather_ctx)
 
 
 @eager.custom_op("parc::reducescatter_allgather")

@@ -40,7 +40,6 @@ and end (`trace_events`, Chrome-trace JSON via `write_chrome_trace`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections import deque
@@ -235,7 +234,7 @@ class PipelineExecutor:
             for x, spec in zip(mb.inputs, st.recv):
                 x.requires_grad_(spec["grad"])
             probe = hooks.probe  # runtime/memory.py, when measuring activations
-            with probe.tracking() if probe else contextlib.nullcontext():
+            with hooks.saving():  # what the forward's saved tensors become (runtime/train.py `saving`)
                 out = st.forward(*st.state, *mb.inputs, *micro_batches[j])
             mb.outputs = list(out)
             if probe:

@@ -126,6 +126,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from parc.runtime import saved
 from parc.runtime.parallel.offload import HostOptimizer
 from parc.runtime.parallel.ops import mark_ordered
 from parc.runtime.param_groups import RangeGroups
@@ -583,7 +584,7 @@ class ZeroOptimizer:
         self._reduced.add(b)
         self._reduce_scatter(b, grad.contiguous().clone())
 
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):  # runtime/saved.py: a saved view of a gathered bucket
         # Is `t` a view of a gathered bucket? Decided by storage identity alone, which is the same on every
         # rank: the weak reference keeps the bucket's StorageImpl address from being reused, and `t` keeps its
         # own storage alive, so equal addresses mean the same storage. Never by whether the gathered *tensor*
@@ -596,9 +597,7 @@ class ZeroOptimizer:
                 return (b, t.storage_offset(), tuple(t.shape), t.stride())
         return t
 
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
+    def unpack(self, packed):
         b, offset, shape, stride = packed
         full = self._resident.get(b)
         if full is None:
@@ -621,7 +620,7 @@ class ZeroOptimizer:
             return
         _ACTIVE.append(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with saved.hooks(self):
                 yield
         finally:
             _ACTIVE.pop()
