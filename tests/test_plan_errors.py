@@ -309,12 +309,12 @@ def test_precision_accumulate_dtype():
     assert _only("mesh dp=2\nzero stage=2 offload=cpu\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
         "precision accumulate=bf16 with zero offload=cpu is not implemented: its gradients take another path "
         "(runtime/parallel/offload.py, expert_parallel.py)", 3, 39)
-    assert _only("mesh dp=2 tp=2\nzero stage=1\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
-        "precision accumulate=bf16 with tp 2: no test holds bf16 gradient accumulation to the serial run there "
-        "(tests/test_zero_bf16_accumulate.py runs dp only)", 3, 39)
-    assert _only("mesh dp=4\nzero stage=2 shard=2\nprecision bf16 reduce=bf16 accumulate=bf16\n")[0].endswith(
-        "with zero shard=2: no test holds bf16 gradient accumulation to the serial run there "
-        "(tests/test_zero_bf16_accumulate.py runs dp only)")
+    assert _only("mesh dp=4\nzero stage=2 shard=2\nprecision bf16 reduce=bf16 accumulate=bf16\n") == (
+        "precision accumulate=bf16 with zero shard=2: no test holds bf16 gradient accumulation to the serial run "
+        "under HSDP (its replicas' all-reduce)", 3, 39)
+    for mesh in ("dp=2 tp=2", "dp=2 pp=2", "dp=2 cp=2"):  # tests/test_bf16_accumulate_meshes.py
+        text = f"mesh {mesh}\nzero stage=1\nprecision bf16 reduce=bf16 accumulate=bf16\n"
+        assert parse(text, "t.par").grad_accumulate == "bf16"
     assert parse(z1 + "precision bf16 reduce=bf16 accumulate=bf16\n", "t.par").grad_accumulate == "bf16"
 
 
