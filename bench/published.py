@@ -614,9 +614,12 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # InfiniBand (the h100 preset), taken as the cluster the table ran on.
 NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
 FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
+# distributed_fused_adam's gradient buffer (`grad_sync_dtype: bf16`): each micro-batch's gradients accumulate in
+# bf16, reduce-scattered in bf16 once a step, into the fp32 optimizer state: parc's `accumulate=bf16`
+NEMO_PRECISION = "bf16 reduce=bf16 accumulate=bf16"
 GPT3_175B_NEMO = (96, 12288, 96, 50688, 2048)
 ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpus, 1, 2048 * 2 * gpus / step / gpus,
-             "tokens/s", "h100", "", virtual=12, tied=True, sp=True)
+             "tokens/s", "h100", "", virtual=12, tied=True, sp=True, precision=NEMO_PRECISION)
          for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))]
 
 
@@ -633,13 +636,14 @@ ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpu
 # to, p2p: `--cp-attention te-ring`), NVTE_FUSED_ATTN=1 (cuDNN's fused attention: parc's flash), no dropout. The 405B
 # table's runs on 32, 96 and 192 GPUs cut the model to 7, 21 and 42 layers: not this model, so not rows. What the
 # model here prices differently from Transformer Engine's: its rotary and SwiGLU products are separate memory-bound
-# ops (TE fuses them), and its memory keeps fp32 gradient accumulators and SP's gathered layer inputs (NeMo's
-# bucket keeps bf16 gradients; Megatron gathers the input again in the backward): docs/cost-model.md (c).
+# ops (TE fuses them): docs/cost-model.md (c). Gradients accumulate in bf16 as NeMo's bucket keeps them
+# (`NEMO_PRECISION`), and sequence parallelism keeps each layer input's slice, gathered again in the backward, as
+# Megatron and parc's runtime do.
 NEMO_LLAMA31 = "NVIDIA DGXC benchmarks: NeMo Llama 3.1 (H100)"
 FLAGS[NEMO_LLAMA31] = (1, FLAGS[NEMO_175B][1] + ["--cp-attention", "te-ring"], "")
 ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, batch * gpus // per, 1,
              8192 * (batch * gpus // per) / step / gpus, "tokens/s", "h100", "", fused_norm=True, virtual=virtual,
-             sp=tp > 1, cp=2)
+             sp=tp > 1, cp=2, precision=NEMO_PRECISION)
          for size, shape, tp, pp, virtual, batch, per, steps in [
              ("8B", LLAMA3_8B, 1, 1, 1, 128, 8, ((8, 12.78), (16, 12.99), (32, 13.00), (64, 13.00), (128, 13.16))),
              ("70B", LLAMA3_70B, 4, 4, 5, 128, 64, ((64, 14.61), (128, 14.70), (256, 14.72), (512, 14.80),
