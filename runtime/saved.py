@@ -31,14 +31,19 @@ _PARTS: list = []  # the listed parts, outermost first
 
 
 @contextlib.contextmanager
-def hooks(part):
-    """Within the block, `part` sees (`saw`) and may claim (`pack`/`unpack`) what autograd saves."""
+def hooks(part, active: list | None = None):
+    """Within the block, `part` sees (`saw`) and may claim (`pack`/`unpack`) what autograd saves; `active`: a
+    list of its module's that holds `part` for the block too (how that module's ops find the running part)."""
     _PARTS.append(part)
+    if active is not None:
+        active.append(part)
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
     finally:
         _PARTS.remove(part)
+        if active is not None:
+            active.remove(part)
 
 
 def _pack(t: torch.Tensor):

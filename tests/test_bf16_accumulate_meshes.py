@@ -28,7 +28,7 @@ from parc.runtime.memory import held_state
 from parc.runtime.train import Trainer
 from parc.runtime.verify import compare, train_serial
 from parc.trace import load_user_module
-from test_zero_bf16_accumulate import TOLERANCE
+from test_zero_bf16_accumulate import TOLERANCE, accumulator_dtypes
 
 STEPS = 3
 # Against the same plan with fp32 accumulators: the two bf16 additions a step and nothing else. Measured over the
@@ -48,8 +48,7 @@ def _body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
-        dtypes = set()  # the accumulators' dtypes at the first update (stage 2's range lives in the step only)
-        trainer.grad_observer = lambda t: dtypes.update(g.dtype for g in t.zero.grad_flat + t.zero.grad_acc)
+        dtypes = accumulator_dtypes(trainer)
         losses = [trainer.step(s).loss for s in range(STEPS)]
         out[name] = {"losses": trainer.global_losses(losses), "state": trainer.gathered_state(),
                      "memory": {"pp": trainer.ctx.coord["pp"], **held_state(trainer)}, "grad_dtypes": dtypes}

@@ -47,12 +47,19 @@ PLANS = {f"zero{z}_{kind}{'' if g == 12 else '_acc1'}": (g, z, kind == "bf16acc"
 TOLERANCE = 2e-3
 
 
+def accumulator_dtypes(trainer) -> set:
+    """The dtypes of the trainer's ZeRO gradient accumulators, filled at each update (stage 2's range lives in the
+    step only, so it is read there)."""
+    dtypes: set = set()
+    trainer.grad_observer = lambda t: dtypes.update(g.dtype for g in t.zero.grad_flat + t.zero.grad_acc)
+    return dtypes
+
+
 def _body(ctx, roots: dict[str, str]):
     out = {}
     for name, root in roots.items():
         trainer = Trainer.load(root, 0)
-        dtypes = set()  # the accumulators' dtypes at the first update (stage 2's range lives in the step only)
-        trainer.grad_observer = lambda t: dtypes.update(g.dtype for g in t.zero.grad_flat + t.zero.grad_acc)
+        dtypes = accumulator_dtypes(trainer)
         local, sent = steps_recorded(trainer, STEPS)
         out[name] = {"losses": trainer.global_losses(local), "state": trainer.gathered_state(),
                      "sent": sent, "memory": held_state(trainer), "grad_dtypes": dtypes}

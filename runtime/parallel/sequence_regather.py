@@ -87,12 +87,10 @@ class Regather:
     @contextlib.contextmanager
     def forward(self):
         """Around one forward (a micro-batch's, or a pipeline stage's)."""
-        _ACTIVE.append(self)
         try:
-            with saved.hooks(self):
+            with saved.hooks(self, _ACTIVE):
                 yield
         finally:
-            _ACTIVE.pop()
             self._by_storage.clear()
             self._by_node.clear()
 

@@ -618,12 +618,10 @@ class ZeroOptimizer:
             finally:
                 self.settle()  # buckets the forward never waited for (parameters it did not use)
             return
-        _ACTIVE.append(self)
         try:
-            with saved.hooks(self):
+            with saved.hooks(self, _ACTIVE):
                 yield
         finally:
-            _ACTIVE.pop()
             self._resident.clear()
             for b in list(self._prefetch):
                 self._prefetch.pop(b)[0].join()
