@@ -92,7 +92,7 @@ def test_less_kept_and_one_gather_more_per_input(runs, name):
 
 def test_a_slice_changed_in_place_is_an_error():
     shard = torch.ones(2, 3)
-    g = _Gather(shard, lambda s: torch.cat([s, s], 1), (2, 6))
+    g = _Gather(shard, lambda s: lambda: torch.cat([s, s], 1), (2, 6), None)
     shard.add_(1)  # after the forward: the backward would gather another value
     with pytest.raises(RuntimeError, match="modified in place after the forward"):
         g.whole(None)

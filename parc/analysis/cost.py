@@ -713,6 +713,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                              latency_steps=(tp - 1) * again_calls, calls=again_calls,
                              gap=(f + b) * slow / calls) if tp > 1 and again_calls else None
         tp_g = tp_g_c.seconds if tp_g_c else 0.0
+        if tp_g and tp_overlap == "none":
+            # parc's runtime starts each of them but the backward's first while the layer after it computes its
+            # gradients (runtime/parallel/sequence_regather.py `prefetch`): what the backward's compute cannot hold
+            first = tp_g / again_calls
+            tp_g = first + max(0.0, tp_g - first - b)
         # on the stage's timeline: the forward's collectives, the backward's and the recomputed forward's; another
         # system may run them under its tp-split linears' matmuls (`System.tp_overlap`)
         tp_f, tp_b = tp_t / 2, tp_t / 2 + tp_r + tp_g

@@ -88,11 +88,20 @@ def all_reduce(x: Tensor, axis: str, phase: str, op=dist.ReduceOp.SUM) -> Tensor
 
 def all_gather(x: Tensor, dim: int, axis: str, phase: str) -> Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order."""
+    return all_gather_start(x, dim, axis, phase)()
+
+
+def all_gather_start(x: Tensor, dim: int, axis: str, phase: str):
+    """`all_gather`, started: returns the call that waits for it and concatenates."""
     _note("all_gather", axis, phase)
     g = group(axis)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(g))]
-    dist.all_gather(parts, x.contiguous(), group=g)
-    return torch.cat(parts, dim=dim)
+    work = dist.all_gather(parts, x.contiguous(), group=g, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return torch.cat(parts, dim=dim)
+    return finish
 
 
 def reduce_scatter(x: Tensor, dim: int, axis: str, phase: str) -> Tensor:
@@ -226,7 +235,7 @@ def _gather_ctx(ctx, inputs, output):
     _axis_ctx(ctx, inputs, output)
     # an eager forward gathers a slice its backward can gather again (runtime/parallel/sequence_regather.py)
     x, axis, dim, _ = inputs
-    sequence_regather.note(ctx, x, output, lambda shard: all_gather(shard, dim, axis, "bwd"))
+    sequence_regather.note(ctx, x, output, lambda shard: all_gather_start(shard, dim, axis, "bwd"))
 
 
 allgather_reducescatter.register_fake(
