@@ -10,6 +10,7 @@
   gathered input is all-gathered once more per micro-batch, in the backward, no more (q, k and v share one
   copy).
 - A slice modified in place after the forward stops the backward with an error rather than a wrong gradient.
+- The backward's first unpack of a gather starts the gather it needs next, once (`_Gather.prefetch`).
 """
 
 from __future__ import annotations
@@ -96,3 +97,27 @@ def test_a_slice_changed_in_place_is_an_error():
     shard.add_(1)  # after the forward: the backward would gather another value
     with pytest.raises(RuntimeError, match="modified in place after the forward"):
         g.whole(None)
+
+
+def test_the_first_unpack_starts_the_next_claimed_gather():
+    """Backward meets the forward's gathers last first: a gather's first unpack starts the nearest earlier one
+    whose saves were replaced (claimed), skipping one that was not (a recomputed region's), once."""
+    started = []
+
+    def gather(name):
+        def start(shard):
+            started.append(name)
+            return lambda: torch.cat([shard, shard], 1)
+        return start
+
+    shard = torch.ones(2, 3)
+    first = _Gather(shard, gather("first"), (2, 6), None)
+    skipped = _Gather(shard, gather("skipped"), (2, 6), first)
+    last = _Gather(shard, gather("last"), (2, 6), skipped)
+    first.claimed = last.claimed = True
+    last.whole(None)
+    assert started == ["last", "first"]          # its own, then the next one backward needs
+    assert torch.equal(first.whole(torch.bfloat16), torch.cat([shard, shard], 1).to(torch.bfloat16))
+    assert started == ["last", "first"]          # the started gather is the one used: no second
+    last.whole(None)
+    assert started == ["last", "first"]
