@@ -196,7 +196,8 @@ class Trainer:
         self.probe: ActivationProbe | None = None  # set to measure activations (runtime/memory.py)
         # an eager program keeps sequence parallelism's slices, not its gathered inputs (runtime/parallel/
         # sequence_regather.py); a compiled one's graph keeps what it saves
-        self.regather = sequence_regather.Regather() if mode == "none" and ctx.degree.get("tp", 1) > 1 else None
+        sp = plan["plan"].get("sequence_parallel") and ctx.degree.get("tp", 1) > 1
+        self.regather = sequence_regather.Regather() if sp and mode == "none" else None
         self.pipeline = None
         self.tied: list[tuple[str, object]] = []  # (placeholder name, group of the pp ranks holding it)
         self.tied_elsewhere: set[str] = set()     # tied copies another pp rank counts in the grad norm

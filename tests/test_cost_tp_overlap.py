@@ -70,3 +70,25 @@ def test_the_report_says_which_overlap_it_priced(tmp_path, monkeypatch):
                     "precision bf16\n")
     rep = report.build(model=ROOT / "bench" / "gpt_sized.py", plan=path, system=cost.System(tp_overlap="gemm"))
     assert any("tp overlap gemm" in n for n in rep["notes"])
+
+
+def test_a_recomputed_regions_second_gathers_wait_whole(tmp_path, monkeypatch):
+    """Under recompute each block's column inputs are gathered again with its recomputed forward, not ahead
+    (runtime/parallel/sequence_regather.py claims no save inside a checkpoint): no second gather is hidden."""
+    monkeypatch.setenv("PARC_BENCH_GPT", "2,256,4,1000,64")
+    path = tmp_path / "t.par"
+    path.write_text("mesh dp=1 tp=2\ntopology nodes=1 gpus_per_node=2 preset=h100\nbatch global=4 micro=2\n"
+                    "tensor_parallel {\n" + "".join(f'    "{p}" : {s}\n' for p, s in (
+                        ("blocks.*.attn.qkv", "column"), ("blocks.*.attn.proj", "row"),
+                        ("blocks.*.mlp.fc", "column"), ("blocks.*.mlp.proj", "row"))) +
+                    '    sequence_parallel\n}\nrecompute "blocks.*"\nprecision bf16\n')
+    plan, stats, _, _ = report._inputs(None, ROOT / "bench" / "gpt_sized.py", path)
+    d = stats["stages"][0]
+    assert d["tp_ops_regathered"] == 2 * 2 and d["tp_ops_regathered_ahead"] == 0  # 2 layers × qkv, fc
+    hw = cost.hardware("h100", plan.topology)
+    rerun = cost.estimate(plan, stats, hw)
+    ahead = {**d, "tp_bytes_regathered_ahead": d["tp_bytes_regathered"],
+             "tp_ops_regathered_ahead": d["tp_ops_regathered"]}
+    hidden = cost.estimate(plan, {**stats, "stages": [ahead]}, hw)
+    assert rerun.stage_seconds[0][1] > hidden.stage_seconds[0][1]  # gathered ahead, all but the first would hide
+    assert rerun.stage_seconds[0][0] == hidden.stage_seconds[0][0]

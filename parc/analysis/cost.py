@@ -281,7 +281,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     keys = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "logits_elements_sharded",
             "logits_elements_replicated", "param_tensors", "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed",
-            "tp_bytes_regathered", "tp_ops_regathered")
+            "tp_bytes_regathered", "tp_ops_regathered", "tp_bytes_regathered_ahead", "tp_ops_regathered_ahead")
     stages = [dict.fromkeys(keys, 0) for _ in range(n_stages)]
     core = {p.rsplit(".", 1)[0] for p in traced.module_paths if _style(p, rules) == "column" and "." in p}
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
@@ -300,7 +300,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         return plan.recompute.instance(path_of.get(n, "")) if patterns else None
 
     saved = activations.saved_ops(nodes, instance_of, saves) if saves and patterns else frozenset()
-    tp_inputs, tp_outputs = set(), set()
+    tp_inputs, tp_outputs, rerun_inputs = set(), set(), set()
     for n in nodes:
         s, p = n.meta.get(STAGE, 0), path_of[n]
         d = stages[s]
@@ -312,6 +312,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
                    or (a.op != "placeholder" and not _under(path_of[a], p))]
         if style == "column" or (style == "vocab" and "embedding" not in str(n.target)):
             tp_inputs.update((a, s) for a in outside)   # backward all-reduce of the input gradient
+            if patterns and plan.recompute.instance(p) is not None:
+                rerun_inputs.update(outside)                # gathered with its recomputed region's forward
         if style == "row" or (style == "vocab" and "embedding" in str(n.target)):
             tp_outputs.add((p, s))                       # forward all-reduce of the output
         if "cross_entropy" in str(n.target) and n.args:   # the loss's logits: their gradient is a transient peak
@@ -327,15 +329,17 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if patterns and plan.recompute.instance(p) is not None and n not in saved:
             d["flops_recomputed"] += f
     # sequence parallelism in an eager program gathers each column input again in the backward: kept as its
-    # slice (runtime/parallel/sequence_regather.py, Megatron-LM's way) or, in a recomputed region, with the
-    # region's forward; a compiled graph keeps the gathered copy (runtime/recompute_policy.py under recompute)
+    # slice and gathered ahead (runtime/parallel/sequence_regather.py, Megatron-LM's way) or, in a recomputed
+    # region, with the region's forward; a compiled graph keeps the gathered copy (runtime/recompute_policy.py)
     again = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel and getattr(plan, "compile", "none") == "none"
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
         stages[s]["tp_ops"] += 1
         if again:
-            stages[s]["tp_bytes_regathered"] += _elements(a.meta.get("val"))
-            stages[s]["tp_ops_regathered"] += 1
+            ahead = ("", "_ahead") if a not in rerun_inputs else ("",)
+            for tail in ahead:
+                stages[s][f"tp_bytes_regathered{tail}"] += _elements(a.meta.get("val"))
+                stages[s][f"tp_ops_regathered{tail}"] += 1
     last = {}
     for n in nodes:
         last[(path_of[n], n.meta.get(STAGE, 0))] = n
@@ -713,11 +717,14 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                              latency_steps=(tp - 1) * again_calls, calls=again_calls,
                              gap=(f + b) * slow / calls) if tp > 1 and again_calls else None
         tp_g = tp_g_c.seconds if tp_g_c else 0.0
-        if tp_g and tp_overlap == "none":
-            # parc's runtime starts each of them but the backward's first while the layer after it computes its
-            # gradients (runtime/parallel/sequence_regather.py `prefetch`): what the backward's compute cannot hold
-            first = tp_g / again_calls
-            tp_g = first + max(0.0, tp_g - first - b)
+        ahead_calls = d.get("tp_ops_regathered_ahead", 0)
+        if ahead_calls and tp_overlap == "none":
+            # parc's runtime starts each kept slice's gather but the backward's first while the layer after it
+            # computes its gradients (runtime/parallel/sequence_regather.py `prefetch`); what the backward's compute
+            # cannot hold waits. A recomputed region's gathers run with its forward, in full
+            ahead = tp_g * d["tp_bytes_regathered_ahead"] / d["tp_bytes_regathered"]
+            first = ahead / ahead_calls
+            tp_g = (tp_g - ahead) + first + max(0.0, ahead - first - b)
         # on the stage's timeline: the forward's collectives, the backward's and the recomputed forward's; another
         # system may run them under its tp-split linears' matmuls (`System.tp_overlap`)
         tp_f, tp_b = tp_t / 2, tp_t / 2 + tp_r + tp_g

@@ -173,9 +173,10 @@ def _pair_style(node, p: str, path: dict, op_of: dict) -> str:
 ADDITIVE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
             "params_sharded", "params_replicated", "tp_bytes", "tp_ops", "kept_bytes_sharded",
             "kept_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated", "param_tensors",
-            "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed", "tp_bytes_regathered", "tp_ops_regathered")
+            "zero_units", "tp_bytes_recomputed", "tp_ops_recomputed", "tp_bytes_regathered", "tp_ops_regathered",
+            "tp_bytes_regathered_ahead", "tp_ops_regathered_ahead")
 PER_SAMPLE = ("flops_sharded", "flops_replicated", "flops_recomputed", "act_sharded", "act_replicated",
-              "tp_bytes", "tp_bytes_recomputed", "tp_bytes_regathered", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
+              "tp_bytes", "tp_bytes_recomputed", "tp_bytes_regathered", "tp_bytes_regathered_ahead", "kept_bytes_sharded", "kept_bytes_replicated", "recompute_peak_bytes_sharded",
               "recompute_peak_bytes_replicated", "logits_elements_sharded", "logits_elements_replicated")
 # The per-operation tables (`ops`, parc/analysis/compute.py) hold shapes: a group's are its units' merged,
 # scaled to the micro-batch by growing each row's sample dimension (compute.scale_ops), so matmul
