@@ -3,7 +3,8 @@
 
 - The same bits: a run that re-gathers and one that keeps the gathered copies (`trainer.regather = None`,
   the runtime before this) give equal losses and parameters, exactly, in fp32 and in bf16 (where the saved
-  copies are autocast's casts), with accumulation, under a pipeline and under ZeRO-3 (whose own saved-tensor
+  copies are autocast's casts), with accumulation, under pipelines (1F1B, interleaved, and zero-bubble, whose
+  input-gradient pass and later weight-gradient pass both unpack) and under ZeRO-3 (whose own saved-tensor
   claims share runtime/saved.py's hooks). That both train as the serial model does is
   tests/test_tensor_parallel.py's and the other sequence-parallel tests', which run this path.
 - Less kept: the memory probe measures the forward's activations lower by the gathered copies, and each
@@ -36,6 +37,9 @@ PLANS = {
     "llama_bf16": ("mesh tp=2\nprecision bf16\nbatch global=4 micro=2\noptimizer adamw lr=1e-2\n"
                    + llama_tp_rules(True), LLAMA),
     "pp_1f1b": ("mesh tp=2 pp=2\npipeline schedule=1f1b\n" + GPT_SP, None),
+    # zero-bubble: the input gradients first (the graph retained), the weight gradients later, each unpacking
+    "pp_zb_h1_bf16": ("mesh tp=2 pp=2\nprecision bf16\npipeline schedule=zb_h1\n" + GPT_SP, None),
+    "pp_interleaved": ("mesh tp=2 pp=2\npipeline schedule=interleaved_1f1b virtual=2\n" + GPT_SP, None),
     "zero3": ("mesh dp=2 tp=2\nzero stage=3\n" + GPT_SP, None),
 }
 
