@@ -281,7 +281,7 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
                 copies.add((cs, own_scale(n), seen, "saved" if n in saved else "region"))
                 continue
             core = tp > 1 and sharded_of.get(c) and not sharded_of.get(n)
-            if core and regather and gathered(n, c):  # the slice it is gathered from again in backward
+            if regather and gathered(n, c):  # the slice it is gathered from again in backward
                 copies.add((cs, own_scale(n), seen, "own"))
                 continue
             scale = "replicated" if core else own_scale(n)         # the gathered copy is the full sequence

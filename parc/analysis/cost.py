@@ -331,13 +331,13 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     # sequence parallelism in an eager program gathers each column input again in the backward: kept as its
     # slice and gathered ahead (runtime/parallel/sequence_regather.py, Megatron-LM's way) or, in a recomputed
     # region, with the region's forward; a compiled graph keeps the gathered copy (runtime/recompute_policy.py)
-    again = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel and getattr(plan, "compile", "none") == "none"
+    eager = getattr(plan, "compile", "none") == "none"
+    again = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel and eager
     for a, s in tp_inputs:
         stages[s]["tp_bytes"] += _elements(a.meta.get("val"))
         stages[s]["tp_ops"] += 1
-        if again:
-            ahead = ("", "_ahead") if a not in rerun_inputs else ("",)
-            for tail in ahead:
+        if again:   # all of them; and apart, those gathered ahead (not a recomputed region's)
+            for tail in ("",) if a in rerun_inputs else ("", "_ahead"):
                 stages[s][f"tp_bytes_regathered{tail}"] += _elements(a.meta.get("val"))
                 stages[s][f"tp_ops_regathered{tail}"] += 1
     last = {}
@@ -345,7 +345,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         last[(path_of[n], n.meta.get(STAGE, 0))] = n
     # a recomputed region runs its forward again in the backward, its row layers' all-reduces too, unless
     # compiled: then the checkpoint policy keeps the collectives' outputs (runtime/recompute_policy.py)
-    rerun = patterns and getattr(plan, "compile", "none") == "none"
+    rerun = patterns and eager
     for key in tp_outputs:
         stages[key[1]]["tp_bytes"] += _elements(last[key].meta.get("val"))
         stages[key[1]]["tp_ops"] += 1
@@ -357,8 +357,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         instance_of=instance_of, saved=saved,
         tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
         row_outputs=frozenset(last[key] for key in tp_outputs),
-        keep_collectives=getattr(plan, "compile", "none") != "none",  # runtime/recompute_policy.py
-        fused_loss=loss == "fused", regather=getattr(plan, "compile", "none") == "none")
+        keep_collectives=not eager,  # runtime/recompute_policy.py
+        fused_loss=loss == "fused", regather=eager)
     _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved, fused_loss=loss == "fused")
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
@@ -713,8 +713,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                              gap=(f + b) * slow / calls) if tp > 1 and rec_calls else None
         tp_r = tp_r_c.seconds if tp_r_c else 0.0
         again_calls = d.get("tp_ops_regathered", 0)   # sequence parallelism's inputs gathered again, in the backward
-        tp_g_c = _collective("tp", "all-gather", tp, d.get("tp_bytes_regathered", 0) * act_b, groups["tp"], hw, allreduce,
-                             latency_steps=(tp - 1) * again_calls, calls=again_calls,
+        tp_g_c = _collective("tp", "all-gather", tp, d.get("tp_bytes_regathered", 0) * act_b, groups["tp"], hw,
+                             allreduce, latency_steps=(tp - 1) * again_calls, calls=again_calls,
                              gap=(f + b) * slow / calls) if tp > 1 and again_calls else None
         tp_g = tp_g_c.seconds if tp_g_c else 0.0
         ahead_calls = d.get("tp_ops_regathered_ahead", 0)
@@ -1113,28 +1113,27 @@ def _zero_overlap_note(stage: int, units: int, backward_prefetch: bool = True) -
 def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual: int, acc: int,
              sequence_parallel: bool) -> list[Comm]:
     """The tp rows of the report: the collectives of the pp rank with the most tp time, its stages' every
-    micro-batch, priced exactly as the stage times price them (latency and overhead per call), so the
-    rows add up to `Estimate.tp_seconds` and the report's two communication figures are of one kind.
-    Sequence parallelism's all-gather and reduce-scatter pair moves an all-reduce's volume over its ring
-    steps, (n−1) each: the priced all-reduce, half to each row."""
+    micro-batch, priced exactly as the stage times price them (latency and overhead per call), so where none
+    of them is hidden the rows add up to `Estimate.tp_seconds` and the report's two communication figures are
+    of one kind. Sequence parallelism's all-gather and reduce-scatter pair moves an all-reduce's volume over its
+    ring steps, (n−1) each: the priced all-reduce, half to each row; its inputs gathered again in the backward
+    (`tp_bytes_regathered`) add to the all-gather row."""
     busiest = max(range(pp), key=lambda r: sum(tp_times[r + k * pp] for k in range(virtual)))
     held = [c for k in range(virtual) for c in tp_comms[busiest + k * pp]]
     if not held:
         return []
     n = held[0].group
-    fields = ("bytes", "intra", "inter", "seconds")
+    pairs = [c for c in held if c.collective == "all-reduce"]
+    again = [c for c in held if c.collective == "all-gather"]
 
-    def summed(comms: list[Comm], name: str, scale: float = 1.0) -> Comm:
-        return Comm("tp", name, n, *(scale * acc * sum(getattr(c, f) for c in comms) for f in fields))
+    def summed(name: str, share: float, whole: list[Comm] = ()) -> Comm:   # `share` of each pair, all of `whole`
+        return Comm("tp", name, n, *(acc * (share * sum(getattr(c, f) for c in pairs) +
+                                            sum(getattr(c, f) for c in whole))
+                                     for f in ("bytes", "intra", "inter", "seconds")))
 
-    total = summed([c for c in held if c.collective == "all-reduce"], "all-reduce")
     if not sequence_parallel:
-        return [total]
-    # each pair half to each row; the inputs gathered again in the backward (`tp_bytes_regathered`) to the first
-    gathers = summed([c for c in held if c.collective == "all-reduce"], "all-gather", 0.5)
-    again = summed([c for c in held if c.collective == "all-gather"], "all-gather")
-    gathers = replace(gathers, **{f: getattr(gathers, f) + getattr(again, f) for f in fields})
-    return [gathers, summed([c for c in held if c.collective == "all-reduce"], "reduce-scatter", 0.5)]
+        return [summed("all-reduce", 1.0)]
+    return [summed("all-gather", 0.5, again), summed("reduce-scatter", 0.5)]
 
 
 def _materialized_probs(d: dict, tp: int, attention: str, dropout: bool) -> tuple[float, float]:
