@@ -7,6 +7,8 @@ ring formulas); examples/gpt.py through `report.build` for the bytes and the mem
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from parc.analysis import cost, report
@@ -70,7 +72,17 @@ def test_zero_exposed_seconds_by_hand(stage, flops):
         want = acc * (_hide(g, f) + _hide(g + rs.seconds / acc, b))
     assert est.dp_exposed_seconds == pytest.approx(want)
     assert est.dp_exposed_seconds < rs.seconds + ag.seconds          # something is hidden
-    assert est.step_seconds == pytest.approx(acc * (f + b) + want + est.optimizer_seconds)
+    # and what is hidden slows the compute it runs under (`cost.beside`: the preset's overlap_slowdown)
+    s = H100.overlap_slowdown
+    beside = (rs.seconds + ag.seconds - want) * s / (1 + s)
+    assert s > 0 and est.beside_seconds == pytest.approx(beside)
+    assert est.step_seconds == pytest.approx(acc * (f + b) + want + beside + est.optimizer_seconds)
+    assert any(n.startswith(cost.BESIDE) and f"{beside:.3g} s" in n for n in est.notes)
+    # a device whose compute does not slow beside a collective (a preset file's `overlap_slowdown` 0, as `parc
+    # calibrate` writes on a CPU, where gloo's measured calls carry their own): hidden traffic is free again
+    free = cost.estimate(plan, _stats(flops, psi), replace(H100, overlap_slowdown=0.0))
+    assert free.beside_seconds == 0 and not any(n.startswith(cost.BESIDE) for n in free.notes)
+    assert free.step_seconds == pytest.approx(est.step_seconds - beside)
 
 
 def test_compiled_zero1_overlaps_its_gathers_as_eager_does():

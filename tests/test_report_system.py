@@ -63,7 +63,10 @@ def test_no_dp_overlap_exposes_the_whole_all_reduce(tmp_path):
     dp_seconds = sum(r["seconds"] for r in on["communication"]["rows"] if r["axis"] == "dp")
     assert off["communication"]["exposed_parts"]["dp"] == pytest.approx(dp_seconds)
     grow = off["utilization"]["step_seconds"] - on["utilization"]["step_seconds"]
-    assert grow == pytest.approx(off["communication"]["exposed_parts"]["dp"] - on["communication"]["exposed_parts"]["dp"])
+    # overlapped, the hidden part slows the backward it runs under (`cost.beside`); not overlapped, nothing does
+    assert off["communication"]["beside_seconds"] == 0 < on["communication"]["beside_seconds"]
+    assert grow == pytest.approx(off["communication"]["exposed_parts"]["dp"] - on["communication"]["exposed_parts"]["dp"]
+                                 - on["communication"]["beside_seconds"])
 
 
 def test_dp_wire_dtype_halves_the_bytes(tmp_path):
@@ -384,10 +387,13 @@ def test_cp_attention_te_ring_sends_kv_heads_under_the_attention(tmp_path, monke
     for t, hidden in ((64, False), (4096, True)):
         stats = {"stages": [{"ops": {"attn": [[8, t, 32, True, 0, False, 4, 1]]}}]}
         local = cp_cost.local_stats(stats, 2)
-        rows, waited = cp_cost.comms(p, stats, hw, "ring", [[0, 1]], system="te-ring", local=local)
+        rows, waited, slowed = cp_cost.comms(p, stats, hw, "ring", [[0, 1]], system="te-ring", local=local)
         f, b = compute.stage_seconds({"attn": local["stages"][0]["ops"]["attn"]}, hw, "bf16", 1)
         assert rows[0].bytes == pytest.approx((2 + 4) * 8 * (t / 2) * 32 * 2 / 4 * 2)   # 6 blocks, bf16, 2 micro
-        assert waited == pytest.approx(max(0.0, rows[0].seconds - 2 * (f + b) / 2))
+        under = 2 * (f + b) / 2
+        # what the blocks hide slows them (`cost.beside`: the preset's overlap_slowdown)
+        assert slowed == pytest.approx(min(rows[0].seconds, under) * hw.overlap_slowdown / (1 + hw.overlap_slowdown))
+        assert waited == pytest.approx(max(0.0, rows[0].seconds - under))
         assert (waited == 0.0) == hidden
 
 

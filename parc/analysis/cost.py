@@ -35,7 +35,8 @@ nodes hide under compute only, not under tp's time. The pipeline is timed as
 engine's run, `System.pp_engine`: that engine's order under its transfer rules). Assumed, and said in the
 report's notes: the precision layout's bytes, plain dp's bucket all-reduces
 overlapping the last backward, ZeRO's overlapping the compute the runtime runs them under
-(`zero_exposed`).
+(`zero_exposed`), and that what hides is not free: the compute beside a hidden collective runs slower by
+the preset's `overlap_slowdown` (`beside`).
 docs/cost-model.md has the sources and the validation.
 """
 
@@ -74,6 +75,7 @@ class Hardware:
     nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU
     cores: int = 0                 # CPU: cores the ranks of a host share; 0: one device per rank
     collective_overhead: float = 0.0  # seconds per collective call beyond its ring steps (calibrated gloo)
+    overlap_slowdown: float = 0.0  # compute's slowdown while a collective runs beside it (`beside`; GPU presets: presets.py)
     # calibrated on a CPU host (parc calibrate), empty/neutral for the shipped GPU presets:
     contention: float = 1.0        # compute's slowdown beyond ranks / cores when more ranks than cores compute
     collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured
@@ -460,6 +462,7 @@ class Estimate:
     ep_seconds: float = 0.0             # the experts' all-to-alls (parc/analysis/experts.py), never overlapped
     cp_seconds: float = 0.0             # context parallelism's ring or all-to-alls (parc/analysis/cp_cost.py)
     stage_seconds: list = field(default_factory=list)  # per stage: (F, B) of one micro-batch, tp on the path
+    beside_seconds: float = 0.0         # what collectives hidden under compute cost it (`beside`), in the step
 
     @property
     def comm_seconds(self) -> float:
@@ -534,6 +537,14 @@ def _placement(groups: list[list[int]], per_node: int) -> tuple[float, int]:
         fewest = min((_span(g, per_node)[1] for g in groups), default=0) if crossing else 0
         held = _PLACED[key] = (groups, (crossing, fewest))
     return held[1]
+
+
+def beside(hw: Hardware, hidden: float) -> float:
+    """Seconds `hidden` seconds of communication under compute add to the compute: a kernel sharing the GPU with a
+    running collective (its SMs, its memory bandwidth) takes 1 + `hw.overlap_slowdown` times as long, so the
+    `hidden` seconds it spends beside the collective do hidden / (1 + s) seconds of its work."""
+    s = hw.overlap_slowdown
+    return hidden * s / (1 + s) if s > 0 and hidden > 0 else 0.0
 
 
 def on_step(est: "Estimate", comms: list[Comm], part: str, exposed: float | None = None) -> "Estimate":
@@ -741,6 +752,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                 share = 0.5 if plan.tensor_parallel.sequence_parallel else 1.0
                 tp_b = tp_t / 2 * (1 - share) + max(0.0, tp_t / 2 * share - win_w) + tp_r + hidden_g
         tp_times.append(tp_f + tp_b)
+        # what runs under compute rather than on the timeline slows that compute (`beside`)
+        timeline_b = tp_t / 2 + tp_r + (tp_g_c.seconds if tp_g_c else 0.0)
+        slowed = beside(hw, tp_t / 2 - tp_f), beside(hw, timeline_b - tp_b)
+        beside_times.append(slowed)
         tp_comms.append([c for c in (tp_c if tp > 1 else None, tp_r_c, tp_g_c) if c is not None])
         # a tp group across nodes is priced at the node's NICs (`_collective`): while it runs, they are busy
         tp_on_nics.append((tp_t / 2, tp_t / 2 + tp_r + tp_g) if tp > 1 and tp_c.inter > 0 else (0.0, 0.0))
@@ -750,8 +765,9 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                                            low_acc=z < 3 and gb == act_b)
         if pp_engine == "deepspeed":   # the engine accumulates each micro-batch's gradient after its backward
             b += compute.deepspeed_accumulate_seconds(hw, per_tp(d, "params"), plan.precision, acc)
-        return f * slow + tp_f, b * slow + tp_b
+        return f * slow + tp_f + slowed[0], b * slow + tp_b + slowed[1]
     tp_times: list[float] = []
+    beside_times: list[tuple[float, float]] = []   # per stage: (F, B) seconds hidden tp collectives add (`beside`)
     tp_on_nics: list[tuple[float, float]] = []   # per stage: (F, B) seconds tp holds the node's NICs
     tp_comms: list[list[Comm]] = []   # per stage: its tp collectives of one micro-batch, as priced above
     times = [stage_times(d) for d in stages]
@@ -902,15 +918,18 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         window = max(sum(times[r + k * pp][1] - nic[r + k * pp][1] for k in range(virtual)) for r in range(pp))
         last = dp_time * min(1.0, 25 * 2 ** 20 / max(big * wire, 1))   # the 25 MiB bucket after backward
         dp_exposed = max(dp_time - window, last)
+        dp_hidden = dp_time - dp_exposed
     elif z >= 1 and dp > 1 and overlap_dp:
         fwd = sum(times[big_rank + k * pp][0] - nic[big_rank + k * pp][0] for k in range(virtual))  # a micro-batch
         bwd = sum(times[big_rank + k * pp][1] - nic[big_rank + k * pp][1] for k in range(virtual))
         rs_s, ag_s, replicas_s = (sum(c.seconds for c in comms if c.axis == "dp" and c.collective == name)
                                   for name in ("reduce-scatter", "all-gather", "all-reduce"))
         # HSDP's all-reduce over the replicas runs in `finish`, after the last reduce-scatter: not overlapped
-        dp_exposed = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd, zero_backward_prefetch) + replicas_s
+        waited = zero_exposed(z, rs_s, ag_s, acc, units, fwd, bwd, zero_backward_prefetch)
+        dp_exposed, dp_hidden = waited + replicas_s, rs_s + ag_s - waited
     else:
-        dp_exposed = dp_time
+        dp_exposed, dp_hidden = dp_time, 0.0
+    dp_beside = beside(hw, dp_hidden)
     # the optimizer steps each parameter tensor (ZeRO: one flat range per bucket) in a loop of its own on a CPU
     tensors = units if z >= 1 else sum(d.get("param_tensors", 0) for d in held)
     # ZeRO-0/1 accumulate every micro-batch's whole gradient before the reduction; ZeRO-2/3 their shard
@@ -921,7 +940,7 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     # the optimizer step in place (`in_step`), and the step's own work beyond its micro-batches and optimizer
     # (get_batch, the runtime's bookkeeping: `step_overhead`): both calibrated on a CPU, neutral elsewhere
     optimizer_s = (optimizer_s * hw.in_step[2] + hw.step_overhead[0]) * slow
-    step = makespan + dp_exposed + tied_s + optimizer_s
+    step = makespan + dp_exposed + dp_beside + tied_s + optimizer_s
     if z >= 1 and getattr(plan.zero, "offload", None):  # ZeRO-Offload (parc/analysis/offload_cost.py)
         # the gradient download runs under the last micro-batch's backward, bucket by bucket (runtime/parallel/offload.py)
         bwd = sum(times[big_rank + v * pp][1] for v in range(virtual)) if overlap_dp else 0.0
@@ -1006,7 +1025,21 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     est.p2p_exposed_seconds = (max(0.0, makespan - free.makespan) if pp > 1 and free else 0.0) + tied_s
     est.tp_seconds = max(acc * sum(tp_times[r + k * pp] for k in range(virtual)) for r in range(pp))
     est.stage_seconds = times
+    est.beside_seconds = dp_beside + max(acc * sum(sum(beside_times[r + k * pp]) for k in range(virtual))
+                                         for r in range(pp))
+    if est.beside_seconds:
+        notes.append(beside_note(hw, est.beside_seconds))
     return est
+
+
+BESIDE = "compute beside communication:"
+
+
+def beside_note(hw: Hardware, seconds: float) -> str:
+    """The report's line on what the collectives hidden under compute cost it (`beside`)."""
+    return (f"{BESIDE} a kernel sharing the GPU with a running collective takes "
+            f"{1 + hw.overlap_slowdown:.3g}× as long (the preset's `overlap_slowdown`), so the collectives hidden "
+            f"under compute add {seconds:.3g} s to the step")
 
 
 # DeepSpeed's engine all-reduces gradients in flat buffers of this many elements (MEMORY_OPT_ALLREDUCE_SIZE)

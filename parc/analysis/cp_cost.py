@@ -83,9 +83,10 @@ def _stage(d: dict, cp: int) -> dict:
 
 
 def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None = None, system: str = "parc",
-          local: dict | None = None, attention: str = "flash") -> tuple[list[cost.Comm], float]:
+          local: dict | None = None, attention: str = "flash") -> tuple[list[cost.Comm], float, float]:
     """(the cp rows (module docstring), per rank per step, of the pp rank with the most attention traffic, the
-    seconds of them the step waits for), from the serial statistics: with virtual stages a pp rank runs the
+    seconds of them the step waits for, the seconds those hidden under the attention add to it: `cost.beside`),
+    from the serial statistics: with virtual stages a pp rank runs the
     chunks i ≡ its rank (mod pp). `groups`: the cp groups to price over (the planner passes one of each
     placement), else every cp group of the mesh. `system`: "parc" (the plan's method), or another system's
     context parallelism, "allgather" or "te-ring"; te-ring's hops hide under that rank's attention in `local`
@@ -137,8 +138,10 @@ def comms(plan, stats: dict, hw, allreduce: str, groups: list[list[int]] | None 
                 f, b = compute.stage_seconds({"attn": (d.get("ops") or {}).get("attn", ())}, hw, dtype, m.tp,
                                              attention)
                 under += acc * (f + b) * (cp - 1) / cp
-        waited = max(0.0, waited - under)
-    return rows, waited
+        # what the attention hides slows it (`cost.beside`)
+        waited, slowed = max(0.0, waited - under), cost.beside(hw, min(waited, under))
+        return rows, waited, slowed
+    return rows, waited, 0.0
 
 
 def groups_of(mesh, lazily: bool = False) -> dict[str, list[list[int]]]:
@@ -176,9 +179,14 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
     if math.isinf(est.step_seconds):   # over `memory_limit`: memory only, nothing timed
         return est
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
-    rows, waited = comms(plan, stats, hw, allreduce, groups["cp"], system=cp_attention, local=local,
+    rows, waited, slowed = comms(plan, stats, hw, allreduce, groups["cp"], system=cp_attention, local=local,
                          attention=options.get("attention", "flash"))
     est = cost.on_step(est, rows, "cp_seconds", exposed=waited) if rows else est
+    if slowed:   # on the step beside the ring's exposed part, as `cost.estimate` adds what its own hidden traffic costs
+        beside = est.beside_seconds + slowed
+        est = replace(est, step_seconds=est.step_seconds + slowed, beside_seconds=beside,
+                      mfu=est.mfu * est.step_seconds / (est.step_seconds + slowed),
+                      notes=[n for n in est.notes if not n.startswith(cost.BESIDE)] + [cost.beside_note(hw, beside)])
     ring = plan.context_parallel.method == "ring" and cp_attention == "parc"
     method = {"allgather": "all-gather, another system's", "te-ring": "Transformer Engine's ring, another system's"
               }.get(cp_attention, plan.context_parallel.method)

@@ -58,6 +58,16 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   and a linear's bias is not priced (cuBLAS adds it in the matmul's epilogue;
   the row sum that is its gradient is left out, as before kinds existed).
 - Kernel launch overhead 5 µs, hidden behind longer kernels (the host runs ahead).
+- Compute beside a collective (`overlap_slowdown`): a communication kernel
+  running beside a matmul or attention holds SMs and memory bandwidth, so the
+  compute under a hidden collective is slower than alone. Lee et al.,
+  "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed
+  Deep Learning: Performance and Power Implications" (arXiv:2507.03114, 2025),
+  ran GPT and Llama training on 4 A100s, H100s, MI250s and MI210s: compute
+  overlapped with communication took 18.9% longer on average (40.0% at most)
+  than the same compute with no communication beside it. Every GPU preset
+  takes the mean; the paper's per-GPU figures are not used (its mean is the
+  one figure it states for all of them). `cost.beside` turns it into step time.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ _SM90 = (
 )
 _A100_MAX = 0.86  # 267.9 / 312
 _GH100_SUSTAINED = 708.5 / 989  # H200 SXM MSMF, bf16 (above)
+_OVERLAP_SLOWDOWN = 0.189  # compute beside a collective, mean of Lee et al. 2025 (above)
 
 # (T, head size, fwd+bwd TFLOP/s) of FlashAttention-2, causal
 _FA2_A100 = ((512, 64, 90), (1024, 64, 130), (2048, 64, 155), (4096, 64, 170), (8192, 64, 175),
@@ -106,17 +117,17 @@ def _a100_matmul() -> tuple:
 
 TABLES = {
     "a100": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
-             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
+             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "a100_40gb": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
-                  "mem_bw": 0.8 * 1.555e12, "op_overhead": 5e-6, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
+                  "mem_bw": 0.8 * 1.555e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h100_hbm2e": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-                   "mem_bw": 0.8 * 2.4e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+                   "mem_bw": 0.8 * 2.4e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
                    "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "matmul_sustained": _GH100_SUSTAINED,
+             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
 }
 

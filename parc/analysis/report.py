@@ -233,6 +233,8 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
                    "over_bytes": max(round(over), 0), "verdict": verdict},
         "communication": {"rows": comm, "seconds": est.comm_seconds, "exposed_seconds": est.exposed_comm_seconds,
                           "exposed_parts": _exposed_parts(est),
+                          # what the collectives hidden under compute slow it by, in the step (`cost.beside`)
+                          "beside_seconds": est.beside_seconds,
                           "share_of_step": round(est.exposed_comm_seconds / est.step_seconds, 4)
                           if est.step_seconds else 0},
         "utilization": {"model_flops_per_step": est.model_flops, "hardware_flops_per_step": est.hardware_flops,
