@@ -61,6 +61,10 @@ def test_exposed_is_a_part_of_the_whole(reports, name):
     line = next(ln for ln in _text(reports[name], None).splitlines() if ln.startswith("communication: "))
     assert "latency included" in line and "as if none of it overlapped compute" in line
     assert f"exposed {comm['exposed_seconds']:.3g} s" in line
+    # what hides slows the compute it runs under: said, with the figure, where anything hides (3d: the re-gathers
+    # parc prefetches, ZeRO-1's collectives); the tiny dp plan's all-reduce is one 25 MiB bucket, after the backward
+    assert (comm["beside_seconds"] > 0) == (name == "3d")
+    assert (f"beside it, {comm['beside_seconds']:.3g} s more" in line) == (name == "3d")
 
 
 def test_rows_only_for_what_the_plan_has(reports):

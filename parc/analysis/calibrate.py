@@ -508,8 +508,11 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
         log(f"posting a send or receive (batch_isend_irecv), on the poster's timeline: {g['post'] * 1e3:.2f} ms")
         log(f"optimizer (AdamW, per parameter tensor): {preset['optimizer_per_tensor'] * 1e6:.1f} µs")
         preset.update(_in_step(preset, log))
-    else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node
-        preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8)
+    else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node, and the
+        # shipped presets' cited slowdown of compute beside a collective (presets.py)
+        from parc.analysis.presets import OVERLAP_SLOWDOWN
+
+        preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8, overlap_slowdown=OVERLAP_SLOWDOWN)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(preset, indent=1))
     return preset

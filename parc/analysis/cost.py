@@ -75,7 +75,7 @@ class Hardware:
     nics_per_node: int = 0         # network links per node, one direction each at inter_bw; 0: one per GPU
     cores: int = 0                 # CPU: cores the ranks of a host share; 0: one device per rank
     collective_overhead: float = 0.0  # seconds per collective call beyond its ring steps (calibrated gloo)
-    overlap_slowdown: float = 0.0  # compute's slowdown while a collective runs beside it (`beside`; GPU presets: presets.py)
+    overlap_slowdown: float = 0.0  # compute's slowdown beside a running collective (`beside`; GPU presets: presets.py)
     # calibrated on a CPU host (parc calibrate), empty/neutral for the shipped GPU presets:
     contention: float = 1.0        # compute's slowdown beyond ranks / cores when more ranks than cores compute
     collectives: tuple = ()        # (kind, group size, bytes, compute between calls s, seconds per call), measured

@@ -84,7 +84,7 @@ _SM90 = (
 )
 _A100_MAX = 0.86  # 267.9 / 312
 _GH100_SUSTAINED = 708.5 / 989  # H200 SXM MSMF, bf16 (above)
-_OVERLAP_SLOWDOWN = 0.189  # compute beside a collective, mean of Lee et al. 2025 (above)
+OVERLAP_SLOWDOWN = 0.189  # compute beside a collective, mean of Lee et al. 2025 (above)
 
 # (T, head size, fwd+bwd TFLOP/s) of FlashAttention-2, causal
 _FA2_A100 = ((512, 64, 90), (1024, 64, 130), (2048, 64, 155), (4096, 64, 170), (8192, 64, 175),
@@ -115,19 +115,22 @@ def _a100_matmul() -> tuple:
     return tuple(("bf16", m, n, k, min(t / 989 * scale, _A100_MAX)) for m, n, k, t in _SM90)
 
 
+# every GPU preset: the launch overhead, and compute's slowdown beside a collective (above)
+_EVERY_GPU = {"op_overhead": 5e-6, "overlap_slowdown": OVERLAP_SLOWDOWN}
+
 TABLES = {
     "a100": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
-             "mem_bw": 0.8 * 2.039e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
+             "mem_bw": 0.8 * 2.039e12, **_EVERY_GPU, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "a100_40gb": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
-                  "mem_bw": 0.8 * 1.555e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
+                  "mem_bw": 0.8 * 1.555e12, **_EVERY_GPU, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 3.35e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
+             "mem_bw": 0.8 * 3.35e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h100_hbm2e": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-                   "mem_bw": 0.8 * 2.4e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
+                   "mem_bw": 0.8 * 2.4e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
                    "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
-             "mem_bw": 0.8 * 4.8e12, "op_overhead": 5e-6, "overlap_slowdown": _OVERLAP_SLOWDOWN, "matmul_sustained": _GH100_SUSTAINED,
+             "mem_bw": 0.8 * 4.8e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
 }
 

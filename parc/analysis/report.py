@@ -368,7 +368,8 @@ def render(rep: dict, console=None) -> None:
 
 def _comm_line(comm: dict) -> str:
     """The two totals under the table, both with every call's latency: the rows added up (as if nothing
-    overlapped compute), and what communication adds to the step, by axis."""
+    overlapped compute), and what communication adds to the step, by axis; then what the hidden rest costs
+    the compute it runs under (`cost.beside`)."""
     parts = comm.get("exposed_parts", {})
     what = {"tp": "tp on the critical path", "pp": "P2P beyond the schedule's own bubble",
             "dp": "dp not hidden behind backward", "ep": "ep all-to-all"}
@@ -379,4 +380,6 @@ def _comm_line(comm: dict) -> str:
     if comm["exposed_seconds"] > comm["seconds"] * (1 + 1e-9):
         line += (" (more than the rows: the critical path crosses the P2P hops of several pp ranks, each row "
                  "one rank's)")
+    if comm.get("beside_seconds"):
+        line += f"; what hides slows the compute beside it, {comm['beside_seconds']:.3g} s more in the step"
     return line
