@@ -180,7 +180,7 @@ def estimate(plan, stats: dict, hw, *, allreduce: str = "ring", params_per_rank=
         return est
     est = replace(est, comms=[replace(c, axis="dp×cp") if c.axis == "dp" else c for c in est.comms])
     rows, waited, slowed = comms(plan, stats, hw, allreduce, groups["cp"], system=cp_attention, local=local,
-                         attention=options.get("attention", "flash"))
+                                 attention=options.get("attention", "flash"))
     est = cost.on_step(est, rows, "cp_seconds", exposed=waited) if rows else est
     if slowed:   # on the step beside the ring's exposed part, as `cost.estimate` adds what its own hidden traffic costs
         beside = est.beside_seconds + slowed
