@@ -6,9 +6,18 @@ kv heads repeated to the query heads before the attention kernel (torchtitan's `
 MLP w2(silu(w1 x) · w3 x), no biases, an untied output layer. Module names follow torchtitan's
 (`layers.N.attention.wq`, `layers.N.feed_forward.w1`), so its parallel plans read the same here.
 
-RMSNorm: torchtitan's `norm_type = "rmsnorm"` (unfused, in fp32: each op its own kernel), or, with an 8th
-field `fused` in PARC_BENCH_LLAMA, its `fused_rmsnorm` (a Triton kernel: here one custom op, which the cost model
-prices as one memory-bound op over its input and output bytes, and which keeps only its input for the backward).
+RMSNorm: torchtitan's `norm_type = "rmsnorm"` (unfused, in fp32: each op its own kernel), or, with a field
+`fused` after the seven in PARC_BENCH_LLAMA, its `fused_rmsnorm` (a Triton kernel: here one custom op, which the
+cost model prices as one memory-bound op over its input and output bytes, and which keeps only its input for the
+backward).
+
+Rotary and SwiGLU: torchtitan's ops, each its own kernel; or, with a field `fused_ops`, one kernel each, as
+Megatron-core on Transformer Engine runs them under `apply_rope_fusion` (TE's fused RoPE: q or k read once, written once; its
+backward the same on the gradient) and `bias_activation_fusion` with a SwiGLU (Megatron's fused bias-SwiGLU: the
+gate and up projections read once, the product written once, only those two inputs kept for the backward), and as
+torch.compile generates them. The cost model prices each as one memory-bound op over its input and output bytes and
+counts a custom op's inputs as kept, so the fused rotary's input (q or k before it) is counted though TE keeps only
+the angle tables: an over-count of two of a layer's smaller activations.
 
 Only ever traced on meta, so the batches are random token ids. Rotary embedding is written with cos/sin
 (torchtitan multiplies complex numbers): the same bytes through memory-bound ops, no complex dtype.
@@ -24,9 +33,13 @@ import torch.nn.functional as F
 
 _SPEC = os.environ.get("PARC_BENCH_LLAMA", "32,4096,32,8,14336,128256,8192").split(",")
 _L, _D, _NH, _KV, _FFN, _V, _T = (int(x) for x in _SPEC[:7])
-# an 8th field "fused": torchtitan's `norm_type = "fused_rmsnorm"` (a Triton kernel: one read of x, one write of
-# the output; its backward reads x and the gradient and writes one), else its unfused `rmsnorm` in fp32
-_FUSED_NORM = _SPEC[7:] == ["fused"]
+# fields after the seven: "fused", torchtitan's `norm_type = "fused_rmsnorm"` (a Triton kernel: one read of x, one
+# write of the output; its backward reads x and the gradient and writes one), else its unfused `rmsnorm` in fp32;
+# "fused_ops", rotary and SwiGLU as one kernel each (Transformer Engine's and Megatron-core's fusions, above)
+_FIELDS = set(_SPEC[7:])
+if _FIELDS - {"fused", "fused_ops"}:
+    raise ValueError(f"PARC_BENCH_LLAMA: unknown fields {sorted(_FIELDS - {'fused', 'fused_ops'})} (fused, fused_ops)")
+_FUSED_NORM, _FUSED_OPS = "fused" in _FIELDS, "fused_ops" in _FIELDS
 
 
 @torch.library.custom_op("parc_bench::fused_rms_norm", mutates_args=())
@@ -73,11 +86,63 @@ class RMSNorm(nn.Module):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions: each pair of x's last dim turned by its position's angle. x: (B, T, nh, hs)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     # fp32 products (the table is fp32), cast back as torchtitan's `.type_as(xq)` does
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+@torch.library.custom_op("parc_bench::fused_rope", mutates_args=())
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One kernel's rotary (Transformer Engine's fused RoPE)."""
+    return _turn(x, cos, sin)
+
+
+@fused_rope.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x)
+
+
+def _rope_backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return fused_rope(grad, cos, -sin), None, None   # the turn back: one kernel on the gradient
+
+
+def _rope_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])   # the angle tables only
+
+
+fused_rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return fused_rope(x, cos, sin) if _FUSED_OPS else _turn(x, cos, sin)
+
+
+@torch.library.custom_op("parc_bench::fused_swiglu", mutates_args=())
+def fused_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """One kernel's SwiGLU product silu(gate) · up (Megatron's fused bias-SwiGLU, no bias)."""
+    return F.silu(gate) * up
+
+
+@fused_swiglu.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+def _swiglu_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    with torch.enable_grad():
+        g_, u_ = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        return torch.autograd.grad(F.silu(g_) * u_, (g_, u_), grad)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)   # the two inputs only, as the fused kernel keeps them
+
+
+fused_swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 class Attention(nn.Module):
@@ -111,6 +176,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(_FFN, _D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _FUSED_OPS:
+            return self.w2(fused_swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

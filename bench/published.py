@@ -238,6 +238,7 @@ class Row:
     attention: str = ""           # the row's own attention kernel (`--attention`), over its source's
     cuts: tuple = ()              # the pipeline's stages as the source cut them (`cut after` each path), else auto
     sp: bool = False              # under tp: Megatron's sequence parallelism (`sequence_parallel`)
+    fused_ops: bool = False       # llama: rotary and SwiGLU one kernel each (Transformer Engine's; inductor's)
     precision: str = "bf16"       # the plan's `precision` (16-bit compute over fp32 masters: bf16, or fp16)
     order: str = ""               # the mesh's rank placement (`mesh ... order=`, inner to outer), else parc's default
 
@@ -471,10 +472,10 @@ ROWS += [_mpt(MPT_A100_40, *r) for r in [
 # (NO_REENTRANT), the norms and residual adds not: `recompute "layers.*.attention" "layers.*.feed_forward"`
 # (bench/llama_sized.py's names for them). Each decoder layer compiled by torch.compile, so its fp32 RMSNorm
 # (BackendConfig rms_norm torch_fp32) runs as one generated kernel: priced as the one-kernel norm (`fused_norm`), not
-# as the op-by-op eager one
+# as the op-by-op eager one, and for the same reason its rotary and SwiGLU products as one kernel each (`fused_ops`)
 AUTOMODEL_AC = "layers.*.attention layers.*.feed_forward"
 ROWS += [Row("Llama 3.1 70B", AUTOMODEL_H100, "llama", LLAMA3_70B, 1, 1, 64, 128, 1, 866.77, "tokens/s", "h100",
-             AUTOMODEL_AC, True, cp=2)]
+             AUTOMODEL_AC, True, cp=2, fused_ops=True)]
 
 # Llama Team, AI @ Meta, "The Llama 3 Herd of Models" (Dubey et al. 2024, arXiv:2407.21783). Table 4 ("Scaling
 # configurations and MFU for each stage of Llama 3 405B pre-training"): GPUs, TP, CP, PP, DP, sequence, batch size /
@@ -634,16 +635,17 @@ ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpu
 # `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (parc's ZeRO-1,
 # `--dp-wire bf16`), context parallelism by Transformer Engine's ring of K/V exchanges (the cp_comm_type it defaults
 # to, p2p: `--cp-attention te-ring`), NVTE_FUSED_ATTN=1 (cuDNN's fused attention: parc's flash), no dropout. The 405B
-# table's runs on 32, 96 and 192 GPUs cut the model to 7, 21 and 42 layers: not this model, so not rows. What the
-# model here prices differently from Transformer Engine's: its rotary and SwiGLU products are separate memory-bound
-# ops (TE fuses them): docs/cost-model.md (c). Gradients accumulate in bf16 as NeMo's bucket keeps them
+# table's runs on 32, 96 and 192 GPUs cut the model to 7, 21 and 42 layers: not this model, so not rows. The
+# yamls' `apply_rope_fusion: true` (TE's fused RoPE) and `bias_activation_fusion: true` with `activation:
+# fast-swiglu` (Megatron-core's fused SwiGLU): rotary and the SwiGLU product one kernel each (`fused_ops`,
+# bench/llama_sized.py's `fused_ops`). Gradients accumulate in bf16 as NeMo's bucket keeps them
 # (`NEMO_PRECISION`), and sequence parallelism keeps each layer input's slice, gathered again in the backward, as
 # Megatron and parc's runtime do.
 NEMO_LLAMA31 = "NVIDIA DGXC benchmarks: NeMo Llama 3.1 (H100)"
 FLAGS[NEMO_LLAMA31] = (1, FLAGS[NEMO_175B][1] + ["--cp-attention", "te-ring"], "")
 ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, batch * gpus // per, 1,
-             8192 * (batch * gpus // per) / step / gpus, "tokens/s", "h100", "", fused_norm=True, virtual=virtual,
-             sp=tp > 1, cp=2, precision=NEMO_PRECISION)
+             8192 * (batch * gpus // per) / step / gpus, "tokens/s", "h100", "", fused_norm=True, fused_ops=True,
+             virtual=virtual, sp=tp > 1, cp=2, precision=NEMO_PRECISION)
          for size, shape, tp, pp, virtual, batch, per, steps in [
              ("8B", LLAMA3_8B, 1, 1, 1, 128, 8, ((8, 12.78), (16, 12.99), (32, 13.00), (64, 13.00), (128, 13.16))),
              ("70B", LLAMA3_70B, 4, 4, 5, 128, 64, ((64, 14.61), (128, 14.70), (256, 14.72), (512, 14.80),
@@ -741,7 +743,8 @@ def report_flags(row: Row) -> list[str]:
 def model_env(row: Row) -> tuple[str, str]:
     """The environment variable and value that size the row's model file (bench/gpt_sized.py, llama_sized.py)."""
     env = "PARC_BENCH_GPT" if row.arch == "gpt" else "PARC_BENCH_LLAMA"
-    return env, ",".join(map(str, row.shape + (("fused",) if row.fused_norm else ()) + (("tied",) if row.tied else ())))
+    fields = [f for f, on in (("fused", row.fused_norm), ("fused_ops", row.fused_ops), ("tied", row.tied)) if on]
+    return env, ",".join(map(str, [*row.shape, *fields]))
 
 
 def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:
@@ -838,7 +841,7 @@ def main() -> int:
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
               f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {row.zero_stage} | {recompute_label(row)}"
-              f"{', fused norm' if row.fused_norm else ''} | "
+              f"{', fused norm' if row.fused_norm else ''}{', fused rotary, fused SwiGLU' if row.fused_ops else ''} | "
               f"{row.published:.5g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
               f"{'yes' if rep['memory']['fits'] else 'NO'} |", flush=True)

@@ -198,6 +198,57 @@ def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_o
     assert kept[1] < kept[0]
 
 
+def test_the_llama_benchs_fused_ops_compute_the_unfused_ones_and_are_priced_as_one_op_each(tmp_path, monkeypatch):
+    """bench/llama_sized.py's `fused_ops` field (Transformer Engine's fused RoPE and Megatron-core's fused SwiGLU, as
+    NVIDIA's NeMo recipes run them): each custom op's output and gradients are the unfused ops' (fp32: bitwise, the
+    turn back is the same products and sums), and the report prices the model faster (one op's bytes each) and
+    keeping fewer activations (the SwiGLU keeps its two inputs, not its silu too)."""
+    import torch
+
+    def load(spec_env):
+        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+        spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    shape = "2,64,4,2,128,100,16"
+    unfused, fused = load(shape), load(shape + ",fused_ops")
+    assert not unfused._FUSED_OPS and fused._FUSED_OPS and not fused._FUSED_NORM
+    with pytest.raises(ValueError, match="unknown fields"):
+        load(shape + ",fusedops")
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 4, 16)
+    angles = torch.arange(16.0)[:, None] * torch.rand(8)[None, :]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    h = torch.randn(2, 16, 64)
+    outs = []
+    for mod in (unfused, fused):
+        x, hx = q.clone().requires_grad_(), h.clone().requires_grad_()
+        y = mod._rotate(x, cos, sin)
+        (y * torch.arange(16.0)).sum().backward()
+        torch.manual_seed(1)   # the same weights in both MLPs
+        ff = mod.FeedForward()
+        z = ff(hx)
+        (z * torch.arange(64.0)).sum().backward()
+        outs.append((y, x.grad, z, hx.grad, ff.w1.weight.grad, ff.w3.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=h100\nbatch global=16 micro=2\n"
+                    "zero stage=3\nprecision bf16\n")
+    reps = []
+    for spec_env in (shape, shape + ",fused_ops"):
+        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+        reps.append(report.build_from_args(cli.parser().parse_args(
+            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
+    (u_rep, f_rep) = reps
+    assert f_rep["utilization"]["compute_seconds"] < u_rep["utilization"]["compute_seconds"]
+    kept = [r["memory"]["per_pp_rank"][0]["activations_bytes"] for r in (u_rep, f_rep)]
+    assert kept[1] < kept[0]
+
+
 def test_torchtitans_every_second_layer_is_recomputed_as_it_ran_and_nothing_else():
     """torchtitan's selective layer AC (`selective_ac_option = "2"`, parallelize_llama.py at 1ea476e9f) wraps a block
     when its 1-based count is even: layers 1, 3, 5, ... by index, whole. The bench's plan recomputes exactly those
