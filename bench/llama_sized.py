@@ -12,12 +12,12 @@ cost model prices as one memory-bound op over its input and output bytes, and wh
 backward).
 
 Rotary and SwiGLU: torchtitan's ops, each its own kernel; or, with a field `fused_ops`, one kernel each, as
-Megatron-core on Transformer Engine runs them under `apply_rope_fusion` (TE's fused RoPE: q or k read once, written once; its
-backward the same on the gradient) and `bias_activation_fusion` with a SwiGLU (Megatron's fused bias-SwiGLU: the
-gate and up projections read once, the product written once, only those two inputs kept for the backward), and as
-torch.compile generates them. The cost model prices each as one memory-bound op over its input and output bytes and
-counts a custom op's inputs as kept, so the fused rotary's input (q or k before it) is counted though TE keeps only
-the angle tables: an over-count of two of a layer's smaller activations.
+Megatron-core on Transformer Engine runs them under `apply_rope_fusion` (TE's fused RoPE: q or k read once,
+written once; its backward the same on the gradient) and `bias_activation_fusion` with a SwiGLU (Megatron's fused
+bias-SwiGLU: the gate and up projections read once, the product written once, only those two inputs kept for the
+backward), and as torch.compile generates them. The cost model prices each as one memory-bound op over its input
+and output bytes and counts a custom op's inputs as kept, so the fused rotary's input (q or k before it) is counted
+though TE keeps only the angle tables: an over-count of two of a layer's smaller activations.
 
 Only ever traced on meta, so the batches are random token ids. Rotary embedding is written with cos/sin
 (torchtitan multiplies complex numbers): the same bytes through memory-bound ops, no complex dtype.
