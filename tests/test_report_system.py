@@ -154,21 +154,39 @@ def test_a_pipeline_sweeps_published_steps_give_its_fill_at_its_micro_batch():
     assert abs(published.fill_slots(mtnlg, mtnlg[0].micro) - (mtnlg[0].pp - 1)) < 1
 
 
+TINY_LLAMA = "2,64,4,2,128,100,16"   # bench/llama_sized.py's shape fields: layers, dim, heads, kv, ffn, vocab, T
+
+
+def _load_llama(monkeypatch, spec_env: str):
+    """bench/llama_sized.py imported afresh under PARC_BENCH_LLAMA=`spec_env` (it reads the shape at import)."""
+    monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+    spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _llama_reports(tmp_path, monkeypatch, *spec_envs: str) -> list[dict]:
+    """`parc report` of bench/llama_sized.py at each of `spec_envs`, dp 8 ZeRO-3 bf16 on one H100 node."""
+    plan = tmp_path / "p.par"
+    plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=h100\nbatch global=16 micro=2\n"
+                    "zero stage=3\nprecision bf16\n")
+    reps = []
+    for spec_env in spec_envs:
+        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+        reps.append(report.build_from_args(cli.parser().parse_args(
+            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
+    return reps
+
+
 def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_one_op(tmp_path, monkeypatch):
     """bench/llama_sized.py's `fused` field (torchtitan's fused_rmsnorm): the custom op's output and gradients are
     the unfused module's, and the report prices the model with it faster (one op's bytes, not each fp32 op's) and
     keeping fewer activations (its input, not each op's saved fp32 copy)."""
     import torch
 
-    def load(spec_env):
-        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-        spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    shape = "2,64,4,2,128,100,16"
-    unfused, fused = load(shape), load(shape + ",fused")
+    shape = TINY_LLAMA
+    unfused, fused = _load_llama(monkeypatch, shape), _load_llama(monkeypatch, shape + ",fused")
     assert not unfused._FUSED_NORM and fused._FUSED_NORM
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -184,15 +202,7 @@ def test_the_llama_benchs_fused_norm_computes_the_unfused_one_and_is_priced_as_o
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
-    plan = tmp_path / "p.par"
-    plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=h100\nbatch global=16 micro=2\n"
-                    "zero stage=3\nprecision bf16\n")
-    reps = []
-    for spec_env in (shape, shape + ",fused"):
-        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-        reps.append(report.build_from_args(cli.parser().parse_args(
-            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
-    (u_rep, f_rep) = reps
+    u_rep, f_rep = _llama_reports(tmp_path, monkeypatch, shape, shape + ",fused")
     assert f_rep["utilization"]["step_seconds"] < u_rep["utilization"]["step_seconds"]
     kept = [r["memory"]["per_pp_rank"][0]["activations_bytes"] for r in (u_rep, f_rep)]
     assert kept[1] < kept[0]
@@ -205,18 +215,11 @@ def test_the_llama_benchs_fused_ops_compute_the_unfused_ones_and_are_priced_as_o
     keeping fewer activations (the SwiGLU keeps its two inputs, not its silu too)."""
     import torch
 
-    def load(spec_env):
-        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-        spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    shape = "2,64,4,2,128,100,16"
-    unfused, fused = load(shape), load(shape + ",fused_ops")
+    shape = TINY_LLAMA
+    unfused, fused = _load_llama(monkeypatch, shape), _load_llama(monkeypatch, shape + ",fused_ops")
     assert not unfused._FUSED_OPS and fused._FUSED_OPS and not fused._FUSED_NORM
     with pytest.raises(ValueError, match="unknown fields"):
-        load(shape + ",fusedops")
+        _load_llama(monkeypatch, shape + ",fusedops")
     torch.manual_seed(0)
     q = torch.randn(2, 16, 4, 16)
     angles = torch.arange(16.0)[:, None] * torch.rand(8)[None, :]
@@ -235,15 +238,7 @@ def test_the_llama_benchs_fused_ops_compute_the_unfused_ones_and_are_priced_as_o
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
-    plan = tmp_path / "p.par"
-    plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=h100\nbatch global=16 micro=2\n"
-                    "zero stage=3\nprecision bf16\n")
-    reps = []
-    for spec_env in (shape, shape + ",fused_ops"):
-        monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-        reps.append(report.build_from_args(cli.parser().parse_args(
-            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
-    (u_rep, f_rep) = reps
+    u_rep, f_rep = _llama_reports(tmp_path, monkeypatch, shape, shape + ",fused_ops")
     assert f_rep["utilization"]["compute_seconds"] < u_rep["utilization"]["compute_seconds"]
     kept = [r["memory"]["per_pp_rank"][0]["activations_bytes"] for r in (u_rep, f_rep)]
     assert kept[1] < kept[0]
