@@ -192,11 +192,14 @@ DEEPSPEED_ORDER = "tp,dp,pp"
 # model.loss_fn defaults to "fused_crossentropy" (llmfoundry/models/mpt/modeling_mpt.py at 3e5b9604e, mosaic_gpt.py
 # at 300cc5c58; no yaml sets it), flash-attn's CrossEntropyLoss (setup.py's gpu extra installs its xentropy lib)
 MOSAIC = ["--attention", "flash-triton", "--zero-prefetch", "post", "--dp-wire", "fp32", "--loss", "fused"]
-# The large-scale H100 rows' sweep.py: BACKWARD_PRE, FlashAttention-2 (13b and 30b: Triton, the row's `attention`);
-# the fused loss as above (modeling_mpt.py at 5e85bd62d: loss_fn defaults to "fused_crossentropy" and raises when
-# flash_attn's CrossEntropyLoss cannot be imported, so the runs had it: flash-attn 2.4.2's own, the gpu-flash2
-# extra installing no xentropy lib; it keeps the logits and a log-sum-exp a row, its gradient in the logits' dtype)
-MOSAIC_LARGE = ["--dp-wire", "fp32", "--loss", "fused"]
+# The large-scale H100 rows' sweep.py: BACKWARD_PRE, FlashAttention-2 (13b and 30b: Triton, the row's `attention`)
+# as llm-foundry calls it: `flash_attn_fn` (llmfoundry/models/layers/attention.py at 5e85bd62d) unpads q, k and v
+# with flash_attn's bert_padding.unpad_input (an all-ones mask when the batch has none), runs
+# flash_attn_varlen_func and pads the output back with pad_input: `--attention flash-unpad`; the fused loss as above
+# (modeling_mpt.py at 5e85bd62d: loss_fn defaults to "fused_crossentropy" and raises when flash_attn's
+# CrossEntropyLoss cannot be imported, so the runs had it: flash-attn 2.4.2's own, the gpu-flash2 extra installing no
+# xentropy lib; it keeps the logits and a log-sum-exp a row, its gradient in the logits' dtype)
+MOSAIC_LARGE = ["--attention", "flash-unpad", "--dp-wire", "fp32", "--loss", "fused"]
 # The A100 40GB rows: MOSAIC's kernels, prefetch and loss (mosaic_gpt.py at c4f8c7540: "fused_crossentropy", its
 # setup.py's gpu extra installing xentropy-cuda-lib), Composer's PURE: gradients reduced in bf16
 MOSAIC_PURE = MOSAIC + ["--dp-wire", "bf16"]   # the last --dp-wire wins

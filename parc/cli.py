@@ -399,7 +399,9 @@ def parser() -> argparse.ArgumentParser:
     other.add_argument("--attention", choices=System.ATTENTION, default="flash",
                        help="attention kernel: flash (parc: a fused kernel), materialized (the T x T scores written "
                             "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them), "
-                            "flash-triton (FlashAttention written in Triton: llm-foundry's attn_impl triton)")
+                            "flash-triton (FlashAttention written in Triton: llm-foundry's attn_impl triton), "
+                            "flash-unpad (the flash kernel between flash_attn's unpad and pad gathers: llm-foundry's "
+                            "attn_impl flash)")
     other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")

@@ -269,8 +269,9 @@ def test_torchtitans_every_second_layer_is_recomputed_as_it_ran_and_nothing_else
 
 def test_mpt_rows_state_their_own_stage_kernel_and_gpu():
     """MosaicML's four tables through one `_mpt`: the large-scale H100 table's SHARD_GRAD_OP rows are `zero stage=2`
-    without recompute, its 13b and 30b rows override the source's FlashAttention-2 with the Triton kernel (the last
-    `--attention` wins), its backward gathers are prefetched (no `--zero-prefetch post`); the A100 40GB rows run on
+    without recompute, its 13b and 30b rows override the source's FlashAttention-2 (llm-foundry's, between
+    flash_attn's unpad and pad gathers: flash-unpad) with the Triton kernel (the last `--attention` wins), its
+    backward gathers are prefetched (no `--zero-prefetch post`); the A100 40GB rows run on
     the a100_40gb preset with bf16 gradients; both use MPT's fused loss; the 79 rows before them are as they were
     (ZeRO-3, a100 / h100)."""
     from parc.cli import parser
@@ -287,9 +288,13 @@ def test_mpt_rows_state_their_own_stage_kernel_and_gpu():
     assert "zero stage=2\n" in text and "recompute" not in text and "mesh dp=512 pp=1 tp=1\n" in text
     assert "nodes=64 gpus_per_node=8" in text and "batch global=6144 micro=12\n" in text
     flags = parser().parse_args(["report", *published.report_flags(one)])
-    assert (flags.attention, flags.zero_prefetch, flags.dp_wire, flags.loss) == ("flash", "pre", "fp32", "fused")
+    assert (flags.attention, flags.zero_prefetch, flags.dp_wire, flags.loss) == ("flash-unpad", "pre", "fp32", "fused")
     flags = parser().parse_args(["report", *published.report_flags(thirteen)])
     assert (flags.attention, flags.zero_prefetch) == ("flash-triton", "pre")
+    kernels = {r.name.split()[1]: parser().parse_args(["report", *published.report_flags(r)]).attention
+               for r in by[published.MPT_H100_LARGE]}
+    assert kernels == {"70B": "flash-unpad", "30B": "flash-triton", "13B": "flash-triton", "7B": "flash-unpad",
+                       "3B": "flash-unpad", "1B": "flash-unpad"}
     assert "zero stage=3\n" in published.plan_text(thirteen) and 'recompute "blocks.*"' in published.plan_text(thirteen)
     for row in by[published.MPT_A100_40]:
         flags = parser().parse_args(["report", *published.report_flags(row)])

@@ -19,7 +19,9 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   matmuls to the forward's two); efficiency from the preset's attention table.
   `attention="materialized"` prices a system that writes the scores out instead
   (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs); `"flash-triton"`
-  the FlashAttention written in Triton (`TRITON_FLASH_SLOWER`: MosaicML's MPT runs).
+  the FlashAttention written in Triton (`TRITON_FLASH_SLOWER`: MosaicML's MPT runs);
+  `"flash-unpad"` the flash kernel between flash_attn's unpad and pad gathers
+  (`unpad_seconds`: llm-foundry's attn_impl "flash").
 - `mem`: every other op that makes a value, as [kind, bytes, sharded, recomputed,
   count]: bytes read and written by the op in the forward (dtypes as autocast
   runs them); `kind` (`mem_kind`) says what work the op does per byte: an
@@ -141,6 +143,36 @@ def mem_seconds(hw, kind: str, nbytes: float) -> tuple[float, float] | None:
 # are (no measurement of the Triton kernel on an H100 beside FlashAttention-2 was found).
 TRITON_FLASH_SLOWER = (1.4, 2.0)
 
+# FlashAttention-2's variable-length kernel between flash_attn's `unpad_input` and `pad_input` (flash_attn/
+# bert_padding.py at v2.4.2; llm-foundry's attn_impl "flash", llmfoundry/models/layers/attention.py `flash_attn_fn`
+# at 5e85bd62d, calls them whether or not a sample is padded): the kernel as "flash", and around it, each a kernel
+# of its own (`unpad_seconds`). Forward: q, k and v each gathered into a new tensor (`IndexFirstAxis`: torch.gather,
+# read and write), the output scattered into a zeroed one (`IndexPutFirstAxis`: zeros, then an index_put that reads
+# and writes); and per unpad_input five kernels on the (b, T) mask (sum, nonzero, max, cumsum, pad) plus the mask's
+# ones_like: no bytes to speak of, each a launch. Backward: each gather's gradient a zeroed tensor and a scatter_
+# into it, the output's a gather. In elements of a row of q, k, v, o: forward 2(q + k + v) + 3o, backward
+# 3(q + k + v) + 2o.
+UNPAD_INDEX_KERNELS = 3 * 5 + 1
+
+
+def unpad_seconds(hw, dtype: str, bh: float, t: float, hs: float, repeat: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the gathers and scatters flash_attn's `unpad_input` and `pad_input` put
+    around one attention of b·heads `bh` rows of T × hs (`UNPAD_INDEX_KERNELS`' comment): q and the output at the
+    query heads, k and v at theirs (1/`repeat`: the gathers run before any repetition to the query heads)."""
+    act = 4 if dtype == "fp32" else 2
+    q = o = bh * t * hs * act
+    kv = 2 * q / repeat
+    fwd = sum(_moved(hw, b) for b in (2 * q, kv, kv, o, 2 * o)) + UNPAD_INDEX_KERNELS * _kernel(hw, 0.0)
+    bwd = sum(_moved(hw, b) for b in (q, 2 * q, kv / 2, kv, kv / 2, kv, 2 * o))
+    return fwd, bwd
+
+
+def _moved(hw, nbytes: float) -> float:
+    """Seconds of one kernel that reads and writes `nbytes` in all, as a memory-bound op's forward."""
+    if (measured := mem_seconds(hw, "ew", nbytes)) is not None:
+        return measured[0]
+    return _kernel(hw, nbytes / hw.mem_bw if hw.mem_bw else 0.0)
+
 
 def _peak(hw, dtype: str) -> float:
     return hw.flops.get(dtype, hw.flops["fp32"])
@@ -191,7 +223,8 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
 
     `attention`: the kernel the run's attention uses: "flash" (a fused kernel, what
     scaled_dot_product_attention runs on a GPU: the attention table), "flash-triton" (FlashAttention
-    written in Triton: the table's efficiency over `TRITON_FLASH_SLOWER`, forward and backward apart) or
+    written in Triton: the table's efficiency over `TRITON_FLASH_SLOWER`, forward and backward apart),
+    "flash-unpad" (the flash kernel with flash_attn's unpad and pad gathers around it: `unpad_seconds`) or
     "materialized" (the scores written out, as every system before FlashAttention, 2022:
     `materialized_attention`), with a dropout on the probabilities when `attention_dropout`."""
     fwd = bwd = 0.0
@@ -203,7 +236,7 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
                     [_mm_work(hw, dtype, b, m, k, n), _mm_work(hw, dtype, b, n, k, m)])
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
-    for bh, t, hs, causal, split, rec, _, count in attn_rows(ops):
+    for bh, t, hs, causal, split, rec, repeat, count in attn_rows(ops):
         if tp > 1 and split:
             bh = bh / tp
         if attention == "materialized":
@@ -215,6 +248,9 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
         slower = TRITON_FLASH_SLOWER if attention == "flash-triton" else (1.0, 1.0)
         f, bk = _op(hw, "attn", slower[0] * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
                     [slower[1] * 2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
+        if attention == "flash-unpad":
+            uf, ub = unpad_seconds(hw, dtype, bh, t, hs, repeat)
+            f, bk = f + uf, bk + ub
         fwd += count * f
         bwd += count * (bk + (f if rec else 0.0))
     for kind, nbytes, sharded, rec, count in _mem_rows(ops):

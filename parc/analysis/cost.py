@@ -22,8 +22,8 @@ Activations: what autograd saves is estimated as every non-view value the forwar
 makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
 outputs: parc/analysis/activations.py); the logits' gradient is a transient peak on the
-loss's stage; a materialised attention (`System.attention`) adds the probabilities it keeps
-(`_materialized_probs`). Times: compute per operation (parc/analysis/compute.py: efficiency
+loss's stage; another system's attention (`System.attention`) adds what it keeps beyond the
+flash kernel: a materialised one its probabilities, an unpadded one its padded output (`_attention_kept`). Times: compute per operation (parc/analysis/compute.py: efficiency
 tables by matmul shape and for attention, memory-bound ops by kind, measured or
 bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
@@ -102,7 +102,9 @@ class System:
       (the T × T scores written out, as Megatron and DeepSpeed did before FlashAttention, 2022), or
       "materialized-dropout" (the same with a dropout on the probabilities: Megatron's --attention-dropout), or
       "flash-triton" (FlashAttention written in Triton, slower than FlashAttention-2 by a measured ratio:
-      compute.TRITON_FLASH_SLOWER; llm-foundry's attn_impl "triton", MosaicML's MPT runs).
+      compute.TRITON_FLASH_SLOWER; llm-foundry's attn_impl "triton", MosaicML's MPT runs), or "flash-unpad"
+      (the flash kernel with flash_attn's unpad_input and pad_input around it: their gathers and scatters,
+      compute.unpad_seconds, and the padded output kept beside the kernel's own; llm-foundry's attn_impl "flash").
     - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
     - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
@@ -150,7 +152,7 @@ class System:
     cp_attention: str = "parc"
     tp_overlap: str = "none"
 
-    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton")
+    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton", "flash-unpad")
     CP_ATTENTION = ("parc", "allgather", "te-ring")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
@@ -645,7 +647,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     by default each estimate builds and simulates its own. `attention`, `attention_dropout`: the
     attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
     "materialized" a system that writes the scores out (any before FlashAttention, 2022); "flash-triton"
-    FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER). `pp_engine`:
+    FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER); "flash-unpad" the flash kernel between
+    flash_attn's unpad and pad gathers (compute.unpad_seconds). `pp_engine`:
     "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
     schedule is a 1F1B, so a plan with another is refused, and it runs ZeRO-1 at most (a ZeRO-2/3 plan is
     refused). It also accumulates the gradients as that engine does, after each micro-batch's backward on its
@@ -792,8 +795,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     for r in range(pp):
         held = [stages[r + k * pp] for k in range(virtual)]
         params = params_per_rank[r] if params_per_rank else sum(per_tp(d, "params") for d in held)
-        # another system's materialised attention keeps its T × T probabilities, which the traced flash kernel does not
-        probs = [_materialized_probs(d, tp, attention, attention_dropout) for d in held]
+        # another system's attention may keep what the traced flash kernel does not (`_attention_kept`)
+        probs = [_attention_kept(d, tp, attention, attention_dropout, act_b) for d in held]
         kept = sum(per_tp(d, "kept_bytes") + p[0] for d, p in zip(held, probs)) / len(held)
         rpeak = max(per_tp(d, "recompute_peak_bytes") + p[1] for d, p in zip(held, probs))
         transient = max(_transient(d, tp, act_b, fused_loss=stats.get("loss") == "fused") for d in held)
@@ -1013,6 +1016,11 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         fwd_x, bwd_x = compute.TRITON_FLASH_SLOWER
         notes.append(f"attention: FlashAttention in Triton, the attention table's efficiency ÷{fwd_x:g} forward, "
                      f"÷{bwd_x:g} backward (FlashAttention-2 paper §4.1)")
+    elif attention == "flash-unpad":
+        notes.append("attention: the flash kernel between flash_attn's unpad_input and pad_input: q, k and v "
+                     "gathered and the output scattered each forward, the reverse each backward, "
+                     f"{compute.UNPAD_INDEX_KERNELS} index kernels a forward, and the padded output kept beside "
+                     "the kernel's; their host syncs (nonzero, item) are not priced")
     elif attention != "flash":
         notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
                      + (", with a dropout on the probabilities)" if attention_dropout else ")"))
@@ -1169,25 +1177,33 @@ def _tp_rows(tp_comms: list[list[Comm]], tp_times: list[float], pp: int, virtual
     return [summed("all-gather", 0.5, again), summed("reduce-scatter", 0.5)]
 
 
-def _materialized_probs(d: dict, tp: int, attention: str, dropout: bool) -> tuple[float, float]:
-    """(kept, recompute peak) bytes of one micro-batch that a materialised attention holds beyond the flash kernel
-    parc traces: the softmax's output, b·heads·T² in 16 bits, saved for the softmax's and the value matmul's
-    backward; with dropout on the probabilities also its mask (1 byte) and the dropped probabilities the value matmul
-    reads (2): 5 bytes an element (Korthikanti et al. 2023, arXiv:2205.05198 §4.1: "2as²b", "as²b", "2as²b"; the
-    scores before Megatron's fused scale-mask-softmax are not kept). Heads split over tp where the row says so. A
-    recomputed attention's are held only while its region is recomputed: one at a time, the largest."""
-    if attention.startswith("flash"):
+def _attention_kept(d: dict, tp: int, attention: str, dropout: bool, act_b: int) -> tuple[float, float]:
+    """(kept, recompute peak) bytes of one micro-batch that another system's attention holds beyond the flash
+    kernel parc traces.
+
+    - Materialised: the softmax's output, b·heads·T² in 16 bits, saved for the softmax's and the value matmul's
+      backward; with dropout on the probabilities also its mask (1 byte) and the dropped probabilities the value
+      matmul reads (2): 5 bytes an element (Korthikanti et al. 2023, arXiv:2205.05198 §4.1: "2as²b", "as²b",
+      "2as²b"; the scores before Megatron's fused scale-mask-softmax are not kept).
+    - "flash-unpad": the output twice, b·heads·T·hs at the activations' bytes: the kernel saves its unpadded
+      output and the projection after it saves the padded copy (`pad_input` writes a new tensor). Its unpadded
+      q, k and v replace the views of the projection's output the kernel would save, so they add nothing.
+    - Other flash kernels: nothing.
+
+    Heads split over tp where the row says so. A recomputed attention's are held only while its region is
+    recomputed: one at a time, the largest."""
+    if attention not in ("materialized", "flash-unpad"):
         return 0.0, 0.0
-    per = 5 if dropout else 2
     kept = peak = 0.0
     from parc.analysis.compute import attn_rows
 
-    for bh, t, _, _, split, rec, _, count in attn_rows(d.get("ops", {})):
-        el = bh / (tp if split else 1) * t * t
+    for bh, t, hs, _, split, rec, _, count in attn_rows(d.get("ops", {})):
+        bh = bh / (tp if split else 1)
+        held = bh * t * hs * act_b if attention == "flash-unpad" else bh * t * t * (5 if dropout else 2)
         if rec:
-            peak = max(peak, el * per)
+            peak = max(peak, held)
         else:
-            kept += count * el * per
+            kept += count * held
     return kept, peak
 
 
