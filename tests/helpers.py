@@ -20,6 +20,16 @@ from parc.trace import load_user_module
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
+SIZED_GPT = ROOT / "bench" / "gpt_sized.py"   # sized by PARC_BENCH_GPT
+
+
+def sized_report(plan: Path, *flags: str, model: Path = SIZED_GPT) -> dict:
+    """`parc report --model MODEL --plan PLAN [flags]` through the CLI's own parser: analytic, traced on meta."""
+    from parc import cli
+    from parc.analysis import report
+
+    return report.build_from_args(cli.parser().parse_args(["report", "--model", str(model), "--plan", str(plan),
+                                                           *flags]))
 
 
 def gpt_tp_rules(sequence_parallel: bool = False) -> str:

@@ -8,14 +8,10 @@ report says so. Analytic only (tracing on meta, no ranks): about a second."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from parc import cli
-from parc.analysis import compute, cost, report
-
-ROOT = Path(__file__).resolve().parents[1]
-SIZED = ROOT / "bench" / "gpt_sized.py"
+from helpers import sized_report
+from parc.analysis import compute, cost
 
 
 def test_triton_attention_by_hand():
@@ -39,11 +35,6 @@ def test_triton_attention_by_hand():
         compute.stage_seconds(other, hw, "bf16", 1, attention="flash")
 
 
-def _report(plan, *flags) -> dict:
-    """`parc report --model bench/gpt_sized.py --plan plan [flags]` through the CLI's parser."""
-    return report.build_from_args(cli.parser().parse_args(["report", "--model", str(SIZED), "--plan", str(plan),
-                                                           *flags]))
-
 
 def test_report_flag_prices_only_the_attention(tmp_path, monkeypatch):
     """Through `parc report`: a 2-layer GPT at hidden 1024, 8 heads (head size 128), sequence 4096, dp 8 on one
@@ -54,7 +45,7 @@ def test_report_flag_prices_only_the_attention(tmp_path, monkeypatch):
     plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=a100\nbatch global=16 micro=2\n"
                     "zero stage=3\nprecision bf16\n")
 
-    flash, triton = _report(plan), _report(plan, "--attention", "flash-triton")
+    flash, triton = sized_report(plan), sized_report(plan, "--attention", "flash-triton")
     grow = triton["utilization"]["compute_seconds"] - flash["utilization"]["compute_seconds"]
     hw = cost.hardware("a100")
     # per micro-batch of 2 sequences on a rank: 2 layers × one attention of 2 × 8 heads; 1 micro-batch a step
@@ -96,7 +87,7 @@ def test_report_zero_prefetch_post_adds_the_backward_gathers(tmp_path, monkeypat
     plan.write_text("mesh dp=16\ntopology nodes=2 gpus_per_node=8 preset=a100\nbatch global=32 micro=1\n"
                     "zero stage=3\nprecision bf16\n")
 
-    pre, post = _report(plan), _report(plan, "--zero-prefetch", "post")
+    pre, post = sized_report(plan), sized_report(plan, "--zero-prefetch", "post")
     assert pre["utilization"]["compute_seconds"] == post["utilization"]["compute_seconds"]
     ag = sum(r["seconds"] for r in pre["communication"]["rows"] if r["collective"] == "all-gather")
     grow = post["communication"]["exposed_parts"]["dp"] - pre["communication"]["exposed_parts"]["dp"]

@@ -8,14 +8,10 @@ and the report says so. Analytic only (tracing on meta, no ranks): about a secon
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from parc import cli
-from parc.analysis import compute, cost, report
-
-ROOT = Path(__file__).resolve().parents[1]
-SIZED = ROOT / "bench" / "gpt_sized.py"
+from helpers import sized_report
+from parc.analysis import compute, cost
 
 
 def test_unpad_traffic_by_hand():
@@ -62,11 +58,6 @@ def test_stage_adds_the_traffic_to_the_flash_kernel():
         compute.stage_seconds(other, hw, "bf16", 1, attention="flash")
 
 
-def _report(plan, *flags) -> dict:
-    """`parc report --model bench/gpt_sized.py --plan plan [flags]` through the CLI's parser."""
-    return report.build_from_args(cli.parser().parse_args(["report", "--model", str(SIZED), "--plan", str(plan),
-                                                           *flags]))
-
 
 def test_report_prices_the_traffic_and_the_second_output(tmp_path, monkeypatch):
     """Through `parc report`: a 2-layer GPT at hidden 1024, 8 heads (head size 128), sequence 4096, dp 8 ZeRO-3 on
@@ -78,7 +69,7 @@ def test_report_prices_the_traffic_and_the_second_output(tmp_path, monkeypatch):
     plan.write_text("mesh dp=8\ntopology nodes=1 gpus_per_node=8 preset=a100\nbatch global=16 micro=2\n"
                     "zero stage=3\nprecision bf16\n")
 
-    flash, unpad = _report(plan), _report(plan, "--attention", "flash-unpad")
+    flash, unpad = sized_report(plan), sized_report(plan, "--attention", "flash-unpad")
     uf, ub = compute.unpad_seconds(cost.hardware("a100"), "bf16", 16, 4096, 128, 1)
     grow = unpad["utilization"]["compute_seconds"] - flash["utilization"]["compute_seconds"]
     assert grow == pytest.approx(2 * (uf + ub), rel=1e-6)

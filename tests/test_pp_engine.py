@@ -12,7 +12,7 @@ under bf16 all-reduced in fp32 rather than reduce-scattered (each derived by han
 from pathlib import Path
 
 import pytest
-from parc import cli
+from helpers import sized_report
 from parc.analysis import compute, report
 from parc.errors import ParcError
 from parc.passes.schedule import build_schedule, deepspeed_train
@@ -68,8 +68,7 @@ precision bf16
 def _report(tmp_path, schedule, *flags) -> dict:
     plan = tmp_path / "p.par"
     plan.write_text(PLAN.format(schedule=schedule))
-    return report.build_from_args(cli.parser().parse_args(
-        ["report", "--model", str(ROOT / "bench" / "gpt_sized.py"), "--plan", str(plan), *flags]))
+    return sized_report(plan, *flags)
 
 
 def test_report_prices_the_engine_and_says_so(tmp_path, monkeypatch):

@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import sized_report
 from parc import cli
 from parc.analysis import compute, cost, report
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZED = ROOT / "bench" / "gpt_sized.py"
+LLAMA = ROOT / "bench" / "llama_sized.py"
 # 2 nodes of 4, dp 4 over both (2 ranks of each dp group on a node), pp 2 inside a node, bf16 on an A100
 PLAN = """mesh dp=4 pp=2
 topology nodes=2 gpus_per_node=4 preset=a100
@@ -35,8 +37,7 @@ def _size(monkeypatch):
 def _report(tmp_path, *flags) -> dict:
     plan = tmp_path / "p.par"
     plan.write_text(PLAN)
-    return report.build_from_args(cli.parser().parse_args(["report", "--model", str(SIZED), "--plan", str(plan),
-                                                           *flags]))
+    return sized_report(plan, *flags)
 
 
 def test_the_default_is_parcs_runtime_and_says_nothing(tmp_path):
@@ -160,7 +161,7 @@ TINY_LLAMA = "2,64,4,2,128,100,16"   # bench/llama_sized.py's shape fields: laye
 def _load_llama(monkeypatch, spec_env: str):
     """bench/llama_sized.py imported afresh under PARC_BENCH_LLAMA=`spec_env` (it reads the shape at import)."""
     monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-    spec = importlib.util.spec_from_file_location("llama_sized", ROOT / "bench" / "llama_sized.py")
+    spec = importlib.util.spec_from_file_location("llama_sized", LLAMA)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -174,8 +175,7 @@ def _llama_reports(tmp_path, monkeypatch, *spec_envs: str) -> list[dict]:
     reps = []
     for spec_env in spec_envs:
         monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
-        reps.append(report.build_from_args(cli.parser().parse_args(
-            ["report", "--model", str(ROOT / "bench" / "llama_sized.py"), "--plan", str(plan)])))
+        reps.append(sized_report(plan, model=LLAMA))
     return reps
 
 
@@ -376,11 +376,10 @@ def _tiny_llama_cp(tmp_path, monkeypatch):
     monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")   # layers, dim, heads, kv heads, ffn, vocab, T
     plan = tmp_path / "cp.par"
     plan.write_text("mesh dp=1 cp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
-    llama = ROOT / "bench" / "llama_sized.py"
+    llama = LLAMA
 
     def cp_row(*flags):
-        rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(llama), "--plan", str(plan),
-                                                               "--preset", "h100", *flags]))
+        rep = sized_report(plan, "--preset", "h100", *flags, model=llama)
         (row,) = [r for r in rep["communication"]["rows"] if r["axis"] == "cp"]
         return row, rep
 
@@ -407,9 +406,7 @@ def test_cp_attention_allgather_moves_the_kv_heads_of_the_whole_sequence(tmp_pat
     assert ring["bytes_per_rank"] / gathered["bytes_per_rank"] == pytest.approx(4 * 2)   # the repeat, fp32 / bf16
     # no cp: the flag changes nothing, and says so
     plan.write_text("mesh dp=2\ntopology nodes=1 gpus_per_node=2\nbatch global=2 micro=1\nprecision bf16\n")
-    rep = report.build_from_args(cli.parser().parse_args(["report", "--model", str(ROOT / "bench" / "llama_sized.py"),
-                                                           "--plan", str(plan), "--preset", "h100",
-                                                           "--cp-attention", "allgather"]))
+    rep = sized_report(plan, "--preset", "h100", "--cp-attention", "allgather", model=LLAMA)
     assert any("has no context parallelism" in n for n in rep["notes"])
 
 
@@ -457,7 +454,7 @@ def test_kv_repeat_finds_gqas_heads_before_their_repetition(monkeypatch):
     monkeypatch.setenv("PARC_BENCH_LLAMA", "2,256,8,2,512,1000,64")
     monkeypatch.setenv("PARC_BENCH_GPT", "2,256,8,1000,64")
     plan = parse("mesh dp=1\nbatch global=1 micro=1\n", file="p.par")
-    for model, repeat in ((ROOT / "bench" / "llama_sized.py", 4), (SIZED, 1)):
+    for model, repeat in ((LLAMA, 4), (SIZED, 1)):
         stats = report._trace_stats(model, plan, ())
         rows = [r for s in stats["stages"] for r in compute.attn_rows(s["ops"])]
         assert rows and {r[6] for r in rows} == {repeat}, model

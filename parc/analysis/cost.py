@@ -23,7 +23,8 @@ makes; `recompute` keeps only each recomputed module's input, plus one module's
 values while it is recomputed (under `compile` with tp, also the module's collectives'
 outputs: parc/analysis/activations.py); the logits' gradient is a transient peak on the
 loss's stage; another system's attention (`System.attention`) adds what it keeps beyond the
-flash kernel: a materialised one its probabilities, an unpadded one its padded output (`_attention_kept`). Times: compute per operation (parc/analysis/compute.py: efficiency
+flash kernel: a materialised one its probabilities, an unpadded one its padded output
+(`_attention_kept`). Times: compute per operation (parc/analysis/compute.py: efficiency
 tables by matmul shape and for attention, memory-bound ops by kind, measured or
 bytes over bandwidth;
 FLOPs × `achievable` for a preset without tables); a ring all-reduce moves
