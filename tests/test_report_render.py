@@ -97,3 +97,25 @@ def test_tables_do_not_wrap_or_cut_numbers(reports, width):
     for r, ln in zip(rep["memory"]["per_pp_rank"], body):
         assert f"{r['total_bytes'] / 1024:.2f}" in ln
     assert "…" not in "\n".join(lines)
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.par"))
+
+
+@pytest.mark.parametrize("par", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_renders(par, capsys):
+    """`parc report` prints every shipped example plan, each axis whose traffic adds to the step named in the
+    communication line in its own words (`report.EXPOSED`). Before, examples/cp.par's exposed K and V exchange
+    ended the report in a KeyError."""
+    from parc import cli
+
+    model = par.with_suffix(".py") if par.with_suffix(".py").is_file() else GPT   # cp.par and moe.par have their own
+    assert cli.main(["report", "--model", str(model), "--plan", str(par)]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.startswith("communication:"))
+    rep = report.build(model=model, plan=par)
+    exposed = [a for a, v in rep["communication"]["exposed_parts"].items() if v > 0]
+    assert all(report.EXPOSED[a][1] in line for a in exposed)
+    assert set(rep["communication"]["exposed_parts"]) == set(report.EXPOSED)
+    if par.stem == "cp":
+        assert "cp" in exposed

@@ -266,11 +266,18 @@ def mfu_warning(est) -> str:
             "(a calibration on a busy machine, or a peak below the device's)")
 
 
+# each axis whose communication can add to the step: the Estimate's field for it, and the words the report says
+EXPOSED = {"tp": ("tp_seconds", "tp on the critical path"),
+           "pp": ("p2p_exposed_seconds", "P2P beyond the schedule's own bubble"),
+           "dp": ("dp_exposed_seconds", "dp not hidden behind backward"),
+           "ep": ("ep_seconds", "ep all-to-all"),
+           "cp": ("cp_seconds", "cp's K and V exchange")}
+
+
 def _exposed_parts(est) -> dict[str, float]:
     """What each axis adds to the step (the exposed seconds, before their cap at the step), so the
-    report can say where the exposed communication comes from."""
-    return {"tp": est.tp_seconds, "pp": est.p2p_exposed_seconds, "dp": est.dp_exposed_seconds, "ep": est.ep_seconds,
-            "cp": est.cp_seconds}
+    report can say where the exposed communication comes from (`EXPOSED`)."""
+    return {axis: getattr(est, field) for axis, (field, _) in EXPOSED.items()}
 
 
 def _rank_words(hw: dict) -> tuple[str, str]:
@@ -371,9 +378,7 @@ def _comm_line(comm: dict) -> str:
     overlapped compute), and what communication adds to the step, by axis; then what the hidden rest costs
     the compute it runs under (`cost.beside`)."""
     parts = comm.get("exposed_parts", {})
-    what = {"tp": "tp on the critical path", "pp": "P2P beyond the schedule's own bubble",
-            "dp": "dp not hidden behind backward", "ep": "ep all-to-all"}
-    named = ", ".join(f"{what[a]} {v:.3g} s" for a, v in parts.items() if v > 0) or "none"
+    named = ", ".join(f"{EXPOSED[a][1]} {v:.3g} s" for a, v in parts.items() if v > 0) or "none"
     line = (f"communication: {comm['seconds']:.3g} s per step, the rows above added up (latency included) as if "
             f"none of it overlapped compute; exposed {comm['exposed_seconds']:.3g} s = {comm['share_of_step']:.1%} "
             f"of the step, the time it adds to the step: {named}")
