@@ -613,11 +613,13 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (the optimizer
 # state sharded over dp, the gradients reduce-scattered once a step under the last backward and the parameters
 # gathered under the next forward: parc's ZeRO-1, `--dp-wire bf16`), `overlap_p2p_comm: true` (parc's engine
-# posts its sends eagerly too), NVTE_FUSED_ATTN=0 (TE's flash-attn backend: parc's flash). Not priced: the
+# posts its sends eagerly too), and cuDNN's fused attention: configure.sh at 0b71cfda5 (v25.02.01; the table's
+# figures first appear at v25.02, 8f5cbb3) exports NVTE_FUSED_ATTN=1, Transformer Engine's FusedAttention
+# (`--attention cudnn`; at v25.01, 143b90dd9, it was 0 and the table printed 8.91 s at 128 GPUs). Not priced: the
 # config's dropout (hidden and attention 0.1; the traced GPT has none). The DGX Cloud H100 nodes: 8 × 400 Gbit/s
 # InfiniBand (the h100 preset), taken as the cluster the table ran on.
 NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
-FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
+FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16", "--attention", "cudnn"], "")
 # distributed_fused_adam's gradient buffer (`grad_sync_dtype: bf16`): each micro-batch's gradients accumulate in
 # bf16, reduce-scattered in bf16 once a step, into the fp32 optimizer state: parc's `accumulate=bf16`
 NEMO_PRECISION = "bf16 reduce=bf16 accumulate=bf16"
@@ -637,7 +639,8 @@ ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpu
 # stages; 405B: 8 × 9 × 2 with 7), `sequence_parallel: true`, `ub_tp_comm_overlap: true` (`--tp-overlap gemm`),
 # `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (parc's ZeRO-1,
 # `--dp-wire bf16`), context parallelism by Transformer Engine's ring of K/V exchanges (the cp_comm_type it defaults
-# to, p2p: `--cp-attention te-ring`), NVTE_FUSED_ATTN=1 (cuDNN's fused attention: parc's flash), no dropout. The 405B
+# to, p2p: `--cp-attention te-ring`), NVTE_FLASH_ATTN=0 and NVTE_FUSED_ATTN=1 in configure.sh (cuDNN's fused
+# attention, each ring step's kernel too: `--attention cudnn`, the source's flags above), no dropout. The 405B
 # table's runs on 32, 96 and 192 GPUs cut the model to 7, 21 and 42 layers: not this model, so not rows. The
 # yamls' `apply_rope_fusion: true` (TE's fused RoPE) and `bias_activation_fusion: true` with `activation:
 # fast-swiglu` (Megatron-core's fused SwiGLU): rotary and the SwiGLU product one kernel each (`fused_ops`,

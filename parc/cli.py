@@ -401,7 +401,8 @@ def parser() -> argparse.ArgumentParser:
                             "out, pre-2022 Megatron and DeepSpeed), materialized-dropout (with a dropout on them), "
                             "flash-triton (FlashAttention written in Triton: llm-foundry's attn_impl triton), "
                             "flash-unpad (the flash kernel between flash_attn's unpad and pad gathers: llm-foundry's "
-                            "attn_impl flash)")
+                            "attn_impl flash), cudnn (cuDNN's fused attention: Transformer Engine's, NVIDIA's NeMo "
+                            "recipes; measured on the H100 presets, flash elsewhere)")
     other.add_argument("--pp-sends", choices=System.PP_SENDS, default="whole",
                        help="pipeline sends under tp: whole (parc) or scatter-gather (Megatron: 1/tp each, "
                             "all-gathered by the receiver over NVLink)")

@@ -458,3 +458,16 @@ def test_kv_repeat_finds_gqas_heads_before_their_repetition(monkeypatch):
         stats = report._trace_stats(model, plan, ())
         rows = [r for s in stats["stages"] for r in compute.attn_rows(s["ops"])]
         assert rows and {r[6] for r in rows} == {repeat}, model
+
+
+def test_nvidias_nemo_rows_run_cudnns_attention():
+    """bench/published.py's NVIDIA DGX Cloud sources (GPT-3 175B, Llama 3.1) state TE's fused attention, as their
+    configure.sh sets NVTE_FUSED_ATTN=1: every such row reaches the report as --attention cudnn, on the h100."""
+    from parc.cli import parser
+
+    published = _published()
+    rows = [r for r in published.ROWS if r.source in (published.NEMO_175B, published.NEMO_LLAMA31)]
+    assert len(rows) == 19
+    for row in rows:
+        flags = parser().parse_args(["report", *published.report_flags(row)])
+        assert (flags.attention, row.preset) == ("cudnn", "h100")

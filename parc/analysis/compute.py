@@ -21,7 +21,8 @@ operations of ONE micro-batch, collected from the traced graph by `op_table`
   (`materialized_attention`: pre-2022 Megatron and DeepSpeed runs); `"flash-triton"`
   the FlashAttention written in Triton (`TRITON_FLASH_SLOWER`: MosaicML's MPT runs);
   `"flash-unpad"` the flash kernel between flash_attn's unpad and pad gathers
-  (`unpad_seconds`: llm-foundry's attn_impl "flash").
+  (`unpad_seconds`: llm-foundry's attn_impl "flash"); `"cudnn"` cuDNN's fused
+  attention at the preset's `attention_cudnn` table (NVIDIA's NeMo recipes).
 - `mem`: every other op that makes a value, as [kind, bytes, sharded, recomputed,
   count]: bytes read and written by the op in the forward (dtypes as autocast
   runs them); `kind` (`mem_kind`) says what work the op does per byte: an
@@ -106,8 +107,11 @@ def _matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
     return min(e, hw.matmul_sustained) if hw.matmul_sustained else e
 
 
-def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool) -> float:
-    rows = [r for r in hw.attention if r[0] == dtype] or list(hw.attention)
+def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool, kernel: str = "flash") -> float:
+    """Fraction of peak one causal attention of sequence `t`, head size `hs` reaches, from the preset's table for
+    `kernel` ("cudnn": `attention_cudnn` where the preset has it; else the flash table, `attention`)."""
+    table = hw.attention_cudnn if kernel == "cudnn" and hw.attention_cudnn else hw.attention
+    rows = [r for r in table if r[0] == dtype] or list(table)
     if not rows:
         return hw.achievable
     return _nearest([(r[1], r[2], r[4 if backward else 3]) for r in rows], (t, hs))
@@ -224,7 +228,8 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
     `attention`: the kernel the run's attention uses: "flash" (a fused kernel, what
     scaled_dot_product_attention runs on a GPU: the attention table), "flash-triton" (FlashAttention
     written in Triton: the table's efficiency over `TRITON_FLASH_SLOWER`, forward and backward apart),
-    "flash-unpad" (the flash kernel with flash_attn's unpad and pad gathers around it: `unpad_seconds`) or
+    "flash-unpad" (the flash kernel with flash_attn's unpad and pad gathers around it: `unpad_seconds`),
+    "cudnn" (cuDNN's fused attention: the preset's `attention_cudnn` table where it has one) or
     "materialized" (the scores written out, as every system before FlashAttention, 2022:
     `materialized_attention`), with a dropout on the probabilities when `attention_dropout`."""
     fwd = bwd = 0.0
@@ -246,8 +251,9 @@ def stage_seconds(ops: dict, hw, dtype: str, tp: int, attention: str = "flash",
             continue
         flops = 4 * bh * t * t * hs * (0.5 if causal else 1.0)
         slower = TRITON_FLASH_SLOWER if attention == "flash-triton" else (1.0, 1.0)
-        f, bk = _op(hw, "attn", slower[0] * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, False)),
-                    [slower[1] * 2.5 * flops / (_peak(hw, dtype) * attention_efficiency(hw, dtype, t, hs, True))])
+        eff = [attention_efficiency(hw, dtype, t, hs, back, attention) for back in (False, True)]
+        f, bk = _op(hw, "attn", slower[0] * flops / (_peak(hw, dtype) * eff[0]),
+                    [slower[1] * 2.5 * flops / (_peak(hw, dtype) * eff[1])])
         if attention == "flash-unpad":
             uf, ub = unpad_seconds(hw, dtype, bh, t, hs, repeat)
             f, bk = f + uf, bk + ub

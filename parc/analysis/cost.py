@@ -70,6 +70,7 @@ class Hardware:
     mem_bw: float = 0.0            # bytes/s an elementwise kernel reaches (read + written)
     matmul: tuple = ()             # (dtype, m, n, k, efficiency)
     attention: tuple = ()          # (dtype, T, head size, efficiency forward, backward), causal
+    attention_cudnn: tuple = ()    # the same for cuDNN's fused attention (`--attention cudnn`); empty: unmeasured
     matmul_sustained: float = 0.0  # fraction of peak a power-saturated matmul holds (MSMF); 0: no cap
     op_overhead: float = 0.0       # seconds per kernel launch / op dispatch
     async_launch: bool = True      # the host runs ahead (GPU): a kernel costs max(work, overhead)
@@ -105,7 +106,9 @@ class System:
       "flash-triton" (FlashAttention written in Triton, slower than FlashAttention-2 by a measured ratio:
       compute.TRITON_FLASH_SLOWER; llm-foundry's attn_impl "triton", MosaicML's MPT runs), or "flash-unpad"
       (the flash kernel with flash_attn's unpad_input and pad_input around it: their gathers and scatters,
-      compute.unpad_seconds, and the padded output kept beside the kernel's own; llm-foundry's attn_impl "flash").
+      compute.unpad_seconds, and the padded output kept beside the kernel's own; llm-foundry's attn_impl "flash"),
+      or "cudnn" (cuDNN's fused attention, Transformer Engine's FusedAttention: the preset's `attention_cudnn`
+      table, the H100's measured beside FlashAttention-2; NVIDIA's NeMo recipes, NVTE_FUSED_ATTN=1).
     - `pp_sends`: "whole" (every tp rank sends the whole boundary value: parc) or "scatter-gather" (each tp rank
       sends 1/tp and the receiver all-gathers it over NVLink: Megatron's scatter/gather optimisation).
     - `pp_engine`: "parc" (parc's 1F1B: each rank's adjacent sends and receives posted together, sends eager,
@@ -153,7 +156,7 @@ class System:
     cp_attention: str = "parc"
     tp_overlap: str = "none"
 
-    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton", "flash-unpad")
+    ATTENTION = ("flash", "materialized", "materialized-dropout", "flash-triton", "flash-unpad", "cudnn")
     CP_ATTENTION = ("parc", "allgather", "te-ring")
     PP_SENDS = ("whole", "scatter-gather")
     PP_ENGINES = ("parc", "deepspeed")
@@ -170,7 +173,7 @@ class System:
     def estimate_options(self) -> dict:
         """The keyword arguments of `cp_cost.estimate_plan` that price this system (`cp_attention` is its own;
         the rest it passes to `estimate`)."""
-        return dict(attention=self.attention if self.attention.startswith("flash") else "materialized",
+        return dict(attention="materialized" if self.attention.startswith("materialized") else self.attention,
                     attention_dropout=self.attention == "materialized-dropout",
                     p2p_scatter_gather=self.pp_sends == "scatter-gather", overlap_dp=self.dp_overlap,
                     dp_bytes=self.WIRE[self.dp_wire] if self.dp_wire else None, pp_engine=self.pp_engine,
@@ -649,7 +652,8 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
     attention kernel of the system priced (compute.stage_seconds): "flash" is what parc runs;
     "materialized" a system that writes the scores out (any before FlashAttention, 2022); "flash-triton"
     FlashAttention written in Triton (compute.TRITON_FLASH_SLOWER); "flash-unpad" the flash kernel between
-    flash_attn's unpad and pad gathers (compute.unpad_seconds). `pp_engine`:
+    flash_attn's unpad and pad gathers (compute.unpad_seconds); "cudnn" cuDNN's fused attention (the preset's
+    `attention_cudnn`). `pp_engine`:
     "deepspeed" times the pipeline as DeepSpeed's engine runs it (`System.pp_engine`); its only training
     schedule is a 1F1B, so a plan with another is refused, and it runs ZeRO-1 at most (a ZeRO-2/3 plan is
     refused). It also accumulates the gradients as that engine does, after each micro-batch's backward on its
@@ -1022,6 +1026,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
                      "gathered and the output scattered each forward, the reverse each backward, "
                      f"{compute.UNPAD_INDEX_KERNELS} index kernels a forward, and the padded output kept beside "
                      "the kernel's; their host syncs (nonzero, item) are not priced")
+    elif attention == "cudnn":
+        notes.append("attention: cuDNN's fused kernel (Transformer Engine's FusedAttention), "
+                     + ("the preset's cuDNN table (measured beside FlashAttention-2, presets.py)" if hw.attention_cudnn
+                        else "priced as flash: this preset has no measurement of it (`attention_cudnn`)"))
     elif attention != "flash":
         notes.append(f"attention: {attention} (the scores written out, over the whole T × T square"
                      + (", with a dropout on the probabilities)" if attention_dropout else ")"))

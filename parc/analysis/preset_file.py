@@ -85,7 +85,7 @@ def read_preset(path: str, known: set[str]) -> dict:
 
 def as_fields(data: dict) -> dict:
     """`data` (a preset as JSON holds it: lists) with its tables as the tuples Hardware's fields are."""
-    for key in ("matmul", "attention", "collectives", "op_overheads", "mem_times"):
+    for key in ("matmul", "attention", "attention_cudnn", "collectives", "op_overheads", "mem_times"):
         data[key] = tuple(tuple(r) for r in data.get(key, ()))
     for key in ("in_step", "step_overhead"):   # a file from before they were measured: the defaults
         if key in data:

@@ -26,6 +26,18 @@ from here; `parc calibrate` writes the same fields, measured, to a preset file.
   masked half skipped): forward+backward throughput read off FlashAttention-2's
   benchmark figures (Dao 2023, arXiv:2307.08691, figs. 4–7: A100 and H100,
   head dim 64 and 128), the same figure used for forward and backward.
+- cuDNN's fused attention on the H100 (`attention_cudnn`, `--attention cudnn`:
+  Transformer Engine's FusedAttention, what NVIDIA's NeMo recipes select with
+  NVTE_FUSED_ATTN=1 and NVTE_FLASH_ATTN=0): the FlashAttention-2 table above
+  times cuDNN's speed over FlashAttention-2's, both measured side by side on an
+  H100 80GB SXM5 in the FlashAttention-3 paper (Shah et al. 2024,
+  arXiv:2407.08608, Fig. 5 (b) and (d), forward with causal mask, bf16/fp16;
+  the figure is assets/flash3_fp16_fwd.png of Dao-AILab/flash-attention,
+  commit 7ef24848): head dim 64, 1.25–1.30×; head dim 128, 1.58–1.65×. The
+  figure is of the forward; the same ratio is taken for the backward, an
+  assumption (no backward figure was read here). The A100 presets have none:
+  no measurement of cuDNN's kernel beside FlashAttention-2 on an A100 was found,
+  so `--attention cudnn` prices the A100 as flash and says so.
 - Sustained matmul (H100, H200): a large matmul in a training step draws the
   board's full power (700 W) and the SM clock settles below boost, so no matmul
   is priced above the Maximum *Sustainable* Matmul FLOPS: H200 SXM bf16 708.5
@@ -92,6 +104,12 @@ _FA2_A100 = ((512, 64, 90), (1024, 64, 130), (2048, 64, 155), (4096, 64, 170), (
 _FA2_H100 = ((512, 64, 150), (1024, 64, 215), (2048, 64, 265), (4096, 64, 295), (8192, 64, 305),
              (512, 128, 180), (1024, 128, 255), (2048, 128, 305), (4096, 128, 325), (8192, 128, 335))
 
+# FlashAttention-3 paper, Fig. 5 (b) and (d): forward, causal, H100 80GB SXM5, TFLOP/s of FlashAttention-2 and
+# cuDNN at each (T, head size), as the figure prints them
+_FA3_FIG5_CAUSAL = {(512, 64): (180, 225), (1024, 64): (229, 288), (2048, 64): (262, 334), (4096, 64): (284, 363),
+                    (8192, 64): (295, 379), (512, 128): (191, 315), (1024, 128): (260, 410), (2048, 128): (298, 484),
+                    (4096, 128): (319, 518), (8192, 128): (333, 529)}
+
 
 def _matmul(peak: float, cap: float) -> tuple:
     return tuple(("bf16", m, n, k, min(t * 1e12 / peak, cap)) for m, n, k, t in _SM90)
@@ -99,6 +117,17 @@ def _matmul(peak: float, cap: float) -> tuple:
 
 def _attention(rows, peak: float) -> tuple:
     return tuple(("bf16", t, hs, f * 1e12 / peak, f * 1e12 / peak) for t, hs, f in rows)
+
+
+def _cudnn_attention(rows, peak: float) -> tuple:
+    """The FlashAttention-2 table `rows` with each entry times cuDNN's speed over FlashAttention-2's at its (T,
+    head size) in the FlashAttention-3 paper's figure (`_FA3_FIG5_CAUSAL`), forward and backward alike."""
+    def faster(t, hs):
+        fa2, cudnn = _FA3_FIG5_CAUSAL[t, hs]
+        return cudnn / fa2
+
+    return tuple(("bf16", t, hs, f * faster(t, hs) * 1e12 / peak, f * faster(t, hs) * 1e12 / peak)
+                 for t, hs, f in rows)
 
 
 # ZeRO-Offload (parc/analysis/offload_cost.py). PCIe x16, one direction: Gen4 (A100) 32 GB/s, Gen5 (H100/H200
@@ -124,12 +153,15 @@ TABLES = {
     "a100_40gb": {"matmul": _a100_matmul(), "attention": _attention(_FA2_A100, 312e12),
                   "mem_bw": 0.8 * 1.555e12, **_EVERY_GPU, "pcie_bw": 0.8 * _PCIE4, "host_mem_bw": _HOST_DRAM},
     "h100": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+             "attention_cudnn": _cudnn_attention(_FA2_H100, 989e12),
              "mem_bw": 0.8 * 3.35e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h100_hbm2e": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+                   "attention_cudnn": _cudnn_attention(_FA2_H100, 989e12),
                    "mem_bw": 0.8 * 2.4e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
                    "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
     "h200": {"matmul": _matmul(989e12, 1.0), "attention": _attention(_FA2_H100, 989e12),
+             "attention_cudnn": _cudnn_attention(_FA2_H100, 989e12),
              "mem_bw": 0.8 * 4.8e12, **_EVERY_GPU, "matmul_sustained": _GH100_SUSTAINED,
              "pcie_bw": 0.8 * _PCIE5, "host_mem_bw": _HOST_DRAM},
 }
