@@ -619,13 +619,26 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # config's dropout (hidden and attention 0.1; the traced GPT has none). The DGX Cloud H100 nodes: 8 × 400 Gbit/s
 # InfiniBand (the h100 preset), taken as the cluster the table ran on.
 NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
+
+
+def megatron_cuts(layers: int, chunks: int, prefix: str) -> tuple:
+    """Megatron-core's pipeline split as `cut after` paths: layers // (pp × virtual) decoder layers a model chunk
+    (megatron/core/transformer/transformer_block.py `get_num_layers_to_build`: num_layers // pp, then // virtual),
+    the embedding in the first chunk and the output layer and loss in the last, counted in neither (its
+    num_layers_in_first/last_pipeline_stage and account_for_* options unset: NVIDIA's recipes set none)."""
+    per, rest = divmod(layers, chunks)
+    if rest:
+        raise ValueError(f"Megatron-core splits {layers} layers evenly: not into {chunks} chunks")
+    return tuple(f"{prefix}.{per * (i + 1) - 1}" for i in range(chunks - 1))
+
 FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16", "--attention", "cudnn"], "")
 # distributed_fused_adam's gradient buffer (`grad_sync_dtype: bf16`): each micro-batch's gradients accumulate in
 # bf16, reduce-scattered in bf16 once a step, into the fp32 optimizer state: parc's `accumulate=bf16`
 NEMO_PRECISION = "bf16 reduce=bf16 accumulate=bf16"
 GPT3_175B_NEMO = (96, 12288, 96, 50688, 2048)
 ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpus, 1, 2048 * 2 * gpus / step / gpus,
-             "tokens/s", "h100", "", virtual=12, tied=True, sp=True, precision=NEMO_PRECISION)
+             "tokens/s", "h100", "", virtual=12, tied=True, sp=True, precision=NEMO_PRECISION,
+             cuts=megatron_cuts(96, 8 * 12, "blocks"))
          for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))]
 
 
@@ -646,12 +659,14 @@ ROWS += [Row("GPT-3 175B", NEMO_175B, "gpt", GPT3_175B_NEMO, 4, 8, gpus, 2 * gpu
 # fast-swiglu` (Megatron-core's fused SwiGLU): rotary and the SwiGLU product one kernel each (`fused_ops`,
 # bench/llama_sized.py's `fused_ops`). Gradients accumulate in bf16 as NeMo's bucket keeps them
 # (`NEMO_PRECISION`), and sequence parallelism keeps each layer input's slice, gathered again in the backward, as
-# Megatron and parc's runtime do.
+# Megatron and parc's runtime do. Each model chunk holds Megatron-core's even share of the layers (`megatron_cuts`:
+# 70B 4, 405B 2; parc's own split would balance the 70B's large output layer against them).
 NEMO_LLAMA31 = "NVIDIA DGXC benchmarks: NeMo Llama 3.1 (H100)"
 FLAGS[NEMO_LLAMA31] = (1, FLAGS[NEMO_175B][1] + ["--cp-attention", "te-ring"], "")
 ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, batch * gpus // per, 1,
              8192 * (batch * gpus // per) / step / gpus, "tokens/s", "h100", "", fused_norm=True, fused_ops=True,
-             virtual=virtual, sp=tp > 1, cp=2, precision=NEMO_PRECISION)
+             virtual=virtual, sp=tp > 1, cp=2, precision=NEMO_PRECISION,
+             cuts=megatron_cuts(shape[0], pp * virtual, "layers") if pp > 1 else ())
          for size, shape, tp, pp, virtual, batch, per, steps in [
              ("8B", LLAMA3_8B, 1, 1, 1, 128, 8, ((8, 12.78), (16, 12.99), (32, 13.00), (64, 13.00), (128, 13.16))),
              ("70B", LLAMA3_70B, 4, 4, 5, 128, 64, ((64, 14.61), (128, 14.70), (256, 14.72), (512, 14.80),

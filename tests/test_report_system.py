@@ -471,3 +471,20 @@ def test_nvidias_nemo_rows_run_cudnns_attention():
     for row in rows:
         flags = parser().parse_args(["report", *published.report_flags(row)])
         assert (flags.attention, row.preset) == ("cudnn", "h100")
+
+
+def test_nvidias_nemo_rows_split_layers_as_megatron_core_does():
+    """Megatron-core gives each model chunk layers // (pp × virtual) decoder layers, the embedding and output layer
+    uncounted: the NeMo Llama 3.1 70B's plan cuts after every 4th of its 80 layers into 4 × 5 chunks, the 405B's
+    after every 2nd of 126 into 9 × 7, GPT-3 175B's after each of 96 into 8 × 12; an uneven split is refused."""
+    published = _published()
+    by = {(r.name, r.pp): r for r in published.ROWS if r.source in (published.NEMO_175B, published.NEMO_LLAMA31)}
+    seventy, big, gpt = by["Llama 3.1 70B", 4], by["Llama 3.1 405B", 9], by["GPT-3 175B", 8]
+    assert seventy.cuts == tuple(f"layers.{i}" for i in range(3, 79, 4))
+    assert big.cuts == tuple(f"layers.{i}" for i in range(1, 125, 2))
+    assert gpt.cuts == tuple(f"blocks.{i}" for i in range(95))
+    text = published.plan_text(seventy)
+    assert "pipeline schedule=interleaved_1f1b stages=20 virtual=5 {\n" in text and ' cut after "layers.75"\n' in text
+    assert by["Llama 3.1 8B", 1].cuts == ()
+    with pytest.raises(ValueError, match="not into 12 chunks"):
+        published.megatron_cuts(70, 12, "blocks")
