@@ -599,6 +599,18 @@ ROWS += [_korthikanti(size, shape, pp, gpus, batch, micro, t, virtual, present)
          for present, t in zip((False, True), times)]
 ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtual=3, present=True)]
 
+
+def megatron_cuts(layers: int, chunks: int, prefix: str) -> tuple:
+    """Megatron-core's pipeline split as `cut after` paths: layers // (pp × virtual) decoder layers a model chunk
+    (megatron/core/transformer/transformer_block.py `get_num_layers_to_build`: num_layers // pp, then // virtual),
+    the embedding in the first chunk and the output layer and loss in the last, counted in neither (its
+    num_layers_in_first/last_pipeline_stage and account_for_* options unset: NVIDIA's recipes set none)."""
+    per, rest = divmod(layers, chunks)
+    if rest:
+        raise ValueError(f"Megatron-core splits {layers} layers evenly: not into {chunks} chunks")
+    return tuple(f"{prefix}.{per * (i + 1) - 1}" for i in range(chunks - 1))
+
+
 # NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking), NeMo Megatron's GPT-3 175B on H100s
 # in BF16: nemo_megatron/README_175b.md at 0b71cfda5 ("NeMo Megatron BF16 (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)":
 # training step time 8.309 / 8.408 / 8.42 / 8.453 / 8.49 s on 128 / 256 / 512 / 1024 / 2048 H100s at global batch
@@ -619,18 +631,6 @@ ROWS += [_korthikanti("530B", (105, 20480, 128), 35, 2240, 2240, 1, 39.15, virtu
 # config's dropout (hidden and attention 0.1; the traced GPT has none). The DGX Cloud H100 nodes: 8 × 400 Gbit/s
 # InfiniBand (the h100 preset), taken as the cluster the table ran on.
 NEMO_175B = "NVIDIA DGXC benchmarks: NeMo GPT-3 175B (H100)"
-
-
-def megatron_cuts(layers: int, chunks: int, prefix: str) -> tuple:
-    """Megatron-core's pipeline split as `cut after` paths: layers // (pp × virtual) decoder layers a model chunk
-    (megatron/core/transformer/transformer_block.py `get_num_layers_to_build`: num_layers // pp, then // virtual),
-    the embedding in the first chunk and the output layer and loss in the last, counted in neither (its
-    num_layers_in_first/last_pipeline_stage and account_for_* options unset: NVIDIA's recipes set none)."""
-    per, rest = divmod(layers, chunks)
-    if rest:
-        raise ValueError(f"Megatron-core splits {layers} layers evenly: not into {chunks} chunks")
-    return tuple(f"{prefix}.{per * (i + 1) - 1}" for i in range(chunks - 1))
-
 FLAGS[NEMO_175B] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16", "--attention", "cudnn"], "")
 # distributed_fused_adam's gradient buffer (`grad_sync_dtype: bf16`): each micro-batch's gradients accumulate in
 # bf16, reduce-scattered in bf16 once a step, into the fp32 optimizer state: parc's `accumulate=bf16`

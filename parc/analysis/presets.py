@@ -122,12 +122,8 @@ def _attention(rows, peak: float) -> tuple:
 def _cudnn_attention(rows, peak: float) -> tuple:
     """The FlashAttention-2 table `rows` with each entry times cuDNN's speed over FlashAttention-2's at its (T,
     head size) in the FlashAttention-3 paper's figure (`_FA3_FIG5_CAUSAL`), forward and backward alike."""
-    def faster(t, hs):
-        fa2, cudnn = _FA3_FIG5_CAUSAL[t, hs]
-        return cudnn / fa2
-
-    return tuple(("bf16", t, hs, f * faster(t, hs) * 1e12 / peak, f * faster(t, hs) * 1e12 / peak)
-                 for t, hs, f in rows)
+    return _attention([(t, hs, f * _FA3_FIG5_CAUSAL[t, hs][1] / _FA3_FIG5_CAUSAL[t, hs][0]) for t, hs, f in rows],
+                      peak)
 
 
 # ZeRO-Offload (parc/analysis/offload_cost.py). PCIe x16, one direction: Gen4 (A100) 32 GB/s, Gen5 (H100/H200
