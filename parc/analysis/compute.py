@@ -83,22 +83,27 @@ def _nearest(table, point: tuple[float, ...], k: int = 4) -> float:
     return sum(wi * v for wi, (_, v) in zip(w, near)) / sum(w)
 
 
-_LOOKED_UP: dict = {}   # id(hw.matmul) → (the table, {(dtype, m, n, k): efficiency}): a planner asks again and again
+_LOOKED_UP: dict = {}   # id(a table) → (the table, {key: efficiency}): a planner asks again and again
+
+
+def _looked_up(table: tuple, key: tuple, find) -> float:
+    """`find()`, memoized per efficiency table (held with its answers, so its id names it while they live) and
+    `key`: the lookups are pure functions of the table and the shape."""
+    held, answers = _LOOKED_UP.get(id(table), (None, None))
+    if held is not table:
+        held, answers = _LOOKED_UP[id(table)] = (table, {})
+    if key not in answers:
+        answers[key] = find()
+    return answers[key]
 
 
 def matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
     """Fraction of `hw.flops[dtype]` one (m×k)·(k×n) matmul reaches, from the preset's table, at most
     the preset's `matmul_sustained`: the tables time a matmul in a short loop, at the boost clock; a
     large one inside a training step draws the board's full power and runs at the clock that power
-    allows (presets.py: H200 708.5 sustained against 841.9 TFLOP/s in a burst). Memoized per table
-    (held with its answers, so its id names it while they live) and shape: a pure function of them."""
-    table, answers = _LOOKED_UP.get(id(hw.matmul), (None, None))
-    if table is not hw.matmul:
-        table, answers = _LOOKED_UP[id(hw.matmul)] = (hw.matmul, {})
-    key = (dtype, m, n, k, hw.matmul_sustained, hw.achievable)
-    if key not in answers:
-        answers[key] = _matmul_efficiency(hw, dtype, m, n, k)
-    return answers[key]
+    allows (presets.py: H200 708.5 sustained against 841.9 TFLOP/s in a burst). Memoized (`_looked_up`)."""
+    return _looked_up(hw.matmul, ("mm", dtype, m, n, k, hw.matmul_sustained, hw.achievable),
+                      lambda: _matmul_efficiency(hw, dtype, m, n, k))
 
 
 def _matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
@@ -109,11 +114,17 @@ def _matmul_efficiency(hw, dtype: str, m: float, n: float, k: float) -> float:
 
 def attention_efficiency(hw, dtype: str, t: float, hs: float, backward: bool, kernel: str = "flash") -> float:
     """Fraction of peak one causal attention of sequence `t`, head size `hs` reaches, from the preset's table for
-    `kernel` ("cudnn": `attention_cudnn` where the preset has it; else the flash table, `attention`)."""
+    `kernel` ("cudnn": `attention_cudnn` where the preset has it; else the flash table, `attention`). Memoized
+    (`_looked_up`)."""
     table = hw.attention_cudnn if kernel == "cudnn" and hw.attention_cudnn else hw.attention
+    return _looked_up(table, ("attn", dtype, t, hs, backward, hw.achievable),
+                      lambda: _attention_efficiency(table, dtype, t, hs, backward, hw.achievable))
+
+
+def _attention_efficiency(table: tuple, dtype: str, t: float, hs: float, backward: bool, achievable: float) -> float:
     rows = [r for r in table if r[0] == dtype] or list(table)
     if not rows:
-        return hw.achievable
+        return achievable
     return _nearest([(r[1], r[2], r[4 if backward else 3]) for r in rows], (t, hs))
 
 
