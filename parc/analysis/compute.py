@@ -177,16 +177,10 @@ def unpad_seconds(hw, dtype: str, bh: float, t: float, hs: float, repeat: int) -
     act = 4 if dtype == "fp32" else 2
     q = o = bh * t * hs * act
     kv = 2 * q / repeat
-    fwd = sum(_moved(hw, b) for b in (2 * q, kv, kv, o, 2 * o)) + UNPAD_INDEX_KERNELS * _kernel(hw, 0.0)
-    bwd = sum(_moved(hw, b) for b in (q, 2 * q, kv / 2, kv, kv / 2, kv, 2 * o))
+    # each gather, scatter and zero fill one elementwise kernel moving those bytes: an `ew` op's forward
+    fwd = sum(_mem_op(hw, "ew", b)[0] for b in (2 * q, kv, kv, o, 2 * o)) + UNPAD_INDEX_KERNELS * _kernel(hw, 0.0)
+    bwd = sum(_mem_op(hw, "ew", b)[0] for b in (q, 2 * q, kv / 2, kv, kv / 2, kv, 2 * o))
     return fwd, bwd
-
-
-def _moved(hw, nbytes: float) -> float:
-    """Seconds of one kernel that reads and writes `nbytes` in all, as a memory-bound op's forward."""
-    if (measured := mem_seconds(hw, "ew", nbytes)) is not None:
-        return measured[0]
-    return _kernel(hw, nbytes / hw.mem_bw if hw.mem_bw else 0.0)
 
 
 def _peak(hw, dtype: str) -> float:
