@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from functools import reduce
+from operator import add, itemgetter
 
 KEPT_SLOTS = 4096        # pp × virtual × micro-batches: a schedule of more is large
 LARGE_SLOTS = 1 << 18    # the slots of the large schedules kept at once
@@ -94,67 +96,131 @@ def timing(schedule, cost_f=1.0, cost_b=2.0, cost_i=1.0, cost_w=1.0, cost_comm=0
     ends; a run of adjacent sends and receives is posted at once at the rank's clock, a send ends when
     posted, a receive `cost_comm` after the matching send (the k-th on its channel, rank to rank) was
     posted and not before its own post, and the rank goes on when the run has ended. Raises
-    ScheduleError on a receive whose send never comes (deadlock) or a send that does not match it."""
-    from parc.passes.schedule import COMPUTE
-    from parc.passes.simulate import ScheduleError, SimResult, _partner
+    ScheduleError on a receive whose send never comes (deadlock) or a send that does not match it.
 
-    acts, p, stages = schedule.actions, schedule.pp, schedule.stages
-    per = {k: list(c) if isinstance(c, (list, tuple)) else [c] * stages
-           for k, c in (("F", cost_f), ("B", cost_b), ("I", cost_i), ("W", cost_w))}
-    delta = {"F": 1, "B": -1, "W": -1, "I": 0}
-    ptr, clock, busy, inflight, peak = [0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p
-    sent: dict = {}        # (src, dst) → [(post time, send action)], in posting order
-    received: dict = {}    # (src, dst) → receives posted so far
-    waiting: list = [None] * p   # per rank: the receives of its posted run, (channel, k, action)
-    while any(ptr[r] < len(acts[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            seq, i, t = acts[r], ptr[r], clock[r]
-            n = len(seq)
-            while i < n:
-                a = seq[i]
-                if a.kind in COMPUTE:
-                    c = per[a.kind][a.stage]
-                    t += c
-                    busy[r] += c
-                    inflight[r] += delta[a.kind]
-                    peak[r] = max(peak[r], inflight[r])
-                    i += 1
-                    moved = True
-                    continue
-                end = i
-                while end < n and seq[end].is_p2p:
-                    end += 1
-                if waiting[r] is None:   # post the run: its sends at once, its receives take their place
-                    waiting[r] = []
-                    for b in seq[i:end]:
-                        if b.kind.startswith("SEND"):
-                            sent.setdefault((r, b.peer), []).append((t, b))
-                        else:
-                            ch = (b.peer, r)
-                            k = received.get(ch, 0)
-                            received[ch] = k + 1
-                            waiting[r].append((ch, k, b))
-                    moved = True
-                ready = t   # the run ends when its last receive has arrived; it waits while one has no send yet
-                for ch, k, b in waiting[r]:
-                    got = sent.get(ch, ())
-                    if k >= len(got):
-                        break
-                    post, s = got[k]
-                    if (s.kind, s.stage, s.micro) != _partner(b):
-                        raise ScheduleError(f"rank {r} {b} meets rank {ch[0]} {s} on their channel: "
-                                            "sends and receives are out of order")
-                    ready = max(ready, post + cost_comm)
-                else:   # every receive of the run has its send: go on past the run
-                    t, i, waiting[r] = max(t, ready), end, None
-                    moved = True
-                    continue
-                break
-            ptr[r], clock[r] = i, t
-        if not moved:
-            stuck = "; ".join(f"rank {r} at {acts[r][ptr[r]]}" for r in range(p) if ptr[r] < len(acts[r]))
-            raise ScheduleError(f"deadlock: no rank can progress; {stuck} waits")
+    Which action waits on which does not depend on the costs, so a schedule is walked once (`_Program`)
+    and each call only does the arithmetic, in the walk's order."""
+    from parc.passes.simulate import SimResult
+
+    prog = _Program.of(schedule)
+    costs = []   # flat: kind k's stage s at k × stages + s (`_Program.KINDS`)
+    for c in (cost_f, cost_b, cost_i, cost_w):
+        costs.extend(c if isinstance(c, (list, tuple)) else [c] * schedule.stages)
+    clock, posted = [0.0] * schedule.pp, [0.0] * prog.sends
+    for op, r, arg in prog.steps:
+        if op == _RUN:        # compute actions back to back
+            clock[r] = reduce(add, arg(costs), clock[r])
+        elif op == _POST:     # a run's sends, posted at the rank's clock
+            t = clock[r]
+            for k in arg:
+                posted[k] = t
+        else:                 # the run ends when its last receive has arrived
+            clock[r] = max(clock[r], *[posted[k] + cost_comm for k in arg])
+    busy = [reduce(add, every(costs), 0.0) if every else 0.0 for every in prog.busy]
     makespan = max(clock)
     total = sum(busy)
-    return SimResult(makespan, busy, 1 - total / (p * makespan) if makespan else 0.0, peak, [[] for _ in range(p)])
+    return SimResult(makespan, busy, 1 - total / (schedule.pp * makespan) if makespan else 0.0, list(prog.peak),
+                     [[] for _ in range(schedule.pp)])
+
+
+_RUN, _POST, _WAIT = 0, 1, 2
+
+
+def _getter(indices: list[int]):
+    """A function of the flat costs giving those at `indices`, in order, as a tuple (one C call)."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda costs: (costs[i],)
+    return itemgetter(*indices)
+
+
+class _Program:
+    """One schedule's walk under `timing`'s rules, costs left out: per step, a rank's run of compute actions
+    (which costs it adds, in order), a P2P run's sends posted (each send numbered) or its receives met (the
+    sends they wait for). Also each rank's compute costs in order (its busy time) and its peak micro-batches
+    in flight, neither of which depends on the costs. Held per schedule while it lives."""
+
+    KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
+    _held: dict = {}   # id of a schedule → (a weak reference to it, its program)
+
+    @classmethod
+    def of(cls, schedule) -> "_Program":
+        held = cls._held.get(id(schedule))
+        if held is None or held[0]() is not schedule:
+            held = cls._held[id(schedule)] = (weakref.ref(schedule), cls(schedule))
+            weakref.finalize(schedule, cls._held.pop, id(schedule), None)
+        return held[1]
+
+    def __init__(self, schedule):
+        from parc.passes.schedule import COMPUTE
+        from parc.passes.simulate import ScheduleError, _partner
+
+        acts, p, stages = schedule.actions, schedule.pp, schedule.stages
+        delta = {"F": 1, "B": -1, "W": -1, "I": 0}
+        steps, busy = [], [[] for _ in range(p)]
+        self.sends = 0         # sends numbered in posting order
+        ptr, inflight, peak = [0] * p, [0] * p, [0] * p
+        sent: dict = {}        # (src, dst) → [(send number, send action)], in posting order
+        received: dict = {}    # (src, dst) → receives posted so far
+        waiting: list = [None] * p   # per rank: the receives of its posted run, (channel, k, action)
+        while any(ptr[r] < len(acts[r]) for r in range(p)):
+            moved = False
+            for r in range(p):
+                seq, i = acts[r], ptr[r]
+                n = len(seq)
+                while i < n:
+                    a = seq[i]
+                    if a.kind in COMPUTE:
+                        run = []
+                        while i < n and seq[i].kind in COMPUTE:
+                            a = seq[i]
+                            run.append(self.KINDS[a.kind] * stages + a.stage)
+                            inflight[r] += delta[a.kind]
+                            peak[r] = max(peak[r], inflight[r])
+                            i += 1
+                        steps.append((_RUN, r, _getter(run)))
+                        busy[r] += run
+                        moved = True
+                        continue
+                    end = i
+                    while end < n and seq[end].is_p2p:
+                        end += 1
+                    if waiting[r] is None:   # post the run: its sends at once, its receives take their place
+                        waiting[r], posts = [], []
+                        for b in seq[i:end]:
+                            if b.kind.startswith("SEND"):
+                                posts.append(self.sends)
+                                sent.setdefault((r, b.peer), []).append((self.sends, b))
+                                self.sends += 1
+                            else:
+                                ch = (b.peer, r)
+                                k = received.get(ch, 0)
+                                received[ch] = k + 1
+                                waiting[r].append((ch, k, b))
+                        if posts:
+                            steps.append((_POST, r, posts))
+                        moved = True
+                    met = []   # the run ends when its last receive has arrived; it waits while one has no send yet
+                    for ch, k, b in waiting[r]:
+                        got = sent.get(ch, ())
+                        if k >= len(got):
+                            break
+                        number, s = got[k]
+                        if (s.kind, s.stage, s.micro) != _partner(b):
+                            raise ScheduleError(f"rank {r} {b} meets rank {ch[0]} {s} on their channel: "
+                                                "sends and receives are out of order")
+                        met.append(number)
+                    else:   # every receive of the run has its send: go on past the run
+                        if met:
+                            steps.append((_WAIT, r, met))
+                        i, waiting[r] = end, None
+                        moved = True
+                        continue
+                    break
+                ptr[r] = i
+            if not moved:
+                stuck = "; ".join(f"rank {r} at {acts[r][ptr[r]]}" for r in range(p) if ptr[r] < len(acts[r]))
+                raise ScheduleError(f"deadlock: no rank can progress; {stuck} waits")
+        self.steps = steps
+        self.busy = [_getter(b) if b else None for b in busy]
+        self.peak = tuple(peak)
