@@ -215,7 +215,8 @@ def saved_ops(nodes, instance_of, saves) -> frozenset:
 
 def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int, sequence_parallel: bool,
                bf16: bool, n_stages: int, row_outputs=frozenset(), keep_collectives: bool = False,
-               saved=frozenset(), fused_loss: bool = False, regather: bool = False) -> list[dict]:
+               saved=frozenset(), fused_loss: bool = False, regather: bool = False,
+               sizes: dict | None = None) -> list[dict]:
     """Per stage: bytes one micro-batch keeps after its forward and the largest recomputed working set.
 
     Returns [{"kept_*", "peak_*"}] in bytes, * = sharded | replicated; a `sharded` figure is
@@ -226,10 +227,11 @@ def kept_bytes(gm: fx.GraphModule, *, stage_of, sharded_of, instance_of, tp: int
     `fused_loss`: the loss is one fused kernel (another framework's: `System.loss`), which keeps its logits
     as they are and a log-sum-exp a row, where eager cross-entropy keeps its fp32 log-softmax; `regather`:
     sequence parallelism's gathered inputs are gathered again in backward, each column layer keeping the
-    slice it was gathered from (an eager program: runtime/parallel/sequence_regather.py; Megatron-LM).
+    slice it was gathered from (an eager program: runtime/parallel/sequence_regather.py; Megatron-LM). `sizes`:
+    `_dtype_sizes` of the graph at `bf16`, where the caller has them.
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    size = _dtype_sizes(gm, nodes, bf16)
+    size = sizes if sizes is not None else _dtype_sizes(gm, nodes, bf16)
     out = [dict.fromkeys(("kept_sharded", "kept_replicated", "peak_sharded", "peak_replicated"), 0)
            for _ in range(n_stages)]
     working: dict[tuple[str, int], list[int]] = {}  # (recompute instance, stage) -> [sharded, replicated]

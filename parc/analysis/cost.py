@@ -360,14 +360,16 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if rerun and plan.recompute.instance(key[0]) is not None:
             stages[key[1]]["tp_bytes_recomputed"] += _elements(last[key].meta.get("val"))
             stages[key[1]]["tp_ops_recomputed"] += 1
+    bf16 = plan.precision != "fp32"
+    sizes = activations._dtype_sizes(gm, [n for n in nodes if n.op == "call_function"], bf16)
     kept = activations.kept_bytes(
         gm, stage_of=lambda n: n.meta.get(STAGE, 0), sharded_of=sharded_of, n_stages=n_stages,
         instance_of=instance_of, saved=saved,
-        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=plan.precision != "fp32",
+        tp=plan.mesh.tp, sequence_parallel=plan.tensor_parallel.sequence_parallel, bf16=bf16,
         row_outputs=frozenset(last[key] for key in tp_outputs),
         keep_collectives=not eager,  # runtime/recompute_policy.py
-        fused_loss=loss == "fused", regather=eager)
-    _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved, fused_loss=loss == "fused")
+        fused_loss=loss == "fused", regather=eager, sizes=sizes)
+    _op_tables(nodes, stages, plan, rules, path_of, sharded_of, sizes, saved, fused_loss=loss == "fused")
     for d, k in zip(stages, kept):
         for t in ("sharded", "replicated"):
             d.update({f"kept_bytes_{t}": k[f"kept_{t}"], f"recompute_peak_bytes_{t}": k[f"peak_{t}"]})
@@ -375,10 +377,11 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
 
     units: list[dict] = [{} for _ in range(n_stages)]   # ZeRO's buckets: unit → its elements on one tp rank
     ties = []   # parameters more than one stage uses (a tied embedding and lm head): their gradients are summed
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for spec in traced.state:
         if spec.kind != "param" or not spec.requires_grad:
             continue
-        node = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == spec.name), None)
+        node = placeholders.get(spec.name)
         used = sorted({u.meta.get(STAGE, 0) for u in node.users}) if node is not None else [0]
         style = _style(spec.fqn.rsplit(".", 1)[0], rules)
         if style == "row" and spec.fqn.endswith(".bias"):
@@ -402,15 +405,15 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
             **({"tied": ties} if ties else {})}
 
 
-def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=frozenset(),
+def _op_tables(nodes, stages, plan, rules, path_of, sharded_of, size, saved=frozenset(),
                fused_loss: bool = False) -> None:
     """Each stage's `ops` (parc.analysis.compute.op_table): matmul and attention shapes, memory-bound bytes.
-    A `saved` node (op-level checkpointing) is not recomputed; `fused_loss`: `System.loss` "fused"."""
-    from parc.analysis import activations, compute
+    `size`: bytes per element of each call's output (activations._dtype_sizes). A `saved` node (op-level
+    checkpointing) is not recomputed; `fused_loss`: `System.loss` "fused"."""
+    from parc.analysis import compute
     from parc.passes.pipeline_split import STAGE
 
     bf16 = plan.precision != "fp32"
-    size = activations._dtype_sizes(gm, [n for n in gm.graph.nodes if n.op == "call_function"], bf16)
     sp = plan.mesh.tp > 1 and plan.tensor_parallel.sequence_parallel
 
     def size_of(a):
@@ -427,9 +430,11 @@ def _op_tables(gm, nodes, stages, plan, rules, core, path_of, sharded_of, saved=
         return bool(plan.recompute.patterns) and n not in saved \
             and plan.recompute.instance(path_of.get(n, "")) is not None
 
-    for s, d in enumerate(stages):
-        mine = [n for n in nodes if n.meta.get(STAGE, 0) == s]
-        d["ops"] = compute.op_table(mine, size_of=size_of, split_of=split_of,
+    mine: list[list] = [[] for _ in stages]
+    for n in nodes:
+        mine[n.meta.get(STAGE, 0)].append(n)
+    for d, those in zip(stages, mine):
+        d["ops"] = compute.op_table(those, size_of=size_of, split_of=split_of,
                                     sharded_of=lambda n: sharded_of.get(n) or sp,
                                     recomputed_of=recomputed_of, bf16=bf16, fused_loss=fused_loss)
 
