@@ -66,7 +66,12 @@ def as_data_parallel(plan):
 
 def local_stats(stats: dict, cp: int) -> dict:
     """One cp rank's statistics of a micro-batch: the per-token counts and op rows over cp (`localize`)."""
-    stages = [_stage(d, cp) for d in stats["stages"]]
+    local: dict = {}   # id of a stage → its local stage: stages that are one dict (the planner's equal
+    # stages, planner._Stats) stay one, so the cost model's memo of stage costs, by identity, prices them once
+    for d in stats["stages"]:
+        if id(d) not in local:
+            local[id(d)] = _stage(d, cp)
+    stages = [local[id(d)] for d in stats["stages"]]
     return dict(stats, stages=stages, send_elements=[e / cp for e in stats.get("send_elements") or []])
 
 

@@ -210,6 +210,7 @@ class _Stats:
         self.cache: dict = {}
         self.assembled: dict = {}
         self.split: dict = {}
+        self.alike: dict = {}      # (units, variant) → each unit's first equal unit (`_alike`)
         self.stage_of: dict = {}   # stages → {node: its stage}: assign_stages' marks, computed once per split
 
     def _plan(self, variant) -> Plan:
@@ -248,7 +249,7 @@ class _Stats:
             out = self._raw(stages, variant)
             groups = [[s] for s in range(stages)]
             sends = out["send_elements"]
-            units = out["stages"]
+            units, inner = out["stages"], {}
         else:
             whole, per = self._raw(1, variant), self._raw(L, variant)
             units, groups = per["stages"], self._groups(stages, variant)
@@ -256,22 +257,46 @@ class _Stats:
                      for k in ("kept_bytes_sharded", "kept_bytes_replicated")}
             sends = [per["send_elements"][g[-1]] for g in groups[:-1]]
             out = per
+        alike = self._alike(variant, units)
+        built: dict = {}   # a group's units, each named by its first equal unit → that group's stage
         stages_out = []
         for g in groups:
-            d = {k: sum(units[u][k] for u in g) for k in ADDITIVE}
-            for k in ("kept_bytes_sharded", "kept_bytes_replicated"):
-                if len(g) > 1:
-                    d[k] -= (len(g) - 1) * inner[k]
-            for k in ("recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"):
-                d[k] = max(units[u][k] for u in g)
-            if all("ops" in units[u] for u in g):
-                d["ops"] = compute.scale_ops(compute.merge_ops([units[u]["ops"] for u in g]), micro)
-            stages_out.append(d)
-        for d in stages_out:
-            for k in PER_SAMPLE:
-                d[k] *= micro
+            same = tuple(alike[u] for u in g)
+            if same not in built:
+                built[same] = self._group([units[u] for u in g], inner, micro)
+            stages_out.append(built[same])
         return {"stages": stages_out, "send_elements": [s * micro for s in sends],
                 "param_count": out["param_count"], "tokens_per_sample": out["tokens_per_sample"]}
+
+    @staticmethod
+    def _group(units: list[dict], inner: dict, micro: int) -> dict:
+        """One stage of `units` (per-layer stages) at `micro` samples; `inner`: what each layer boundary
+        inside it keeps for sends and receives that a group does not (its count taken off per boundary)."""
+        d = {k: sum(u[k] for u in units) for k in ADDITIVE}
+        for k in inner if len(units) > 1 else ():
+            d[k] -= (len(units) - 1) * inner[k]
+        for k in ("recompute_peak_bytes_sharded", "recompute_peak_bytes_replicated"):
+            d[k] = max(u[k] for u in units)
+        if all("ops" in u for u in units):
+            d["ops"] = compute.scale_ops(compute.merge_ops([u["ops"] for u in units]), micro)
+        for k in PER_SAMPLE:
+            d[k] *= micro
+        return d
+
+    def _alike(self, variant, units: list[dict]) -> list[int]:
+        """Each unit's index as its first equal unit's: groups of equal units make equal stages, and `_get`
+        gives them one dict, so the cost model's memo of stage costs (by identity) prices each once."""
+        key = (len(units), variant)
+        if key not in self.alike:
+            first: list[int] = []
+            out = []
+            for u in units:
+                i = next((i for i in first if units[i] == u), None)
+                if i is None:
+                    first.append(i := len(out))
+                out.append(i)
+            self.alike[key] = out
+        return self.alike[key]
 
     def _groups(self, stages: int, variant) -> list[list[int]]:
         """pipeline_split's auto split over layers: contiguous groups minimising the largest load."""
