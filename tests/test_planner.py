@@ -192,3 +192,47 @@ def test_assembled_stats_carry_recompute_all_reduces():
     assert sum(s["tp_ops_recomputed"] for s in split) == whole["tp_ops_recomputed"]
     assert sum(s["tp_bytes_recomputed"] for s in split) == whole["tp_bytes_recomputed"] > 0
     assert stats.get(1, (False, True, False, False), 2)["stages"][0]["tp_ops_recomputed"] == 0
+
+
+def test_equal_stages_are_one_dict_so_the_cost_model_prices_them_once(tmp_path_factory):
+    """The stage-cost memo of a search is keyed by identity (cost.estimate's `stage_times`): the per-layer stages
+    between the embedding's and the head's are equal, so the planner hands out one dict for all of them, and cp's
+    local statistics of them stay one dict too. The groups of a split alike: equal groups, one dict."""
+    from parc.analysis import cp_cost
+    from parc.grammar.plan import Batch, Plan
+    from parc.passes.pipeline_split import _layer_prefix
+    from parc.trace import load_user_module, trace
+
+    eight = _model(tmp_path_factory, "eight", vocab=128, seq=32, layers=8, heads=4, width=64)
+    traced = trace(load_user_module(eight), 1)
+    stats = planner._Stats(traced, Plan(batch=Batch(1, 1), precision="fp32"), planner.tp_rules(traced),
+                           _layer_prefix(traced.module_paths, traced.num_layers))
+    variant = (False, True, False, False)
+    per_layer = stats.get(traced.num_layers, variant, 2)["stages"]
+    first, *middle, last = per_layer
+    assert len(middle) >= 2 and all(s is middle[0] for s in middle)
+    assert first != middle[0] and last != middle[0]            # the embedding's and the head's layers differ
+    local = cp_cost.local_stats({"stages": per_layer}, 2)["stages"]
+    assert all(s is local[1] for s in local[1:-1]) and local[1]["flops_sharded"] == middle[0]["flops_sharded"] / 2
+    groups = stats.get(4, variant, 2)["stages"]   # two layers a stage
+    assert len(groups) == 4 and groups[2] is groups[1] and groups[0] is not groups[1]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_search_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """The collector is paused while a search runs (`_collector_paused`) and left as it was, on an error too."""
+    import gc
+
+    @planner._collector_paused()
+    def refused():
+        assert not gc.isenabled()
+        raise planner.ParcError("refused")
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(planner.ParcError):
+            refused()
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
