@@ -14,6 +14,7 @@ for again, and its timings stay memoized by what built it.
 from __future__ import annotations
 
 import weakref
+from array import array
 from collections import OrderedDict
 from functools import reduce
 from operator import add, itemgetter
@@ -106,39 +107,41 @@ def timing(schedule, cost_f=1.0, cost_b=2.0, cost_i=1.0, cost_w=1.0, cost_comm=0
     costs = []   # flat: kind k's stage s at k × stages + s (`_Program.KINDS`)
     for c in (cost_f, cost_b, cost_i, cost_w):
         costs.extend(c if isinstance(c, (list, tuple)) else [c] * schedule.stages)
-    clock, posted = [0.0] * schedule.pp, [0.0] * prog.sends
-    for op, r, arg in prog.steps:
-        if op == _RUN:        # compute actions back to back
-            clock[r] = reduce(add, arg(costs), clock[r])
+    clock, busy, posted = [0.0] * schedule.pp, [0.0] * schedule.pp, [0.0] * prog.sends
+    for op, r, arg in zip(prog.ops, prog.ranks, prog.args):
+        if op == _ONE:        # one compute action
+            c = costs[arg]
+            clock[r] += c
+            busy[r] += c
+        elif op == _RUN:      # compute actions back to back
+            run = arg(costs)
+            clock[r] = reduce(add, run, clock[r])
+            busy[r] = reduce(add, run, busy[r])
         elif op == _POST:     # a run's sends, posted at the rank's clock
-            t = clock[r]
             for k in arg:
-                posted[k] = t
-        else:                 # the run ends when its last receive has arrived
+                posted[k] = clock[r]
+        elif op == _POST_ONE:
+            posted[arg] = clock[r]
+        elif op == _WAIT:     # the run ends when its last receive has arrived
             clock[r] = max(clock[r], *[posted[k] + cost_comm for k in arg])
-    busy = [reduce(add, every(costs), 0.0) if every else 0.0 for every in prog.busy]
+        else:
+            clock[r] = max(clock[r], posted[arg] + cost_comm)
     makespan = max(clock)
     total = sum(busy)
     return SimResult(makespan, busy, 1 - total / (schedule.pp * makespan) if makespan else 0.0, list(prog.peak),
                      [[] for _ in range(schedule.pp)])
 
 
-_RUN, _POST, _WAIT = 0, 1, 2
-
-
-def _getter(indices: list[int]):
-    """A function of the flat costs giving those at `indices`, in order, as a tuple (one C call)."""
-    if len(indices) == 1:
-        i = indices[0]
-        return lambda costs: (costs[i],)
-    return itemgetter(*indices)
+_ONE, _RUN, _POST_ONE, _POST, _WAIT_ONE, _WAIT = range(6)   # `_Program`'s steps
 
 
 class _Program:
-    """One schedule's walk under `timing`'s rules, costs left out: per step, a rank's run of compute actions
-    (which costs it adds, in order), a P2P run's sends posted (each send numbered) or its receives met (the
-    sends they wait for). Also each rank's compute costs in order (its busy time) and its peak micro-batches
-    in flight, neither of which depends on the costs. Held per schedule while it lives."""
+    """One schedule's walk under `timing`'s rules, costs left out, as three lists of steps (op, rank, argument):
+    a rank's compute action (the index of its cost) or run of them (a function giving their costs, in order), a
+    P2P run's sends posted (the numbers of its sends) or its receives met (the numbers of the sends they wait
+    for); `_ONE` and the `_ONE` forms hold a single index or number, as most steps of a pipeline have. Also each
+    rank's peak micro-batches in flight, which do not depend on the costs either. Held per schedule while it
+    lives: about a third of the memory of the schedule's own actions."""
 
     KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
     _held: dict = {}   # id of a schedule → (a weak reference to it, its program)
@@ -157,7 +160,7 @@ class _Program:
 
         acts, p, stages = schedule.actions, schedule.pp, schedule.stages
         delta = {"F": 1, "B": -1, "W": -1, "I": 0}
-        steps, busy = [], [[] for _ in range(p)]
+        self.ops, self.ranks, self.args = array("b"), array("i"), []
         self.sends = 0         # sends numbered in posting order
         ptr, inflight, peak = [0] * p, [0] * p, [0] * p
         sent: dict = {}        # (src, dst) → [(send number, send action)], in posting order
@@ -178,8 +181,7 @@ class _Program:
                             inflight[r] += delta[a.kind]
                             peak[r] = max(peak[r], inflight[r])
                             i += 1
-                        steps.append((_RUN, r, _getter(run)))
-                        busy[r] += run
+                        self._step(r, _RUN, run)
                         moved = True
                         continue
                     end = i
@@ -198,7 +200,7 @@ class _Program:
                                 received[ch] = k + 1
                                 waiting[r].append((ch, k, b))
                         if posts:
-                            steps.append((_POST, r, posts))
+                            self._step(r, _POST, posts)
                         moved = True
                     met = []   # the run ends when its last receive has arrived; it waits while one has no send yet
                     for ch, k, b in waiting[r]:
@@ -212,7 +214,7 @@ class _Program:
                         met.append(number)
                     else:   # every receive of the run has its send: go on past the run
                         if met:
-                            steps.append((_WAIT, r, met))
+                            self._step(r, _WAIT, met)
                         i, waiting[r] = end, None
                         moved = True
                         continue
@@ -221,6 +223,11 @@ class _Program:
             if not moved:
                 stuck = "; ".join(f"rank {r} at {acts[r][ptr[r]]}" for r in range(p) if ptr[r] < len(acts[r]))
                 raise ScheduleError(f"deadlock: no rank can progress; {stuck} waits")
-        self.steps = steps
-        self.busy = [_getter(b) if b else None for b in busy]
         self.peak = tuple(peak)
+
+    def _step(self, rank: int, op: int, items: list[int]) -> None:
+        """A step of `op` (`_RUN`, `_POST` or `_WAIT`) on `items`; of one item, the op's one-item form (op − 1)."""
+        one = len(items) == 1
+        self.ops.append(op - 1 if one else op)
+        self.ranks.append(rank)
+        self.args.append(items[0] if one else itemgetter(*items) if op == _RUN else tuple(items))
