@@ -137,11 +137,12 @@ _ONE, _RUN, _POST_ONE, _POST, _WAIT_ONE, _WAIT = range(6)   # `_Program`'s steps
 
 class _Program:
     """One schedule's walk under `timing`'s rules, costs left out, as three lists of steps (op, rank, argument):
-    a rank's compute action (the index of its cost) or run of them (a function giving their costs, in order), a
-    P2P run's sends posted (the numbers of its sends) or its receives met (the numbers of the sends they wait
-    for); `_ONE` and the `_ONE` forms hold a single index or number, as most steps of a pipeline have. Also each
-    rank's peak micro-batches in flight, which do not depend on the costs either. Held per schedule while it
-    lives: about a third of the memory of the schedule's own actions."""
+    a rank's run of compute actions (a function giving their costs, in order), a P2P run's sends posted (their
+    numbers) or its receives met (the numbers of the sends they wait for). A step of a single action, send or
+    receive, as most steps of a pipeline are, holds its index or number bare (`_ONE`, `_POST_ONE`, `_WAIT_ONE`).
+    Also each rank's peak micro-batches in flight, which do not depend on the costs either. Held per schedule
+    while it lives: 15–18% of the memory of the schedule's own actions (tracemalloc, three schedules of 14,080
+    to 97,280 actions)."""
 
     KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
     _held: dict = {}   # id of a schedule → (a weak reference to it, its program)
