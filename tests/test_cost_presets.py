@@ -188,3 +188,31 @@ def test_a100_40gb_is_the_a100_with_half_the_memory_and_slower_hbm():
                               stats=stats) if d.severity == "error"]
     assert "pp rank 0 needs params 16.8 + grads 11.2 + optimizer 22.4" in d.message
     assert "> 40.0 GiB of a A100-40GB" in d.message
+
+
+def test_nvlink_is_priced_as_nccl_reaches_it():
+    """NVLink at NCCL's achieved bandwidth, not its line rate: ~20% protocol overhead (NCCL's maintainer,
+    NVIDIA/nccl-tests#212: ~370 of the H100's 450 GB/s), so each preset's ring collectives on a node run at 0.8 of
+    the line rate; an all-reduce on one node of H100s or H200s runs on NVLink SHARP, at its ~480 GB/s of bus
+    bandwidth on 8 GPUs; the A100s have no NVLS. A plan's own `topology intra=` is the figure every collective on
+    a node runs at."""
+    for name, line, nvls in (("a100", 300e9, 0.0), ("a100_40gb", 300e9, 0.0), ("h100", 450e9, 480e9),
+                             ("h100_hbm2e", 450e9, 480e9), ("h200", 450e9, 480e9)):
+        hw = cost.hardware(name)
+        assert hw.intra_bw == pytest.approx(0.8 * line) and hw.intra_allreduce_bw == nvls, name
+    h100 = cost.hardware("h100")
+    node = [list(range(8))]
+    size = 1e9
+    ring = cost._collective("tp", "all-gather", 8, size, node, h100, "ring")
+    assert ring.seconds == pytest.approx(7 / 8 * size / 360e9 + 14 * h100.latency_intra)
+    reduce = cost._collective("tp", "all-reduce", 8, size, node, h100, "ring")
+    assert reduce.seconds == pytest.approx(2 * 7 / 8 * size / 480e9 + 14 * h100.latency_intra)
+    a100 = cost.hardware("a100")
+    assert cost._collective("tp", "all-reduce", 8, size, node, a100, "ring").seconds == \
+        pytest.approx(2 * 7 / 8 * size / 240e9 + 14 * a100.latency_intra)
+    from parc.grammar.parser import parse
+
+    stated = cost.hardware("h100", parse("mesh tp=8\ntopology nodes=1 gpus_per_node=8 intra=900GB/s\n").topology)
+    assert stated.intra_bw == 900e9 and stated.intra_allreduce_bw == 0.0
+    assert cost._collective("tp", "all-reduce", 8, size, node, stated, "ring").seconds == \
+        pytest.approx(2 * 7 / 8 * size / 900e9 + 14 * stated.latency_intra)

@@ -508,11 +508,14 @@ def calibrate(device: str, out: Path, *, peak_tflops: float | None = None, ranks
         log(f"posting a send or receive (batch_isend_irecv), on the poster's timeline: {g['post'] * 1e3:.2f} ms")
         log(f"optimizer (AdamW, per parameter tensor): {preset['optimizer_per_tensor'] * 1e6:.1f} µs")
         preset.update(_in_step(preset, log))
-    else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node, and the
-        # shipped presets' cited slowdown of compute beside a collective (presets.py)
+    else:  # one device: the interconnect is not measured here; NVLink/network figures of an H100 node (the h100
+        # preset's), and the shipped presets' cited slowdown of compute beside a collective (presets.py)
+        from parc.analysis.cost import PRESETS
         from parc.analysis.presets import OVERLAP_SLOWDOWN
 
-        preset.update(intra_bw=450e9, inter_bw=50e9, gpus_per_node=8, overlap_slowdown=OVERLAP_SLOWDOWN)
+        h100 = PRESETS["h100"]
+        preset.update(intra_bw=h100.intra_bw, intra_allreduce_bw=h100.intra_allreduce_bw, inter_bw=h100.inter_bw,
+                      gpus_per_node=8, overlap_slowdown=OVERLAP_SLOWDOWN)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(preset, indent=1))
     return preset

@@ -61,11 +61,12 @@ class Hardware:
     memory: float           # bytes per GPU
     flops: dict             # precision -> peak FLOP/s (dense)
     achievable: float       # fraction of peak a good kernel mix reaches
-    intra_bw: float         # bytes/s per GPU, one direction, within a node (NVLink)
+    intra_bw: float         # bytes/s per GPU, one direction, within a node (NVLink), as NCCL's rings reach it
     inter_bw: float         # bytes/s per GPU, one direction, between nodes (network)
     gpus_per_node: int = 8
     latency_intra: float = 5e-6
     latency_inter: float = 10e-6
+    intra_allreduce_bw: float = 0.0  # an all-reduce on one node's NVLink SHARP (NVLS), as bus bandwidth; 0: a ring
     # the per-operation compute model (parc/analysis/compute.py); empty tables: FLOPs × achievable
     mem_bw: float = 0.0            # bytes/s an elementwise kernel reaches (read + written)
     matmul: tuple = ()             # (dtype, m, n, k, efficiency)
@@ -196,11 +197,21 @@ class System:
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
 
-def _gpu(name, memory, flops, intra, inter, key):
+# NVLink as NCCL moves data over it: NCCL's maintainer (Sylvain Jeaugey, NVIDIA/nccl-tests issue #212, 2024-05-06)
+# puts the protocol's overhead at ~20% of the H100's 450 GB/s line rate, ~370 GB/s of bus bandwidth for every
+# collective but NVLink SHARP's all-reduce, which reaches a bus bandwidth of ~480 GB/s on 8 GPUs; the A100's NVLink
+# is taken with the same overhead (no such figure for it was found). The network's links at their line rate.
+NVLINK_ACHIEVED = 0.8
+H100_NVLS_ALLREDUCE = 480e9
+
+
+def _gpu(name, memory, flops, nvlink, inter, key, nvls: float = 0.0):
+    """A shipped preset: `nvlink` the line rate a GPU, one direction; `nvls` NVLink SHARP's all-reduce bus bandwidth
+    on one node (0: none, a ring)."""
     from parc.analysis.presets import TABLES
 
-    return Hardware(name, memory, flops, 0.5, intra, inter, source=f"shipped preset {key} (docs/cost-model.md)",
-                    **TABLES[key])
+    return Hardware(name, memory, flops, 0.5, NVLINK_ACHIEVED * nvlink, inter, intra_allreduce_bw=nvls,
+                    source=f"shipped preset {key} (docs/cost-model.md)", **TABLES[key])
 
 
 PRESETS = {
@@ -213,13 +224,15 @@ PRESETS = {
     "a100_40gb": _gpu("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9,
                       "a100_40gb"),
     # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
-    "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100"),
+    "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100",
+                 H100_NVLS_ALLREDUCE),
     # The H100 SXM5 with 96 GB of HBM2e (2.4 TB/s) instead of HBM3 (3.35 TB/s): the same GH100 die, clocks and
     # NVLink, so the h100 matmul and attention tables; only memory-bound ops are slower. Meta's Grand Teton hosts
     # (torchtitan's H100 benchmarks: "96GB HBM2e with 2.4 TB/sec", "95 GiB memory" as the runtime sees it).
     "h100_hbm2e": _gpu("H100-96GB-HBM2e", 95 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9,
-                       "h100_hbm2e"),
-    "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200"),
+                       "h100_hbm2e", H100_NVLS_ALLREDUCE),
+    "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200",
+                 H100_NVLS_ALLREDUCE),
 }
 ALIASES = {"a100-80gb": "a100", "a100-40gb": "a100_40gb", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
 
@@ -243,7 +256,9 @@ def hardware(name: str | None, topology=None, *, embedded: dict | None = None) -
         hw = PRESETS[key]
     if topology is not None:
         from dataclasses import replace
+        # a stated NVLink bandwidth is the one every collective on a node runs at (no NVLS figure beside it)
         hw = replace(hw, intra_bw=topology.intra_bw or hw.intra_bw, inter_bw=topology.inter_bw or hw.inter_bw,
+                     intra_allreduce_bw=0.0 if topology.intra_bw else hw.intra_allreduce_bw,
                      gpus_per_node=topology.gpus_per_node)
     return hw
 
@@ -568,10 +583,12 @@ def on_step(est: "Estimate", comms: list[Comm], part: str, exposed: float | None
                    mfu=est.mfu * est.step_seconds / step if step else 0.0)
 
 
-def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1, gap=0.0) -> Comm:
+def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls=1, gap=0.0, nvls=True) -> Comm:
     """A collective of `size` bytes per rank on groups of `n`; volume from DESIGN.md's table.
 
-    A group on one node runs at NVLink's `intra_bw`. A group across nodes with r of its ranks on a
+    A group on one node runs at NVLink's `intra_bw` (an all-reduce at `intra_allreduce_bw`, NVLink SHARP's, where
+    the preset has it and `nvls`: not sequence parallelism's reduce-scatter and all-gather, which are priced as
+    one all-reduce of their volume). A group across nodes with r of its ranks on a
     node runs NCCL's parallel rings (channels) over r network links at once, each at `inter_bw`, and
     no faster than NVLink: the bandwidth is min(intra, links × inter); each ring step pays its hop's
     latency, the network's on the hops that leave a node (1 in r) and NVLink's on the others. The axis's groups run together
@@ -597,8 +614,9 @@ def _collective(axis, name, n, size, groups, hw, algo, latency_steps=None, calls
         # the mean over the ring, as a chunk walking it does
         bw = min(hw.intra_bw, links * hw.inter_bw)
         lat = crossing * hw.latency_inter + (1 - crossing) * hw.latency_intra
-    else:
-        bw, lat = hw.intra_bw, hw.latency_intra
+    else:   # on one node: NVLink, an all-reduce on its switch (NVLS) where the preset has that figure
+        nvls = nvls and name == "all-reduce" and algo == "ring" and hw.intra_allreduce_bw > 0
+        bw, lat = hw.intra_allreduce_bw if nvls else hw.intra_bw, hw.latency_intra
     steps = latency_steps if latency_steps is not None else \
         (2 * math.ceil(math.log2(max(n, 2))) if algo == "tree" else 2 * (n - 1))
     rows = [r[2:] for r in hw.collectives if r[0] == name and r[1] == n] if not crossing else []
@@ -713,6 +731,10 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
         return d[f"{key}_sharded"] / tp + d[f"{key}_replicated"]
 
     # -- compute per stage and micro-batch: each stage its own F and B (the simulator takes the list)
+    # sequence parallelism's tp collectives are a reduce-scatter and an all-gather, priced as one all-reduce of
+    # their volume but run as rings, never on NVLink SHARP (`_collective`'s `nvls`)
+    seq_par = plan.tensor_parallel.sequence_parallel
+
     def stage_times(d):
         if compute.has_model(hw, d):
             # the same statistics (a planner's probe and its plans hold one dict per split) cost the same
@@ -729,12 +751,13 @@ def estimate(plan, stats: dict, hw: Hardware, *, allreduce: str = "ring", groups
             f, b = compute.fallback(hw, dtype, per_tp(d, "flops"), d["flops_recomputed"] / tp)
         calls = max(d.get("tp_ops", 1), 1)
         tp_c = _collective("tp", "all-reduce", tp, d["tp_bytes"] * act_b, groups["tp"], hw, allreduce,
-                           latency_steps=2 * (tp - 1) * calls, calls=calls, gap=(f + b) * slow / calls)
+                           latency_steps=2 * (tp - 1) * calls, calls=calls, gap=(f + b) * slow / calls,
+                           nvls=not seq_par)
         tp_t = tp_c.seconds if tp > 1 else 0.0
         rec_calls = d.get("tp_ops_recomputed", 0)   # the recomputed forward's all-reduces, in the backward
         tp_r_c = _collective("tp", "all-reduce", tp, d["tp_bytes_recomputed"] * act_b, groups["tp"], hw, allreduce,
                              latency_steps=2 * (tp - 1) * rec_calls, calls=rec_calls,
-                             gap=(f + b) * slow / calls) if tp > 1 and rec_calls else None
+                             gap=(f + b) * slow / calls, nvls=not seq_par) if tp > 1 and rec_calls else None
         tp_r = tp_r_c.seconds if tp_r_c else 0.0
         again_calls = d.get("tp_ops_regathered", 0)   # sequence parallelism's inputs gathered again, in the backward
         tp_g_c = _collective("tp", "all-gather", tp, d.get("tp_bytes_regathered", 0) * act_b, groups["tp"], hw,

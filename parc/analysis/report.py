@@ -222,6 +222,7 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
         "hardware": {"name": hw.name, "memory_bytes": hw.memory, "peak_flops": hw.flops,
                      "achievable": hw.achievable, "memory_gbps": hw.mem_bw / 1e9, "matmul_table": len(hw.matmul),
                      "source": hw.source, "intra_gbps": hw.intra_bw / 1e9, "inter_gbps": hw.inter_bw / 1e9,
+                     "intra_allreduce_gbps": hw.intra_allreduce_bw / 1e9,
                      "gpus_per_node": hw.gpus_per_node, "cores": hw.cores, "allreduce": allreduce or "ring"},
         "plan": {"dp": m.dp, "pp": m.pp, "tp": m.tp, "ep": m.ep, "cp": m.cp, "world_size": m.world_size,
                  "global_batch": plan_obj.global_batch, "micro": plan_obj.micro_batch,
@@ -314,7 +315,9 @@ def render(rep: dict, console=None) -> None:
                   f"recompute {', '.join(p['recompute']) or 'none'}")
     device, per_node = _rank_words(hw)
     console.print(f"[bold]hardware[/]: {device}, {hw['gpus_per_node']} {per_node}, "
-                  f"intra {hw['intra_gbps']:g} GB/s, inter {hw['inter_gbps']:g} GB/s per rank, "
+                  f"intra {hw['intra_gbps']:g} GB/s"
+                  + (f" (all-reduce {hw['intra_allreduce_gbps']:g}, NVLS)" if hw.get("intra_allreduce_gbps") else "")
+                  + f", inter {hw['inter_gbps']:g} GB/s per rank, "
                   + (f"matmul efficiency from a {hw['matmul_table']}-shape table, memory {hw['memory_gbps']:g} GB/s"
                      if hw.get("matmul_table") else f"achievable {hw['achievable']:.0%} of peak")
                   + f", {hw['allreduce']} all-reduce" + (f" ({hw['source']})" if hw.get("source") else ""))
