@@ -250,7 +250,7 @@ def _tp_stats(tp_elements: int, backward: float) -> dict:
 def test_tp_across_nodes_runs_at_the_nodes_nics():
     """A tp group wider than a node is priced as any group across nodes (`cost._collective`): NCCL's rings
     cross each node boundary once per channel, one channel per NIC, so tp 16 over 2 nodes of 8 moves its
-    ring volume at 8 NICs × inter (80 GB/s here), not NVLink's 450, and each ring step pays its hop's latency
+    ring volume at 8 NICs × inter (80 GB/s here), not NVLink's 370, and each ring step pays its hop's latency
     (2 of the ring's 16 hops leave a node); with 4 NICs a node, at 4 × inter. Inside one node, tp 8 runs at
     NVLink."""
     elements = 10 ** 7
@@ -270,6 +270,23 @@ def test_tp_across_nodes_runs_at_the_nodes_nics():
     assert row8.inter == 0 and row8.seconds == pytest.approx(2 * 7 / 8 * elements * 4 / hw.intra_allreduce_bw
                                                              + 2 * 7 * hw.latency_intra)
 
+
+
+def test_sequence_parallel_tp_runs_as_rings_not_on_nvlink_sharp():
+    """On one node of H100s a tp all-reduce runs on NVLink SHARP (the h100's `intra_allreduce_bw`); with sequence
+    parallelism the same volume moves as a reduce-scatter and an all-gather, rings at `intra_bw`."""
+    elements = 10 ** 7
+    seconds = {}
+    for sp in (False, True):
+        plan = parse("mesh tp=8\ntopology nodes=1 gpus_per_node=8\ntensor_parallel {\n  \"x\": column\n"
+                     + ("  sequence_parallel\n" if sp else "") + "}\n")
+        hw = cost.hardware("h100", plan.topology)
+        rows = [c for c in cost.estimate(plan, _tp_stats(elements, 1e12), hw).comms if c.axis == "tp"]
+        assert {c.collective for c in rows} == ({"reduce-scatter", "all-gather"} if sp else {"all-reduce"})
+        seconds[sp] = sum(c.seconds for c in rows) - 2 * 7 * hw.latency_intra
+    volume = 2 * 7 / 8 * elements * 4
+    assert seconds[False] == pytest.approx(volume / hw.intra_allreduce_bw)
+    assert seconds[True] == pytest.approx(volume / hw.intra_bw)
 
 def test_dp_does_not_hide_under_tp_that_holds_the_nics():
     """dp 2 × tp 8 on nodes of 4: both axes' groups leave the node, and tp's all-reduces hold its NICs while

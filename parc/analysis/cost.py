@@ -197,20 +197,21 @@ class System:
         return [f"priced as another system's run, not parc's runtime: {', '.join(said)}"] if said else []
 
 
-# NVLink as NCCL moves data over it: NCCL's maintainer (Sylvain Jeaugey, NVIDIA/nccl-tests issue #212, 2024-05-06)
-# puts the protocol's overhead at ~20% of the H100's 450 GB/s line rate, ~370 GB/s of bus bandwidth for every
-# collective but NVLink SHARP's all-reduce, which reaches a bus bandwidth of ~480 GB/s on 8 GPUs; the A100's NVLink
-# is taken with the same overhead (no such figure for it was found). The network's links at their line rate.
-NVLINK_ACHIEVED = 0.8
+# NVLink on H100s as NCCL moves data over it: NCCL's maintainer (Sylvain Jeaugey, NVIDIA/nccl-tests issue #212,
+# 2024-05-06) puts the protocol's overhead at ~20% of the 450 GB/s line rate, ~370 GB/s of bus bandwidth for every
+# collective but NVLink SHARP's (NVLS) all-reduce, which reaches ~480 GB/s of bus bandwidth on 8 GPUs. The A100s'
+# NVLink stays at its line rate: no such figure for it was found (and the published A100 rows, docs/cost-model.md
+# (c), do not show one: taken with the H100's overhead they came out 1-2 points slower). Networks at line rate.
+H100_NVLINK = 370e9
 H100_NVLS_ALLREDUCE = 480e9
 
 
-def _gpu(name, memory, flops, nvlink, inter, key, nvls: float = 0.0):
-    """A shipped preset: `nvlink` the line rate a GPU, one direction; `nvls` NVLink SHARP's all-reduce bus bandwidth
-    on one node (0: none, a ring)."""
+def _gpu(name, memory, flops, intra, inter, key, nvls: float = 0.0):
+    """A shipped preset: `intra` NVLink as a ring collective reaches it, per GPU, one direction; `nvls` NVLink
+    SHARP's all-reduce bus bandwidth on one node (0: none, a ring)."""
     from parc.analysis.presets import TABLES
 
-    return Hardware(name, memory, flops, 0.5, NVLINK_ACHIEVED * nvlink, inter, intra_allreduce_bw=nvls,
+    return Hardware(name, memory, flops, 0.5, intra, inter, intra_allreduce_bw=nvls,
                     source=f"shipped preset {key} (docs/cost-model.md)", **TABLES[key])
 
 
@@ -224,15 +225,15 @@ PRESETS = {
     "a100_40gb": _gpu("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 300e9, 25e9,
                       "a100_40gb"),
     # NVLink 4: 900 GB/s both directions; 8 × 400 Gbit/s NDR per node. Dense (no sparsity) peaks.
-    "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h100",
-                 H100_NVLS_ALLREDUCE),
+    "h100": _gpu("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, H100_NVLINK, 50e9,
+                 "h100", H100_NVLS_ALLREDUCE),
     # The H100 SXM5 with 96 GB of HBM2e (2.4 TB/s) instead of HBM3 (3.35 TB/s): the same GH100 die, clocks and
     # NVLink, so the h100 matmul and attention tables; only memory-bound ops are slower. Meta's Grand Teton hosts
     # (torchtitan's H100 benchmarks: "96GB HBM2e with 2.4 TB/sec", "95 GiB memory" as the runtime sees it).
-    "h100_hbm2e": _gpu("H100-96GB-HBM2e", 95 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9,
-                       "h100_hbm2e", H100_NVLS_ALLREDUCE),
-    "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 450e9, 50e9, "h200",
-                 H100_NVLS_ALLREDUCE),
+    "h100_hbm2e": _gpu("H100-96GB-HBM2e", 95 * GiB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, H100_NVLINK,
+                       50e9, "h100_hbm2e", H100_NVLS_ALLREDUCE),
+    "h200": _gpu("H200-141GB", 141e9, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, H100_NVLINK, 50e9,
+                 "h200", H100_NVLS_ALLREDUCE),
 }
 ALIASES = {"a100-80gb": "a100", "a100-40gb": "a100_40gb", "h100-80gb": "h100", "h100-sxm": "h100", "h200-141gb": "h200"}
 
