@@ -163,7 +163,7 @@ def test_small_model_on_one_node_is_data_parallel(tmp_path_factory):
 @pytest.mark.parametrize("gpus, per_node", [(8, 4), (16, 8)])
 def test_multi_node_winner_keeps_tp_inside_a_node(gpt_1b, gpus, per_node):
     """H100s on 2 nodes: a tp group wider than a node runs its per-layer all-reduces over the node's NICs
-    (per_node × 50 GB/s for the group: cost._collective) instead of NVLink's 450 GB/s, and holds them while
+    (per_node × 50 GB/s for the group: cost._collective) instead of NVLink's 370 GB/s, and holds them while
     dp needs them, so the best plans keep their tp group (innermost, adjacent ranks) within one node, although
     tp = the GPUs divides every width of the model: those plans are priced, and lose."""
     result = planner.search(gpt_1b, gpus=gpus, nodes=2, preset="h100", global_batch=32)

@@ -61,7 +61,7 @@ class Hardware:
     memory: float           # bytes per GPU
     flops: dict             # precision -> peak FLOP/s (dense)
     achievable: float       # fraction of peak a good kernel mix reaches
-    intra_bw: float         # bytes/s per GPU, one direction, within a node (NVLink), as NCCL's rings reach it
+    intra_bw: float         # bytes/s per GPU, one direction, within a node (NVLink): a ring collective's
     inter_bw: float         # bytes/s per GPU, one direction, between nodes (network)
     gpus_per_node: int = 8
     latency_intra: float = 5e-6
@@ -201,7 +201,7 @@ class System:
 # 2024-05-06) puts the protocol's overhead at ~20% of the 450 GB/s line rate, ~370 GB/s of bus bandwidth for every
 # collective but NVLink SHARP's (NVLS) all-reduce, which reaches ~480 GB/s of bus bandwidth on 8 GPUs. The A100s'
 # NVLink stays at its line rate: no such figure for it was found (and the published A100 rows, docs/cost-model.md
-# (c), do not show one: taken with the H100's overhead they came out 1-2 points slower). Networks at line rate.
+# (c), do not show one: taken with the H100's overhead they came out 1-3 points slower). Networks at line rate.
 H100_NVLINK = 370e9
 H100_NVLS_ALLREDUCE = 480e9
 
