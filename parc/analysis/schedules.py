@@ -145,15 +145,15 @@ class _Program:
     to 97,280 actions)."""
 
     KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
-    _held: dict = {}   # id of a schedule → (a weak reference to it, its program)
+    _held: dict = {}   # id of a live schedule → its program (dropped when the schedule is freed)
 
     @classmethod
     def of(cls, schedule) -> "_Program":
-        held = cls._held.get(id(schedule))
-        if held is None or held[0]() is not schedule:
-            held = cls._held[id(schedule)] = (weakref.ref(schedule), cls(schedule))
+        program = cls._held.get(id(schedule))
+        if program is None:
+            program = cls._held[id(schedule)] = cls(schedule)
             weakref.finalize(schedule, cls._held.pop, id(schedule), None)
-        return held[1]
+        return program
 
     def __init__(self, schedule):
         from parc.passes.schedule import COMPUTE
