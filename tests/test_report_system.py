@@ -488,3 +488,29 @@ def test_nvidias_nemo_rows_split_layers_as_megatron_core_does():
     assert by["Llama 3.1 8B", 1].cuts == ()
     with pytest.raises(ValueError, match="not into 12 chunks"):
         published.megatron_cuts(70, 12, "blocks")
+
+
+def _llama_tp_report(tmp_path, monkeypatch, spec_env: str, tp: int) -> dict:
+    """`parc report` of bench/llama_sized.py at `spec_env`, tp `tp` by the bench's Llama rules, one H100 node."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import published
+
+    plan = tmp_path / f"tp{tp}.par"
+    plan.write_text(f"mesh tp={tp}\ntopology nodes=1 gpus_per_node={tp} preset=h100\nbatch global=2 micro=2\n" +
+                    ("tensor_parallel {\n" + published.LLAMA_TP_RULES + "}\n" if tp > 1 else "") +
+                    "precision bf16\n")
+    monkeypatch.setenv("PARC_BENCH_LLAMA", spec_env)
+    return sized_report(plan, model=LLAMA)
+
+
+def test_a_vocab_parallel_heads_logits_cast_to_fp32_by_the_loss_stay_each_ranks_slice(tmp_path, monkeypatch):
+    """bench/llama_sized.py's loss casts the logits (`logits.reshape(-1, V).float()`) outside the model, where no
+    rule names a module. passes/tensor_parallel.py keeps that cast vocab-sharded and runs the loss as
+    `parc.vocab_parallel_cross_entropy`, so each rank holds 1/tp of the logits: the loss's transient (their fp32
+    gradient and its bf16 cast, 6 bytes an element) is 1/tp of one rank's whole logits. The report counted them
+    whole on every rank (tp× the bytes) while the cast stood between head and loss."""
+    tokens, vocab = 2 * 16, 100
+    one, two = (_llama_tp_report(tmp_path, monkeypatch, TINY_LLAMA, tp) for tp in (1, 2))
+    assert one["memory"]["per_pp_rank"][0]["transient_bytes"] == tokens * vocab * 6
+    assert two["memory"]["per_pp_rank"][0]["transient_bytes"] == tokens * vocab * 6 / 2
+

@@ -114,6 +114,11 @@ def is_alias(n: fx.Node) -> bool:
     return False
 
 
+def is_cast(n: fx.Node) -> bool:
+    """A dtype conversion of one tensor (`x.float()`, `x.to(torch.bfloat16)`): its input's values, another dtype."""
+    return _is(n, ("aten.to.", "aten._to_copy.")) and "dtype" in str(n.target) + str(n.kwargs)
+
+
 def _grad(n) -> bool:
     """Does `n` need a gradient: a trainable parameter, or computed from one (floating point)? Cached on the
     node. A value computed only from the batch and constants (token ids, positions, a rotary table) does not,
@@ -350,7 +355,7 @@ def _dtype_sizes(gm: fx.GraphModule, nodes: list[fx.Node], bf16: bool) -> dict[f
         native = val.element_size() if hasattr(val, "element_size") else 4
         if not bf16 or not getattr(val, "is_floating_point", lambda: False)():
             size[n] = native
-        elif _is(n, ("aten.to.", "aten._to_copy.")) and "dtype" in str(n.target) + str(n.kwargs):
+        elif is_cast(n):
             size[n] = native          # an explicit cast (`x.float()`): the dtype it names, autocast or not
         elif _is(n, ("aten.type_as.",)) and len(n.args) > 1:
             size[n] = of(n.args[1])   # the other operand's dtype as the runtime holds it

@@ -311,6 +311,10 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
     state_names = {spec.name for spec in traced.state}
     sharded_of = {}
+    # a vocab-parallel head's logits, and their views and dtype casts on the way to the loss outside every rule's
+    # module (`cross_entropy(logits.float().view(-1, V), y)`), and that cross-entropy: each rank's slice, as
+    # passes/tensor_parallel.py runs them (`parc.vocab_parallel_cross_entropy`: the logits are never gathered)
+    logits: set = set()
     in_core: dict[str, bool] = {}   # per module path: inside a column module's parent (the sharded core)
     for n in nodes:
         p = path_of[n]
@@ -319,6 +323,12 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
             in_core[p] = any(_under(p, c) for c in core)
         sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
             or (style is None and in_core[p])
+        if style == "vocab" and "embedding" not in str(n.target):
+            logits.add(n)
+        elif style is None and n.args and getattr(n.args[0], "op", None) and n.args[0] in logits and (
+                activations.is_alias(n) or activations.is_cast(n) or "cross_entropy" in str(n.target)):
+            logits.add(n)
+            sharded_of[n] = True
 
     def instance_of(n):
         return plan.recompute.instance(path_of.get(n, "")) if patterns else None
@@ -341,10 +351,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if style == "row" or (style == "vocab" and "embedding" in str(n.target)):
             tp_outputs.add((p, s))                       # forward all-reduce of the output
         if "cross_entropy" in str(n.target) and n.args:   # the loss's logits: their gradient is a transient peak
-            src = n.args[0]
-            while src.op == "call_function" and activations.is_alias(src) and src.args:  # through the reshape
-                src = src.args[0]
-            vocab = "vocab_parallel" in str(n.target) or sharded_of.get(src)  # a vocab-parallel head's
+            vocab = "vocab_parallel" in str(n.target) or sharded_of.get(n.args[0])  # a vocab-parallel head's
             d["logits_elements_" + ("sharded" if vocab else "replicated")] += \
                 _elements(n.args[0].meta.get("val"))
         if n.target is operator.getitem or any(v in str(n.target) for v in activations.VIEWS):
