@@ -19,6 +19,14 @@ backward), and as torch.compile generates them. The cost model prices each as on
 and output bytes and counts a custom op's inputs as kept, so the fused rotary's input (q or k before it) is counted
 though TE keeps only the angle tables: an over-count of two of a layer's smaller activations.
 
+Nemotron-4 (NVIDIA's NeMo recipes: nemotron4-15b-synth.yaml, nemotron4-340b-synth.yaml), with three more fields:
+`layernorm`, Megatron's LayerNorm in place of RMSNorm (`normalization: layernorm1p`: the scale stored centred on
+zero and applied as 1 + γ; with `fused`, Transformer Engine's one-kernel LayerNorm), `relu2`, the MLP
+w2(relu(w1 x)²) with no gate (`activation: squared-relu`, no w3; `bias_activation_fusion: false`, so the relu and
+the square are a kernel each, as Megatron-core's `squared_relu` runs them), and `half_rotary`, rotary positions on
+the first half of each head's dims (`rotary_percentage: 0.5`; the fused kernel still reads and writes the whole of
+q or k).
+
 Only ever traced on meta, so the batches are random token ids. Rotary embedding is written with cos/sin
 (torchtitan multiplies complex numbers): the same bytes through memory-bound ops, no complex dtype.
 """
@@ -35,11 +43,13 @@ _SPEC = os.environ.get("PARC_BENCH_LLAMA", "32,4096,32,8,14336,128256,8192").spl
 _L, _D, _NH, _KV, _FFN, _V, _T = (int(x) for x in _SPEC[:7])
 # fields after the seven: "fused", torchtitan's `norm_type = "fused_rmsnorm"` (a Triton kernel: one read of x, one
 # write of the output; its backward reads x and the gradient and writes one), else its unfused `rmsnorm` in fp32;
-# "fused_ops", rotary and SwiGLU as one kernel each (Transformer Engine's and Megatron-core's fusions, above)
-_FIELDS, _KNOWN = set(_SPEC[7:]), {"fused", "fused_ops"}
+# "fused_ops", rotary and SwiGLU as one kernel each (Transformer Engine's and Megatron-core's fusions, above);
+# Nemotron-4's "layernorm", "relu2" and "half_rotary" (above)
+_FIELDS, _KNOWN = set(_SPEC[7:]), {"fused", "fused_ops", "layernorm", "relu2", "half_rotary"}
 if _FIELDS - _KNOWN:
-    raise ValueError(f"PARC_BENCH_LLAMA: unknown fields {sorted(_FIELDS - _KNOWN)} (fused, fused_ops)")
+    raise ValueError(f"PARC_BENCH_LLAMA: unknown fields {sorted(_FIELDS - _KNOWN)} ({', '.join(sorted(_KNOWN))})")
 _FUSED_NORM, _FUSED_OPS = "fused" in _FIELDS, "fused_ops" in _FIELDS
+_LAYERNORM, _RELU2, _HALF_ROTARY = "layernorm" in _FIELDS, "relu2" in _FIELDS, "half_rotary" in _FIELDS
 
 
 @torch.library.custom_op("parc_bench::fused_rms_norm", mutates_args=())
@@ -73,13 +83,44 @@ def _fused_setup(ctx, inputs, output):
 fused_rms_norm.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Megatron's layernorm1p: LayerNorm (fp32 inside, x's dtype out) scaled by 1 + γ, γ stored centred on zero."""
+    return F.layer_norm(x.float(), x.shape[-1:], eps=eps).type_as(x) * (1 + weight)
+
+
+@torch.library.custom_op("parc_bench::fused_layer_norm", mutates_args=())
+def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One kernel's layernorm1p (Transformer Engine's LayerNorm with zero-centred gamma)."""
+    return _layer_norm(x, weight, eps)
+
+
+@fused_layer_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _ln_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    with torch.enable_grad():
+        x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        gx, gw = torch.autograd.grad(_layer_norm(x_, w_, ctx.eps), (x_, w_), grad)
+    return gx, gw, None
+
+
+fused_layer_norm.register_autograd(_ln_backward, setup_context=_fused_setup)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm, or with the `layernorm` field Nemotron's layernorm1p (its weight zero: a scale of one)."""
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if _LAYERNORM else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _LAYERNORM:
+            return fused_layer_norm(x, self.weight, self.eps) if _FUSED_NORM else _layer_norm(x, self.weight, self.eps)
         if _FUSED_NORM:
             return fused_rms_norm(x, self.weight, self.eps)
         h = x.float()
@@ -87,10 +128,13 @@ class RMSNorm(nn.Module):
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions: each pair of x's last dim turned by its position's angle. x: (B, T, nh, hs)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
+    """Rotary positions: each pair of x's first 2·cos.shape[-1] dims turned by its position's angle, the rest as
+    they are (all of them but under `half_rotary`). x: (B, T, nh, hs)."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
     # fp32 products (the table is fp32), cast back as torchtitan's `.type_as(xq)` does
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+    turned = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+    return turned if rot == x.shape[-1] else torch.cat((turned, x[..., rot:]), dim=-1)
 
 
 @torch.library.custom_op("parc_bench::fused_rope", mutates_args=())
@@ -172,10 +216,13 @@ class FeedForward(nn.Module):
     def __init__(self):
         super().__init__()
         self.w1 = nn.Linear(_D, _FFN, bias=False)
-        self.w3 = nn.Linear(_D, _FFN, bias=False)
+        if not _RELU2:
+            self.w3 = nn.Linear(_D, _FFN, bias=False)
         self.w2 = nn.Linear(_FFN, _D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _RELU2:   # Megatron-core's squared_relu, torch.pow(F.relu(x), 2): two kernels
+            return self.w2(torch.pow(F.relu(self.w1(x)), 2))
         if _FUSED_OPS:
             return self.w2(fused_swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -205,9 +252,10 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         hs = _D // _NH
-        inv = 1.0 / (500000.0 ** (torch.arange(0, hs, 2, device=idx.device).float() / hs))   # (hs/2,)
-        angles = torch.arange(T, device=idx.device).float()[:, None] * inv[None, :]           # (T, hs/2)
-        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]             # (1, T, 1, hs/2)
+        rot = hs // 2 if _HALF_ROTARY else hs                                                   # dims turned
+        inv = 1.0 / (500000.0 ** (torch.arange(0, rot, 2, device=idx.device).float() / rot))  # (rot/2,)
+        angles = torch.arange(T, device=idx.device).float()[:, None] * inv[None, :]           # (T, rot/2)
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]             # (1, T, 1, rot/2)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -244,6 +244,7 @@ class Row:
     fused_ops: bool = False       # llama: rotary and SwiGLU one kernel each (Transformer Engine's; inductor's)
     precision: str = "bf16"       # the plan's `precision` (16-bit compute over fp32 masters: bf16, or fp16)
     order: str = ""               # the mesh's rank placement (`mesh ... order=`, inner to outer), else parc's default
+    variant: tuple = ()           # llama: bench/llama_sized.py's other fields (Nemotron-4's layernorm, relu2, half_rotary)
 
     @property
     def zero_stage(self) -> int:
@@ -262,7 +263,8 @@ class Row:
             layers, h, _, vocab, seq = self.shape
             return 12 * layers * h * h + (vocab + seq) * h
         layers, d, heads, kv, ffn, vocab, _ = self.shape
-        return layers * (2 * d * d + 2 * d * kv * (d // heads) + 3 * d * ffn) + 2 * vocab * d
+        mlp = 2 if "relu2" in self.variant else 3   # squared-ReLU has no gate: w1 and w2 only
+        return layers * (2 * d * d + 2 * d * kv * (d // heads) + mlp * d * ffn) + 2 * vocab * d
 
 
 def _gpt(name, source, shape, tp, pp, gpus, batch, micro, tflops, virtual=1, dp_overlap=False):
@@ -675,6 +677,50 @@ ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, ba
          for gpus, step in steps]
 
 
+# The same repository's Nemotron-4 recipes, NeMo on H100s in BF16 (nemotron/README_15b.md and README_340b.md: each
+# table's "Training step time (seconds per step)", first printed at 35a9aec (v24.11.1) and unchanged through
+# 0b71cfda5; tokens/s per GPU = 4096 × global batch / step / GPUs). The run's config: nemotron4-{15b,340b}-synth.yaml
+# with configure.sh's overrides, both at 35a9aec, the commit the tables appeared with (8f5cbb3, v25.02, later set
+# the 340B's BF16 runs to cp 2 without changing the table or its header's "GA=16", which only cp 1 gives: not the
+# runs the table timed). Nemotron-4 (Parmar et al. 2024, arXiv:2402.16819; the 340B's report, arXiv:2406.11704):
+# Megatron-core's GPT on Transformer Engine (`mcore_gpt`), `normalization: layernorm1p` (TE's fused LayerNorm: the
+# `layernorm` variant with `fused_norm`), `activation: squared-relu` with `bias_activation_fusion: false` (the
+# `relu2` variant: w2(relu(w1 x)²), its relu and square a kernel each), no biases, rotary positions on half of each
+# head (`rotary_percentage: 0.5`, `apply_rope_fusion: true`: `half_rotary` with `fused_ops`), 8 query groups, the
+# output layer untied, no dropout, sequence 4096, vocabulary 256,000 (nemotron_2_256k.model; a multiple of 128 × tp
+# already, so unpadded).
+# - 15B: 32 layers × 6144, 48 heads, FFN 24,576; tp 4, pp 1, micro-batch 4, global batch 4 a GPU (GA 4), no
+#   activation checkpointing, NVTE_FUSED_ATTN=1 (cuDNN's fused attention, `--attention cudnn`: Transformer Engine
+#   prefers it to FlashAttention on an H100 when both are enabled, an inference from TE's backend choice, not stated
+#   by the recipe).
+# - 340B: 96 layers × 18,432, 96 heads (head size 192, beyond the attention table's 64 and 128: priced at its
+#   nearest entries), FFN 73,728; tp 8, pp 8, 12 virtual stages (one layer a model chunk: `megatron_cuts`), micro-
+#   batch 1, global batch 2 a node, NVTE_FUSED_ATTN=0 (FlashAttention, `--attention flash`),
+#   `activations_checkpoint_granularity: selective` (Megatron-core's checkpointed core attention: parc's
+#   `recompute "layers.*.attention"` with `--recompute-saves matmul`, which also runs the rotary and the kv heads'
+#   copy again: two small memory-bound ops over-counted), `overlap_p2p_comm`. Not priced:
+#   `defer_embedding_wgrad_compute` (the output layer's weight gradient deferred under the pipeline's drain).
+# - Both: `ub_tp_comm_overlap=True` and `sequence_parallel=True` (configure.sh; `--tp-overlap gemm`),
+#   `distributed_fused_adam` with `overlap_grad_sync`, `overlap_param_sync` and `grad_sync_dtype: bf16` (parc's
+#   ZeRO-1, `--dp-wire bf16`, `NEMO_PRECISION`). `cross_entropy_loss_fusion: true` is priced as the NeMo Llama 3.1
+#   rows price the same option: parc's eager loss.
+NEMOTRON = "NVIDIA DGXC benchmarks: NeMo Nemotron-4 (H100)"
+FLAGS[NEMOTRON] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
+NEMOTRON4_15B = (32, 6144, 48, 8, 24576, 256000, 4096)
+NEMOTRON4_340B = (96, 18432, 96, 8, 73728, 256000, 4096)
+NEMOTRON_VARIANT = ("layernorm", "relu2", "half_rotary")
+ROWS += [Row("Nemotron-4 15B", NEMOTRON, "llama", NEMOTRON4_15B, 4, 1, gpus, 4 * gpus, 4, 4096 * 4 / step,
+             "tokens/s", "h100", "", fused_norm=True, fused_ops=True, sp=True, precision=NEMO_PRECISION,
+             attention="cudnn", variant=NEMOTRON_VARIANT)
+         for gpus, step in ((16, 2.812), (32, 2.824), (64, 2.845), (128, 2.859), (256, 2.852), (512, 2.875),
+                            (1024, 2.895), (2048, 2.887))]
+ROWS += [Row("Nemotron-4 340B", NEMOTRON, "llama", NEMOTRON4_340B, 8, 8, gpus, gpus // 4, 1,
+             4096 * (gpus // 4) / step / gpus, "tokens/s", "h100", "layers.*.attention", saves="matmul",
+             fused_norm=True, fused_ops=True, sp=True, precision=NEMO_PRECISION, attention="flash", virtual=12,
+             cuts=megatron_cuts(96, 8 * 12, "layers"), variant=NEMOTRON_VARIANT)
+         for gpus, step in ((128, 4.61), (256, 4.67), (512, 4.7), (1024, 4.73), (2048, 4.84))]
+
+
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
     if row.recompute == SELECTIVE:
@@ -765,7 +811,7 @@ def model_env(row: Row) -> tuple[str, str]:
     """The environment variable and value that size the row's model file (bench/gpt_sized.py, llama_sized.py)."""
     env = "PARC_BENCH_GPT" if row.arch == "gpt" else "PARC_BENCH_LLAMA"
     fields = [f for f, on in (("fused", row.fused_norm), ("fused_ops", row.fused_ops), ("tied", row.tied)) if on]
-    return env, ",".join(map(str, [*row.shape, *fields]))
+    return env, ",".join(map(str, [*row.shape, *fields, *row.variant]))
 
 
 def predict(row: Row, flags: list[str] | None = None) -> tuple[float, dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -514,3 +515,51 @@ def test_a_vocab_parallel_heads_logits_cast_to_fp32_by_the_loss_stay_each_ranks_
     assert one["memory"]["per_pp_rank"][0]["transient_bytes"] == tokens * vocab * 6
     assert two["memory"]["per_pp_rank"][0]["transient_bytes"] == tokens * vocab * 6 / 2
 
+
+def test_the_llama_benchs_nemotron_fields(tmp_path, monkeypatch):
+    """bench/llama_sized.py's Nemotron-4 fields: `layernorm` is Megatron's layernorm1p (LayerNorm scaled by 1 + γ,
+    γ zero at init), fused or not the same values and gradients; `relu2` the ungated MLP w2(relu(w1 x)²) (no w3:
+    2 of the SwiGLU's 3 matrices); `half_rotary` turns each head's first half and leaves the rest; and the bench
+    counts the parameters as the traced model has them."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import published
+
+    fields = ",layernorm,relu2,half_rotary"
+    plain = _load_llama(monkeypatch, TINY_LLAMA + fields)
+    fused = _load_llama(monkeypatch, TINY_LLAMA + fields + ",fused")
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    outs = []
+    for mod in (plain, fused):
+        norm = mod.RMSNorm(64)
+        assert torch.equal(norm.weight, torch.zeros(64))
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(-0.5, 0.5, 64))
+        x.grad = None
+        y = norm(x)
+        (y * torch.arange(64.0)).sum().backward()
+        outs.append((y, x.grad.clone(), norm.weight.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    expect = torch.nn.functional.layer_norm(x, (64,)) * (1 + torch.linspace(-0.5, 0.5, 64))
+    assert torch.allclose(outs[0][0], expect, atol=1e-6)
+
+    ff = plain.FeedForward()
+    assert not hasattr(ff, "w3")
+    h = torch.randn(3, 64)
+    assert torch.equal(ff(h), ff.w2(torch.relu(ff.w1(h)) ** 2))
+
+    q = torch.randn(1, 16, 4, 16)
+    angles = torch.arange(16.0)[:, None] * torch.rand(4)[None, :]   # 4 pairs: the first 8 of 16 dims
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    turned = plain._rotate(q, cos, sin)
+    assert torch.equal(turned[..., 8:], q[..., 8:])
+    assert torch.equal(turned[..., :8], _load_llama(monkeypatch, TINY_LLAMA)._turn(q[..., :8], cos, sin))
+
+    model = plain.build_model()
+    row = replace(published.ROWS[0], arch="llama", shape=tuple(int(v) for v in TINY_LLAMA.split(",")),
+                  variant=("layernorm", "relu2", "half_rotary"))
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert row.params == sum(p.numel() for p in model.parameters()) - norms
