@@ -563,3 +563,56 @@ def test_the_llama_benchs_nemotron_fields(tmp_path, monkeypatch):
                   variant=("layernorm", "relu2", "half_rotary"))
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert row.params == sum(p.numel() for p in model.parameters()) - norms
+
+
+SHIFTED_LOSS = '''"""A tiny LM whose loss shifts, copies and casts the head's logits outside the model (nanoGPT's way)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, D, T = 96, 32, 16
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.fc = nn.Linear(D, D)
+        self.output = nn.Linear(D, V, bias=False)
+
+    def forward(self, idx):
+        return self.output(torch.relu(self.fc(self.emb(idx))))
+
+
+def build_model():
+    return LM()
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    seq = torch.randint(0, V, (batch_size, T), generator=g)
+    return seq, seq
+
+
+def loss_fn(model, idx, targets):
+    logits = model(idx)
+    shifted = logits[:, :-1].contiguous().float()
+    return F.cross_entropy(shifted.view(-1, V), targets[:, 1:].reshape(-1))
+'''
+
+
+def test_shifted_and_copied_logits_of_a_vocab_parallel_head_stay_each_ranks_slice(tmp_path):
+    """The same for a loss that shifts the logits and copies them (`logits[:, :-1].contiguous().float()`): tp 2
+    holds half of the (T − 1) rows' logits each, so the transient is half of tp 1's."""
+    model = tmp_path / "shifted.py"
+    model.write_text(SHIFTED_LOSS)
+    reps = []
+    for tp in (1, 2):
+        plan = tmp_path / f"tp{tp}.par"
+        plan.write_text(f"mesh tp={tp}\ntopology nodes=1 gpus_per_node={tp} preset=h100\nbatch global=2 micro=2\n" +
+                        ('tensor_parallel {\n "emb" : vocab\n "output" : vocab\n}\n' if tp > 1 else "") +
+                        "precision bf16\n")
+        reps.append(sized_report(plan, model=model))
+    one, two = (r["memory"]["per_pp_rank"][0]["transient_bytes"] for r in reps)
+    assert one == 2 * 15 * 96 * 6
+    assert two == one / 2

@@ -285,6 +285,11 @@ def _under(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
+def _is_copy(n) -> bool:
+    """A copy of one tensor, the same values in new memory (`x.contiguous()`, `x.clone()`)."""
+    return any(k in str(n.target) for k in ("aten.contiguous.", "aten.clone."))
+
+
 def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     """Per-stage counts of ONE micro-batch (elements and FLOPs, not bytes); JSON-ready.
 
@@ -311,9 +316,10 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     path_of = {n: module_path(n) or "" for n in gm.graph.nodes}
     state_names = {spec.name for spec in traced.state}
     sharded_of = {}
-    # a vocab-parallel head's logits, and their views and dtype casts on the way to the loss outside every rule's
-    # module (`cross_entropy(logits.float().view(-1, V), y)`), and that cross-entropy: each rank's slice, as
-    # passes/tensor_parallel.py runs them (`parc.vocab_parallel_cross_entropy`: the logits are never gathered)
+    # a vocab-parallel head's logits, and their views, copies and dtype casts on the way to the loss outside every
+    # rule's module (`cross_entropy(logits[:, :-1].contiguous().float().view(-1, V), y)`), and that cross-entropy:
+    # each rank's slice, as passes/tensor_parallel.py runs them (`parc.vocab_parallel_cross_entropy`: the logits
+    # are never gathered)
     logits: set = set()
     in_core: dict[str, bool] = {}   # per module path: inside a column module's parent (the sharded core)
     for n in nodes:
@@ -326,7 +332,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         if style == "vocab" and "embedding" not in str(n.target):
             logits.add(n)
         elif style is None and n.args and getattr(n.args[0], "op", None) and n.args[0] in logits and (
-                activations.is_alias(n) or activations.is_cast(n) or "cross_entropy" in str(n.target)):
+                activations.is_alias(n) or activations.is_cast(n) or _is_copy(n)
+                or "cross_entropy" in str(n.target)):
             logits.add(n)
             sharded_of[n] = True
 
