@@ -705,6 +705,7 @@ ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, ba
 #   ZeRO-1, `--dp-wire bf16`, `NEMO_PRECISION`). `cross_entropy_loss_fusion: true` is priced as the NeMo Llama 3.1
 #   rows price the same option: parc's eager loss.
 NEMOTRON = "NVIDIA DGXC benchmarks: NeMo Nemotron-4 (H100)"
+LLAMA_SELECTIVE = "layers.*.attention"   # with saves "matmul": Megatron's selective recompute in the Llama model
 FLAGS[NEMOTRON] = (1, ["--tp-overlap", "gemm", "--dp-wire", "bf16"], "")
 NEMOTRON4_15B = (32, 6144, 48, 8, 24576, 256000, 4096)
 NEMOTRON4_340B = (96, 18432, 96, 8, 73728, 256000, 4096)
@@ -715,7 +716,7 @@ ROWS += [Row("Nemotron-4 15B", NEMOTRON, "llama", NEMOTRON4_15B, 4, 1, gpus, 4 *
          for gpus, step in ((16, 2.812), (32, 2.824), (64, 2.845), (128, 2.859), (256, 2.852), (512, 2.875),
                             (1024, 2.895), (2048, 2.887))]
 ROWS += [Row("Nemotron-4 340B", NEMOTRON, "llama", NEMOTRON4_340B, 8, 8, gpus, gpus // 4, 1,
-             4096 * (gpus // 4) / step / gpus, "tokens/s", "h100", "layers.*.attention", saves="matmul",
+             4096 * (gpus // 4) / step / gpus, "tokens/s", "h100", LLAMA_SELECTIVE, saves="matmul",
              fused_norm=True, fused_ops=True, sp=True, precision=NEMO_PRECISION, attention="flash", virtual=12,
              cuts=megatron_cuts(96, 8 * 12, "layers"), variant=NEMOTRON_VARIANT)
          for gpus, step in ((128, 4.61), (256, 4.67), (512, 4.7), (1024, 4.73), (2048, 4.84))]
@@ -723,7 +724,7 @@ ROWS += [Row("Nemotron-4 340B", NEMOTRON, "llama", NEMOTRON4_340B, 8, 8, gpus, g
 
 def recompute_label(row: Row) -> str:
     """The table's name for a row's activation checkpointing."""
-    if row.recompute == SELECTIVE:
+    if row.recompute == SELECTIVE or (row.recompute, row.saves) == (LLAMA_SELECTIVE, "matmul"):
         return "selective (the attention's core)"
     if row.saves:
         return f"op (saves {row.saves})"
@@ -908,7 +909,7 @@ def main() -> int:
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
               f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {row.zero_stage} | {recompute_label(row)}"
-              f"{', fused norm' if row.fused_norm else ''}{', fused rotary, fused SwiGLU' if row.fused_ops else ''} | "
+              f"{', fused norm' if row.fused_norm else ''}{(', fused rotary' + ('' if 'relu2' in row.variant else ', fused SwiGLU')) if row.fused_ops else ''} | "
               f"{row.published:.5g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
               f"{'yes' if rep['memory']['fits'] else 'NO'} |", flush=True)
