@@ -41,6 +41,15 @@ PASSES.insert(1, ("precision", precision_casts.run))  # bf16: no dtype guard the
 PASSES.insert(2, ("context_parallel", context_parallel.run))  # mesh cp: before any pass that reads local shapes
 
 
+def whole_pass_key(plan: Plan) -> tuple:
+    """What `PASSES`, the whole-graph passes, read of a plan: the tensor-parallel block and degree, context and
+    expert parallelism, the precision and the micro-batch (dropout's keys). Not dp, pp, the pipeline, ZeRO,
+    recompute, the global batch, the optimizer or the topology: only the per-stage passes (pipeline_split, zero,
+    recompute) read those. Two plans with one key get the same refusal from `PASSES` (`pass_errors`' memo)."""
+    return (plan.tensor_parallel, plan.mesh.tp, plan.mesh.cp, plan.mesh.ep, plan.context_parallel,
+            plan.expert_parallel, plan.precision, plan.micro_batch)
+
+
 @dataclass
 class CompileResult:
     out_dir: Path
@@ -107,6 +116,7 @@ def compile_program(traced: Traced, plan: Plan, stage: int, tp_rank: int, debug:
         ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank, shards={s.name: None for s in traced.state},
                       notes={"stages": stages, "tp_shape_cache": whole.setdefault("tp_shapes", {})})
         whole[tp_rank] = (run_passes(gm, plan, ctx, PASSES, debug=debug), ctx)
+        whole.setdefault("passed", set()).add(tp_rank)   # the whole-graph passes accepted the plan (pass_errors)
     gm, base = whole[tp_rank]
     notes = {k: v for k, v in base.notes.items() if k != "tp_shape_cache"}
     ctx = PassCtx(traced=traced, stage=stage, tp_rank=tp_rank, shards=dict(base.shards),
@@ -356,13 +366,18 @@ def _tokens_per_sample(traced: Traced) -> int:
     return n
 
 
-def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
+def pass_errors(traced: Traced, plan: Plan, refusals: dict | None = None) -> list[Diagnostic]:
     """The diagnostics `parc compile` would stop with after tracing: tensor parallelism (every width tp does
     not divide, shared weights, ops it cannot shard), the pipeline split, ZeRO, a parameter two stages of one
     pp rank share, a constant too large to carry. Runs each stage's program for tp rank 0 only: the tp ranks'
     programs differ only in shard indices and vocab offsets, which no check reads. Assumes
     `pipeline_split.assign_stages` already ran on `traced` (as `parc check` and compile both do). With no error,
-    the warnings compile would print: layers tensor parallelism keeps whole by itself (passes/tp_gqa.py)."""
+    the warnings compile would print: layers tensor parallelism keeps whole by itself (passes/tp_gqa.py).
+    `refusals`, kept across calls on one `traced` (the planner's): the whole-graph passes' refusals by
+    `whole_pass_key`, returned again without running them."""
+    key = whole_pass_key(plan) if refusals is not None else None
+    if key is not None and key in refusals:
+        return refusals[key]
     _, virtual = _pipeline(plan)
     n = plan.mesh.pp * virtual
     whole: dict = {}
@@ -382,5 +397,7 @@ def pass_errors(traced: Traced, plan: Plan) -> list[Diagnostic]:
             if spec.fqn in traced.constants:
                 _state_entry(spec, None, traced.constants)
     except ParcError as e:
+        if key is not None and 0 not in whole.get("passed", ()):   # raised by the whole-graph passes
+            refusals[key] = e.diagnostics
         return e.diagnostics
     return warnings

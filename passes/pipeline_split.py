@@ -131,9 +131,7 @@ def _auto_positions(nodes: list[fx.Node], gm: fx.GraphModule, traced, stages: in
             f"{L} layers do not divide into {stages} stages ({L} = {L // stages} × {stages} + {L % stages}): "
             f"stages get unequal layer counts; the cut balances estimated FLOPs and parameter memory instead",
             hint=f"use a pp × virtual that divides {L}", severity="warning"))
-    starts = []
-    for i in range(1, L):
-        starts.append(next(k for k, n in enumerate(nodes) if _in(module_path(n), f"{prefix}.{i}")))
+    starts = _layer_starts([module_path(n) for n in nodes], prefix, L)
     flops = [node_flops(n) for n in nodes]
     params = [0] * len(nodes)
     index = {n: k for k, n in enumerate(nodes)}
@@ -158,6 +156,23 @@ def _auto_positions(nodes: list[fx.Node], gm: fx.GraphModule, traced, stages: in
             if cands:
                 best[(k, j)] = min(cands, key=lambda c: c[0])
     return [bounds[j] for j in best[(stages, n)][1][:-1]]
+
+
+def _layer_starts(paths: list[str], prefix: str, layers: int) -> list[int]:
+    """The index of the first node in each layer `prefix`.1 … `prefix`.(layers − 1), in one pass over the nodes'
+    module paths (a 96-layer model has tens of thousands of nodes; the planner splits it for every candidate)."""
+    first: dict[int, int] = {}
+    head = prefix + "."
+    for k, path in enumerate(paths):
+        if path.startswith(head):
+            part = path[len(head):].split(".", 1)[0]
+            if part.isdigit() and str(int(part)) == part:
+                first.setdefault(int(part), k)
+    missing = [i for i in range(1, layers) if i not in first]
+    if missing:
+        raise ParcError(f"stages=auto: layer {prefix}.{missing[0]} runs no operation of the traced graph",
+                        hint='write the cuts: pipeline stages=2 { cut after "..." }')
+    return [first[i] for i in range(1, layers)]
 
 
 def _prefix_sums(xs: list[int]) -> list[int]:

@@ -796,14 +796,16 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | No
         ranked, pruned = finder.run(considered)
         notes.append(f"no plan fits on the device: {len(offloaded)} ZeRO-Offload variants (zero … offload=cpu) "
                      f"considered, {len(ranked)} fit")
+    pass_refusals: dict = {}
     while ranked:  # compile's passes on the winner, as `parc check --model` runs them
-        reason = _pass_refusal(traced, ranked[0].plan)
+        reason = _pass_refusal(traced, ranked[0].plan, pass_refusals)
         if reason is None:
             break
         ranked[0].reason = f"compile's passes refuse it: {reason}"
         refused.append(ranked.pop(0))
         pruned = finder.resume(ranked, pruned)   # the bound beat the refused plan: it may not beat the next
-    dropped += [c for c in considered if c.reason and c not in refused] + refused
+    by_passes = {id(c) for c in refused}   # identity: a Candidate's == compares whole plans and estimates
+    dropped += [c for c in considered if c.reason and id(c) not in by_passes] + refused
     if layout.why_not:
         notes.append(f"no tensor parallelism: {layout.why_not}")
     if ranked and ranked[0].est.mfu > 1:
@@ -813,16 +815,25 @@ def search(model: Path, *, gpus: int, nodes: int | None = None, preset: str | No
                   layout, notes, warnings)
 
 
-def _pass_refusal(traced, plan: Plan) -> str | None:
+def _pass_refusal(traced, plan: Plan, refusals: dict | None = None) -> str | None:
+    """The first error compile's passes give `plan`, or None. `refusals`: the whole-graph passes' refusals so
+    far (compiler.pass_errors' memo): a model tensor parallelism cannot shard refuses every plan with the same
+    tensor-parallel layout the same way, and each run of the passes on a large model takes most of a second."""
     from parc import compiler
     from parc.passes.pipeline_split import assign_stages
 
-    virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
-    try:
-        assign_stages(traced, plan, plan.mesh.pp * virtual)
-        errors = [d for d in compiler.pass_errors(traced, plan) if d.severity == "error"]
-    except ParcError as e:
-        errors = e.diagnostics
+    refusals = {} if refusals is None else refusals
+    known = refusals.get(compiler.whole_pass_key(plan))
+    if known is not None:
+        errors = known
+    else:
+        virtual = plan.pipeline.virtual if plan.pipeline is not None and plan.mesh.pp > 1 else 1
+        try:
+            assign_stages(traced, plan, plan.mesh.pp * virtual)
+            errors = compiler.pass_errors(traced, plan, refusals)
+        except ParcError as e:
+            errors = e.diagnostics
+    errors = [d for d in errors if d.severity == "error"]
     return errors[0].message if errors else None
 
 
