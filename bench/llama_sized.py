@@ -52,40 +52,21 @@ _FUSED_NORM, _FUSED_OPS = "fused" in _FIELDS, "fused_ops" in _FIELDS
 _LAYERNORM, _RELU2, _HALF_ROTARY = "layernorm" in _FIELDS, "relu2" in _FIELDS, "half_rotary" in _FIELDS
 
 
-@torch.library.custom_op("parc_bench::fused_rms_norm", mutates_args=())
-def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """One kernel's RMSNorm, as torchtitan's fused_rmsnorm computes it (fp32 inside, x's dtype out)."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torchtitan's RMSNorm: fp32 inside, x's dtype out."""
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
-
-
-@fused_rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-def _fused_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    with torch.enable_grad():
-        x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
-        h = x_.float()
-        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)).type_as(x_) * w_
-        gx, gw = torch.autograd.grad(y, (x_, w_), grad)
-    return gx, gw, None
-
-
-def _fused_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-
-
-fused_rms_norm.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Megatron's layernorm1p: LayerNorm (fp32 inside, x's dtype out) scaled by 1 + γ, γ stored centred on zero."""
     return F.layer_norm(x.float(), x.shape[-1:], eps=eps).type_as(x) * (1 + weight)
+
+
+@torch.library.custom_op("parc_bench::fused_rms_norm", mutates_args=())
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One kernel's RMSNorm, as torchtitan's fused_rmsnorm computes it."""
+    return _rms_norm(x, weight, eps)
 
 
 @torch.library.custom_op("parc_bench::fused_layer_norm", mutates_args=())
@@ -94,20 +75,29 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return _layer_norm(x, weight, eps)
 
 
-@fused_layer_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
+def _fused_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)   # the input only, as the fused kernels keep it
+    ctx.eps = eps
 
 
-def _ln_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    with torch.enable_grad():
-        x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
-        gx, gw = torch.autograd.grad(_layer_norm(x_, w_, ctx.eps), (x_, w_), grad)
-    return gx, gw, None
+def _fused_norm(op, norm) -> None:
+    """`op`'s fake (its output like its input) and its autograd: the backward runs `norm` again on the saved
+    input and differentiates it."""
+    op.register_fake(lambda x, weight, eps: torch.empty_like(x))
+
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            gx, gw = torch.autograd.grad(norm(x_, w_, ctx.eps), (x_, w_), grad)
+        return gx, gw, None
+
+    op.register_autograd(backward, setup_context=_fused_norm_setup)
 
 
-fused_layer_norm.register_autograd(_ln_backward, setup_context=_fused_setup)
+_fused_norm(fused_rms_norm, _rms_norm)
+_fused_norm(fused_layer_norm, _layer_norm)
 
 
 class RMSNorm(nn.Module):
@@ -123,8 +113,7 @@ class RMSNorm(nn.Module):
             return fused_layer_norm(x, self.weight, self.eps) if _FUSED_NORM else _layer_norm(x, self.weight, self.eps)
         if _FUSED_NORM:
             return fused_rms_norm(x, self.weight, self.eps)
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return _rms_norm(x, self.weight, self.eps)
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
