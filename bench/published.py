@@ -682,17 +682,17 @@ ROWS += [Row(f"Llama 3.1 {size}", NEMO_LLAMA31, "llama", shape, tp, pp, gpus, ba
 # 0b71cfda5; tokens/s per GPU = 4096 × global batch / step / GPUs). The run's config: nemotron4-{15b,340b}-synth.yaml
 # with configure.sh's overrides, both at 35a9aec, the commit the tables appeared with (8f5cbb3, v25.02, later set
 # the 340B's BF16 runs to cp 2 without changing the table or its header's "GA=16", which only cp 1 gives: not the
-# runs the table timed). Nemotron-4 (Parmar et al. 2024, arXiv:2402.16819; the 340B's report, arXiv:2406.11704):
-# Megatron-core's GPT on Transformer Engine (`mcore_gpt`), `normalization: layernorm1p` (TE's fused LayerNorm: the
+# runs the table timed). Nemotron-4 as the yamls build it: Megatron-core's GPT on Transformer Engine (`mcore_gpt`), `normalization: layernorm1p` (TE's fused LayerNorm: the
 # `layernorm` variant with `fused_norm`), `activation: squared-relu` with `bias_activation_fusion: false` (the
 # `relu2` variant: w2(relu(w1 x)²), its relu and square a kernel each), no biases, rotary positions on half of each
 # head (`rotary_percentage: 0.5`, `apply_rope_fusion: true`: `half_rotary` with `fused_ops`), 8 query groups, the
 # output layer untied, no dropout, sequence 4096, vocabulary 256,000 (nemotron_2_256k.model; a multiple of 128 × tp
 # already, so unpadded).
 # - 15B: 32 layers × 6144, 48 heads, FFN 24,576; tp 4, pp 1, micro-batch 4, global batch 4 a GPU (GA 4), no
-#   activation checkpointing, NVTE_FUSED_ATTN=1 (cuDNN's fused attention, `--attention cudnn`: Transformer Engine
-#   prefers it to FlashAttention on an H100 when both are enabled, an inference from TE's backend choice, not stated
-#   by the recipe).
+#   activation checkpointing, NVTE_FUSED_ATTN=1 (taken as cuDNN's fused attention, `--attention cudnn`; the recipe
+#   enables that backend without disabling FlashAttention, and which one Transformer Engine then ran is not stated:
+#   priced as FlashAttention-2 instead, the rows come out 3.9 points lower at 16 and at 2,048 GPUs, docs/cost-model.md
+#   (c)).
 # - 340B: 96 layers × 18,432, 96 heads (head size 192, beyond the attention table's 64 and 128: priced at its
 #   nearest entries), FFN 73,728; tp 8, pp 8, 12 virtual stages (one layer a model chunk: `megatron_cuts`), micro-
 #   batch 1, global batch 2 a node, NVTE_FUSED_ATTN=0 (FlashAttention, `--attention flash`),
@@ -731,6 +731,12 @@ def recompute_label(row: Row) -> str:
     return {"": "none", "blocks.*": "full", "layers.*": "full", EVERY_SECOND: "every 2nd layer",
             AUTOMODEL_AC: "attention and MLP of every layer"}.get(
         row.recompute, row.recompute)
+
+
+def kernels_label(row: Row) -> str:
+    """The table's note of the row's fused kernels (after its checkpointing)."""
+    swiglu = "" if "relu2" in row.variant else ", fused SwiGLU"   # a squared-ReLU MLP has no SwiGLU to fuse
+    return (", fused norm" if row.fused_norm else "") + (f", fused rotary{swiglu}" if row.fused_ops else "")
 
 
 def megatron_flops(layers, hidden, vocab, seq, batch) -> float:
@@ -909,7 +915,7 @@ def main() -> int:
         u = rep["utilization"]
         print(f"| {row.name} | {row.source} | {row.gpus} {row.preset.upper()} | {row.tp} × {row.pp} × "
               f"{row.dp}{f' (cp {row.cp})' if row.cp > 1 else ''} | {row.zero_stage} | {recompute_label(row)}"
-              f"{', fused norm' if row.fused_norm else ''}{(', fused rotary' + ('' if 'relu2' in row.variant else ', fused SwiGLU')) if row.fused_ops else ''} | "
+              f"{kernels_label(row)} | "
               f"{row.published:.5g} {row.unit} | {pred:.0f} | "
               f"{err:+.0%} | {u['step_seconds']:.2f} | {u['bubble']:.0%} | "
               f"{'yes' if rep['memory']['fits'] else 'NO'} |", flush=True)

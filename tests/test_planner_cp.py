@@ -1,9 +1,9 @@
 """The planner searches context parallelism (issue 27): cp candidates (`mesh … cp=N`, `context_parallel
 ring|alltoall`) for a model with self-attention, priced as `parc report` prices them (parc/analysis/cp_cost.py).
 
-A Llama 3 8B-shaped model at 128k tokens (tests/models/llama_long.py) on 64 H100s: without cp only plans with
-tp, recompute and all 128k tokens' activations on each tp group fit in 80 GiB, and they are slower than the cp
-winner; and the written plan reads back with its cp lines. Traced on meta once per search (~10 s CPU each).
+A Llama 3 8B-shaped model at 128k tokens (tests/models/llama_long.py) on 64 H100s: without cp, the plans that fit
+in 80 GiB all have tp and recompute, and they are slower than the cp winner; the written plan reads back with its
+cp lines. Traced on meta once per search (~10 s CPU each).
 """
 
 from __future__ import annotations

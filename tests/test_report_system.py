@@ -516,7 +516,7 @@ def test_a_vocab_parallel_heads_logits_cast_to_fp32_by_the_loss_stay_each_ranks_
     assert two["memory"]["per_pp_rank"][0]["transient_bytes"] == tokens * vocab * 6 / 2
 
 
-def test_the_llama_benchs_nemotron_fields(tmp_path, monkeypatch):
+def test_the_llama_benchs_nemotron_fields(monkeypatch):
     """bench/llama_sized.py's Nemotron-4 fields: `layernorm` is Megatron's layernorm1p (LayerNorm scaled by 1 + γ,
     γ zero at init), fused or not the same values and gradients; `relu2` the ungated MLP w2(relu(w1 x)²) (no w3:
     2 of the SwiGLU's 3 matrices); `half_rotary` turns each head's first half and leaves the rest; and the bench
