@@ -577,11 +577,12 @@ class LM(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.fc = nn.Linear(D, D)
+        self.fc = nn.Linear(D, 2 * D)
+        self.proj = nn.Linear(2 * D, D)
         self.output = nn.Linear(D, V, bias=False)
 
     def forward(self, idx):
-        return self.output(torch.relu(self.fc(self.emb(idx))))
+        return self.output(self.proj(torch.relu(self.fc(self.emb(idx)))))
 
 
 def build_model():
@@ -616,3 +617,15 @@ def test_shifted_and_copied_logits_of_a_vocab_parallel_head_stay_each_ranks_slic
     one, two = (r["memory"]["per_pp_rank"][0]["transient_bytes"] for r in reps)
     assert one == 2 * 15 * 96 * 6
     assert two == one / 2
+
+
+def test_a_replicated_heads_logits_stay_whole_on_every_rank(tmp_path):
+    """The other side of the two tests above: with tp 2 but no rule on the head (`fc` column- and `proj`
+    row-parallel, `output` replicated: a plan compile accepts), every rank computes all the logits, and the
+    loss's cast, copy and cross-entropy count them whole: the transient is tp 1's, not half of it."""
+    model = tmp_path / "shifted.py"
+    model.write_text(SHIFTED_LOSS)
+    plan = tmp_path / "tp2.par"
+    plan.write_text("mesh tp=2\ntopology nodes=1 gpus_per_node=2 preset=h100\nbatch global=2 micro=2\n"
+                    'tensor_parallel {\n "fc" : column\n "proj" : row\n}\nprecision bf16\n')
+    assert sized_report(plan, model=model)["memory"]["per_pp_rank"][0]["transient_bytes"] == 2 * 15 * 96 * 6
