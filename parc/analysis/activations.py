@@ -119,6 +119,11 @@ def is_cast(n: fx.Node) -> bool:
     return _is(n, ("aten.to.", "aten._to_copy.")) and "dtype" in str(n.target) + str(n.kwargs)
 
 
+def is_copy(n: fx.Node) -> bool:
+    """A copy of one tensor, the same values in new memory (`x.contiguous()`, `x.clone()`)."""
+    return _is(n, ("aten.contiguous.", "aten.clone."))
+
+
 def _grad(n) -> bool:
     """Does `n` need a gradient: a trainable parameter, or computed from one (floating point)? Cached on the
     node. A value computed only from the batch and constants (token ids, positions, a rotary table) does not,

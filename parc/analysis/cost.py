@@ -285,11 +285,6 @@ def _under(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def _is_copy(n) -> bool:
-    """A copy of one tensor, the same values in new memory (`x.contiguous()`, `x.clone()`)."""
-    return any(k in str(n.target) for k in ("aten.contiguous.", "aten.clone."))
-
-
 def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     """Per-stage counts of ONE micro-batch (elements and FLOPs, not bytes); JSON-ready.
 
@@ -327,13 +322,11 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
         style = _style(p, rules)
         if style is None and p not in in_core:
             in_core[p] = any(_under(p, c) for c in core)
-        sharded_of[n] = style in ("column", "row") or (style == "vocab" and "embedding" not in str(n.target)) \
-            or (style is None and in_core[p])
-        if style == "vocab" and "embedding" not in str(n.target):
-            logits.add(n)
-        elif style is None and n.args and getattr(n.args[0], "op", None) and n.args[0] in logits and (
-                activations.is_alias(n) or activations.is_cast(n) or _is_copy(n)
-                or "cross_entropy" in str(n.target)):
+        head = style == "vocab" and "embedding" not in str(n.target)
+        sharded_of[n] = style in ("column", "row") or head or (style is None and in_core[p])
+        if head or (style is None and n.args and getattr(n.args[0], "op", None) and n.args[0] in logits and (
+                activations.is_alias(n) or activations.is_cast(n) or activations.is_copy(n)
+                or "cross_entropy" in str(n.target))):
             logits.add(n)
             sharded_of[n] = True
 
