@@ -82,6 +82,82 @@ def test_tp_rules_derived_from_the_model(tiny):
     assert {r.pattern for r in tiny.layout.rules if r.style == "replicate"} == {"blocks.*.ln_1", "blocks.*.ln_2"}
 
 
+# what the derived rules must be on HF families written three ways (tests/models): Conv1D projections used as
+# `addmm(b, x, w)` (GPT-2); each Megatron pair split over sibling modules, post-LN (BERT); and a norm written out by
+# hand between the attention's row layer and the MLP's column layers (Llama's LlamaRMSNorm)
+DERIVED = {
+    "gpt2_tiny": {"transformer.h.*.attn.c_attn": "column", "transformer.h.*.attn.c_proj": "row",
+                  "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row"},
+    "bert_tiny": {"bert.encoder.layer.*.attention.self.query": "column",
+                  "bert.encoder.layer.*.attention.self.key": "column",
+                  "bert.encoder.layer.*.attention.self.value": "column",
+                  "bert.encoder.layer.*.attention.output.dense": "row",
+                  "bert.encoder.layer.*.intermediate.dense": "column", "bert.encoder.layer.*.output.dense": "row"},
+    "llama_tiny": {"model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
+                   "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row",
+                   "model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+                   "model.layers.*.mlp.down_proj": "row", "model.embed_tokens": "vocab", "lm_head": "vocab"},
+}
+
+
+@pytest.mark.parametrize("name", DERIVED)
+def test_tp_rules_derived_across_conv1d_and_sibling_modules(name):
+    from parc.trace import load_user_module, trace
+
+    layout = planner.tp_rules(trace(load_user_module(ROOT / "tests" / "models" / f"{name}.py"), 1))
+    assert layout.why_not is None, layout.why_not
+    assert {r.pattern: r.style for r in layout.rules if r.style != "replicate"} == DERIVED[name]
+
+
+def test_a_siblings_row_output_starts_a_new_pair(tmp_path):
+    """A norm module with a low-rank gate inside (fc1 → fc2, as AXK2's gated RMSNorm), read by the attention's
+    first linear: fc2 is a row layer, so its output is whole and `attn.q` starts a new pair (column), not the
+    second of fc2's."""
+    model = tmp_path / "gated_norm.py"
+    model.write_text('''import torch, torch.nn as nn
+class GatedNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.fc1, self.fc2 = nn.Linear(8, 4), nn.Linear(4, 8)
+    def forward(self, x):
+        y = self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y * torch.sigmoid(self.fc2(torch.relu(self.fc1(y))))
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)))
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = GatedNorm(), Attn()
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+def build_model():
+    return M()
+def get_batch(step, batch_size):
+    return (torch.randn(batch_size, 8), torch.randn(batch_size, 8))
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+''')
+    from parc.trace import load_user_module, trace
+
+    layout = planner.tp_rules(trace(load_user_module(model), 1))
+    assert {r.pattern: r.style for r in layout.rules} == {
+        "blocks.*.norm.fc1": "column", "blocks.*.norm.fc2": "row", "blocks.*.attn.q": "column",
+        "blocks.*.attn.o": "row"}
+
+
 def test_unrecognised_structure_skips_tp_with_reason(tmp_path):
     model = tmp_path / "one_linear.py"
     model.write_text('''import torch, torch.nn as nn

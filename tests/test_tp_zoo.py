@@ -1,5 +1,5 @@
 """Tensor parallelism on models nobody tuned it for, tried as a new user would: rule sets over examples/gpt.py
-(tied and untied) and HF Llama, Qwen2, GPT-2, GPT-NeoX and Phi-3 built from tiny configs. Each case either
+(tied and untied) and HF Llama, Qwen2, GPT-2, GPT-NeoX, Phi-3 and BERT built from tiny configs. Each case either
 compiles, or stops with a ParcError located at a rule of the plan: never a traceback. The cases no other test
 trains are trained here on 2 ranks (one spawned world for all of them) and must match the serial model: never
 a silent mismatch. Trained elsewhere: Megatron rule sets on GPT and Llama (test_tensor_parallel), tied
@@ -39,6 +39,9 @@ NEOX = {"gpt_neox.layers.*.attention.query_key_value": "column", "gpt_neox.layer
         "gpt_neox.layers.*.mlp.dense_h_to_4h": "column", "gpt_neox.layers.*.mlp.dense_4h_to_h": "row"}
 PHI3_ATTN = {"model.layers.*.self_attn.qkv_proj": "column", "model.layers.*.self_attn.o_proj": "row"}
 PHI3_MLP = {"model.layers.*.mlp.gate_up_proj": "column", "model.layers.*.mlp.down_proj": "row"}
+BERT = {"bert.encoder.layer.*.attention.self.query": "column", "bert.encoder.layer.*.attention.self.key": "column",
+        "bert.encoder.layer.*.attention.self.value": "column", "bert.encoder.layer.*.attention.output.dense": "row",
+        "bert.encoder.layer.*.intermediate.dense": "column", "bert.encoder.layer.*.output.dense": "row"}
 LLAMA = llama_tp_rules()
 
 # name → (model file, tensor_parallel block, expectation): "train" (trained here against serial), "ok"
@@ -75,6 +78,8 @@ CASES = {
                             "it slices dim 2, which is sharded"),
     "phi3_fused_gate_up": (MODELS / "phi3_tiny.py", rules({**PHI3_MLP, "model.embed_tokens": "vocab",
                                                            "lm_head": "vocab"}), "train"),
+    # post-LN, each pair over sibling modules, the rules `parc plan` derives (test_planner), under SP
+    "bert_megatron_sp": (MODELS / "bert_tiny.py", rules(BERT, sp=True), "train"),
 }
 
 

@@ -91,6 +91,7 @@ def tp_rules(traced) -> TPLayout:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     path = {n: module_path(n) for n in nodes}
     kind, op_of, shape = {}, {}, {}
+    scales = set()   # modules applying a 1-D weight by hand: a norm written out (LlamaRMSNorm), a layer scale
     for n in nodes:
         p, t = path[n], str(n.target)
         weights = [a for a in _through_views(n) if fqn.get(a.name) == f"{p}.weight"]
@@ -103,6 +104,8 @@ def tp_rules(traced) -> TPLayout:
             kind[p], op_of[p], shape[p] = "linear", n, tuple(w)
         elif any(o in t for o in NORM_OPS):
             kind[p] = "norm"
+        elif len(w) == 1:
+            scales.add(p)
     prefix = _layer_prefix(traced.module_paths, traced.num_layers)
     if prefix is None:
         return TPLayout((), (), "no repeated layers (an nn.ModuleList of one block class) to shard")
@@ -110,6 +113,14 @@ def tp_rules(traced) -> TPLayout:
     def pattern(p: str) -> str | None:  # blocks.3.attn.qkv → blocks.*.attn.qkv
         head, _, rest = p[len(prefix) + 1:].partition(".")
         return f"{prefix}.*.{rest}" if p.startswith(prefix + ".") and head.isdigit() and rest else None
+
+    linear_styles: dict[str, str] = {}
+
+    def linear_style(p: str) -> str:   # memoized: a sibling's linear is asked for its own style
+        if p not in linear_styles:
+            layer = f"{prefix}.{p[len(prefix) + 1:].partition('.')[0]}"
+            linear_styles[p] = _pair_style(op_of[p], p, layer, path, op_of, fqn, scales, linear_style)
+        return linear_styles[p]
 
     styles: dict[str, str] = {}
     widths: set[int] = set()
@@ -120,7 +131,7 @@ def tp_rules(traced) -> TPLayout:
         if k == "norm":
             style = "replicate"
         elif k == "linear":
-            style = _pair_style(op_of[p], p, path, op_of)
+            style = linear_style(p)
             # (out, in) for nn.Linear; a Conv1D's (in, out) has the same widths to divide
             widths.update(shape[p])
         else:
@@ -157,22 +168,36 @@ def _through_views(n):
     return out
 
 
-def _pair_style(node, p: str, path: dict, op_of: dict) -> str:
-    """`row` when the linear's input is computed, inside its parent module, from another linear of the
-    parent (the second of a Megatron pair); `column` when it arrives from outside the parent."""
+def _pair_style(node, p: str, layer: str, path: dict, op_of: dict, params: dict, scales: set, style_of) -> str:
+    """`row` when the linear's input is computed from another linear's output inside the linear's parent module,
+    or from a column linear's inside a sibling module (one under the same grandparent, within the layer) that is not
+    a norm: the second of a Megatron pair (GPT-2's `attn.c_attn` → `attn.c_proj`; BERT's `attention.self.query` →
+    `attention.output.dense` and `intermediate.dense` → `output.dense`). `column` when it arrives from anywhere
+    else: the layer's own ops (its residual adds), a norm (a new sharded region's input), a sibling's row linear
+    (whose output is whole), another layer. The walk starts at the activation the linear multiplies:
+    `linear(x, w, b)`'s and `mm(x, w)`'s first input, `addmm(b, x, w)`'s (a Conv1D) second. `style_of(path)`: a
+    sibling's linear's style."""
     parent = p.rsplit(".", 1)[0]
+    grand = parent.rsplit(".", 1)[0]
+    siblings = grand != parent and (grand == layer or grand.startswith(layer + "."))   # not above the layer
+
+    def in_sibling(q: str) -> bool:
+        return siblings and q.startswith(grand + ".") and not any(q == m or q.startswith(m + ".") for m in scales)
+
     linears = {v: k for k, v in op_of.items()}
-    todo, seen = [node.args[0]], set()
+    todo = [a for a, root in zip(node.all_input_nodes, _through_views(node)) if root.name not in params][:1]
+    seen = set()
     while todo:
         a = todo.pop()
         if a in seen or getattr(a, "op", None) != "call_function":
             continue
         seen.add(a)
         q = path.get(a, "")
-        if not (q == parent or q.startswith(parent + ".")):
+        if not (q == parent or q.startswith(parent + ".") or in_sibling(q)):
             continue
         if a in linears and linears[a] != p:
-            return "row"
+            inside = q == parent or q.startswith(parent + ".")
+            return "row" if inside or style_of(linears[a]) == "column" else "column"
         if not any(o in str(a.target) for o in NORM_OPS):  # a norm starts a new sharded region's input
             todo.extend(a.all_input_nodes)
     return "column"
