@@ -75,6 +75,7 @@ from parc.trace_constants import MAX_CARRIED_ELEMENTS, constant_source, keep_dat
 from parc.trace_guards import guarded
 from parc.trace_host_random import locate_draw, watched
 from parc.trace_regions import inline_regions
+from parc.trace_sizes import bound_sizes
 from parc.traced import WRAPPER_ATTR, StateInput, Traced, UserInputSpec, get, num_layers
 
 _SIGNATURES = {
@@ -194,6 +195,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
     _check_scalar_loss(user, gm)
     inline_regions(gm, user.path)  # `with torch.no_grad():` blocks in forward: flat aten code, detached
     set_device(gm, torch.device("cpu"))  # `device=x.device` was traced as meta; parc trains on CPU ranks
+    bounded = bound_sizes(gm, user.path)  # sizes that depend on the data, at their upper bounds (trace_sizes.py)
 
     state, constants, inputs = [], {}, []
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -220,7 +222,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         module_paths=[n for n, _ in model.named_modules() if n],
         num_layers=num_layers(model),
         param_count=sum(p.numel() for p in model.parameters()),
-        constants=constants, program=ep,
+        constants=constants, program=ep, bounded=tuple(bounded),
     )
 
 

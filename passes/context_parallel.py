@@ -58,6 +58,7 @@ import parc.runtime.parallel.ring_attention  # noqa: F401 — registers torch.op
 import parc.runtime.parallel.ulysses  # noqa: F401 — registers torch.ops.parc.ulysses_attention
 from parc.errors import Diagnostic, ParcError, Span
 from parc.passes.tp_shared import _PARC, _TORCH
+from parc.trace_sizes import refuse_resharding
 from parc.traced import ancestors, module_path
 
 NAME = "context_parallel"
@@ -122,6 +123,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     cp = plan.mesh.cp
     if cp == 1:
         return gm
+    refuse_resharding(gm, "context parallelism", plan.context_parallel.span or plan.mesh.span)  # `_propagate`
     folded = _fold_constant_masks(gm)
     walk = _Walk(gm, plan, ctx, cp)
     walk.masks = folded

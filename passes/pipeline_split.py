@@ -365,6 +365,14 @@ def _spec(n: fx.Node, grad: bool) -> dict:
             "dtype": str(val.dtype).removeprefix("torch."), "grad": grad}
 
 
+def _cut_span(plan, b: int):
+    """The plan's line for cut `b`: its `cut` entry, else its `pipeline` line (stages=auto), else none."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return None
+    return pipe.cuts[b].span if pipe.cuts and b < len(pipe.cuts) else pipe.span
+
+
 def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     """Return the program of stage `ctx.stage` of `ctx.notes["stages"]`; the whole graph when there is one."""
     stages = ctx.notes.get("stages", 1)
@@ -381,10 +389,16 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     recv = cuts[s - 1] if s > 0 else []
     send = cuts[s] if s < stages - 1 else []
     for n in recv + send:
+        b = stage_of[n]  # the first cut it crosses
+        span = _cut_span(plan, b)
         if not isinstance(n.meta.get("val"), torch.Tensor):
             raise ParcError(f"value `{n.name}` ({type(n.meta.get('val')).__name__}) from module "
-                            f"`{module_path(n)}` crosses the cut after stage {stage_of[n]}, and only tensors "
-                            f"can be sent", hint="move the cut so that it does not split this computation")
+                            f"`{module_path(n)}` crosses the cut after stage {b}, and only tensors "
+                            f"can be sent", span, hint="move the cut so that it does not split this computation")
+        if n.meta.get("parc_bounded"):  # the receiver posts a buffer of the recorded shape (parc/trace_sizes.py)
+            raise ParcError(f"value `{n.name}` from module `{module_path(n)}` crosses the cut after stage {b}, and "
+                            "its size depends on the data: a pipeline sends tensors of a size known at compile time",
+                            span, hint="move the cut so that it does not split this computation")
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -55,6 +55,7 @@ from parc.passes.tp_layouts import SAME_LAYOUT, SDPA, Layouts, Shard, is_param, 
 from parc.passes.tp_shard import reads_only_meta, slice_bounds
 from parc.passes.tp_linears import as_linears
 from parc.passes.tp_shared import call_site as _call_site, shared_rules
+from parc.trace_sizes import refuse_resharding
 from parc.traced import module_path
 
 aten = torch.ops.aten
@@ -67,6 +68,7 @@ def run(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     tp, rules = plan.mesh.tp, plan.tensor_parallel.rules
     if tp == 1 or not rules:
         return gm
+    refuse_resharding(gm, "tensor parallelism", plan.tensor_parallel.span or rules[0].span)  # `_local_shapes`
     if not tp_gqa.subset_candidates(gm, plan, tp):
         return _run(gm, plan, ctx, kv_subset=False)
     # fewer kv heads than tp, dividing it: Megatron's kv-subset form (passes/tp_subset.py) first; where the kv

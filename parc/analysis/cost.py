@@ -425,7 +425,8 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
     return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
             "tokens_per_sample": tokens, **({"loss": loss} if loss != "eager" else {}),
-            **({"tied": ties} if ties else {})}
+            **({"tied": ties} if ties else {}),
+            **({"data_dependent": len(traced.bounded)} if traced.bounded else {})}   # parc/trace_sizes.py
 
 
 def _op_tables(nodes, stages, plan, rules, path_of, sharded_of, size, saved=frozenset(),

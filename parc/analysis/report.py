@@ -157,6 +157,10 @@ def build(compiled: Path | None = None, *, model: Path | None = None, plan: Path
     if topo.span is None:  # no `topology` line: the Topology defaults stand in for the nodes
         notes.append(f"no topology in the plan: {topo.gpus_per_node} ranks per node assumed (rank r on node "
                      f"r // {topo.gpus_per_node}); state `topology nodes= gpus_per_node=` to price your own")
+    if stats.get("data_dependent"):
+        notes.append(f"{stats['data_dependent']} tensors have sizes that depend on the data (tokens routed by a mask "
+                     "or to an expert): priced at their upper bounds, so their memory is the worst case and their "
+                     "FLOPs high (parc/trace_sizes.py)")
     ep_info = stats.get("experts")
     # a cp plan: dp × cp ranks on 1/cp of the tokens, plus the ring or all-to-alls (cp_cost.py); an ep rank its
     # own experts, unless the artifact counted what each rank holds
