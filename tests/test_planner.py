@@ -109,13 +109,32 @@ def test_tp_rules_derived_across_conv1d_and_sibling_modules(name):
     assert {r.pattern: r.style for r in layout.rules if r.style != "replicate"} == DERIVED[name]
 
 
+def _blocks_model(path, blocks: str):
+    """A model file at `path`: `blocks` (Python defining `Block`, a map of (B, 8) to (B, 8)) twice in an
+    nn.ModuleList, regressed on random targets."""
+    path.write_text("import torch, torch.nn as nn\n" + blocks + '''class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+def build_model():
+    return M()
+def get_batch(step, batch_size):
+    return (torch.randn(batch_size, 8), torch.randn(batch_size, 8))
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+''')
+    return path
+
+
 def test_a_siblings_row_output_starts_a_new_pair(tmp_path):
     """A norm module with a low-rank gate inside (fc1 → fc2, as AXK2's gated RMSNorm), read by the attention's
     first linear: fc2 is a row layer, so its output is whole and `attn.q` starts a new pair (column), not the
     second of fc2's."""
-    model = tmp_path / "gated_norm.py"
-    model.write_text('''import torch, torch.nn as nn
-class GatedNorm(nn.Module):
+    model = _blocks_model(tmp_path / "gated_norm.py", '''class GatedNorm(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(8))
@@ -135,20 +154,6 @@ class Block(nn.Module):
         self.norm, self.attn = GatedNorm(), Attn()
     def forward(self, x):
         return x + self.attn(self.norm(x))
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-def build_model():
-    return M()
-def get_batch(step, batch_size):
-    return (torch.randn(batch_size, 8), torch.randn(batch_size, 8))
-def loss_fn(model, x, y):
-    return ((model(x) - y) ** 2).mean()
 ''')
     from parc.trace import load_user_module, trace
 
@@ -159,28 +164,12 @@ def loss_fn(model, x, y):
 
 
 def test_unrecognised_structure_skips_tp_with_reason(tmp_path):
-    model = tmp_path / "one_linear.py"
-    model.write_text('''import torch, torch.nn as nn
-class Block(nn.Module):
+    model = _blocks_model(tmp_path / "one_linear.py", '''class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
     def forward(self, x):
         return x + self.lin(x)
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-def build_model():
-    return M()
-def get_batch(step, batch_size):
-    return (torch.randn(batch_size, 8), torch.randn(batch_size, 8))
-def loss_fn(model, x, y):
-    return ((model(x) - y) ** 2).mean()
 ''')
     result = planner.search(model, gpus=2, preset="h100", global_batch=4, precision="fp32")
     assert result.layout.why_not.startswith("no column → row linear pair")
