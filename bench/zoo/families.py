@@ -97,6 +97,19 @@ def families() -> dict[str, Family]:
     return out
 
 
+def held_out() -> list[str]:
+    """The causal LMs the zoo leaves out: every family of transformers' causal-LM mapping whose config declares no
+    tensor-parallel plan (GPT-2, OPT, BLOOM, BERT as a decoder, Mamba…), in the mapping's order. Their tp rules can
+    only come from the graph (`--sources graph`): `python -m bench.zoo.sweep --held-out`."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return [mt for mt in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if mt not in EXTRA
+            and not getattr(getattr(transformers, CONFIG_MAPPING_NAMES.get(mt, ""), None), "base_model_tp_plan", None)
+            and hasattr(transformers, CONFIG_MAPPING_NAMES.get(mt, ""))]
+
+
 @functools.cache
 def family(name: str) -> Family:
     """One family of `families()`, importing only its own modules: each rank of a zoo run loads the model file,

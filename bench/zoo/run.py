@@ -139,8 +139,8 @@ def run(family: str, plan: str, source: str = "hf", out: Path | None = None) -> 
                               worst_grad, verify_grads.GRAD_TOLERANCES[precision])
     except ParcError as e:
         # a family whose tiny model fails in eager PyTorch too is not parc's to refuse (checked only here: a
-        # forward on CPU costs seconds)
-        if phase == "compile" and (why := families.check(family)) is not None:
+        # forward on CPU costs seconds); graph rules trace the model already in phase "rules"
+        if phase in ("rules", "compile") and (why := families.check(family)) is not None:
             return {**result, "status": "UNBUILT", "reason": why, "where": "tiny config"}
         return {**result, "status": "REFUSED", "reason": _first_line(e), "where": _where(e), "phase": phase,
                 "seconds": round(time.monotonic() - t0, 1)}
