@@ -29,21 +29,18 @@ from parc.traced import module_path
 
 
 def _bound(size, node: fx.Node, user_path: Path | None) -> int:
-    """The largest value `size` (an int or a SymInt of unbacked symbols) can take."""
+    """The largest value `size` (an int, or a SymInt of unbacked symbols) can take: torch's interval bound of its
+    expression over its symbols' ranges."""
     if isinstance(size, int):
         return size
-    expr, env = size.node.expr, size.node.shape_env
-    upper = {}
-    for sym in expr.free_symbols:
-        vr = env.var_to_range.get(sym)
-        if vr is None or vr.upper in (int_oo, sympy.oo) or not vr.upper.is_finite:   # int_oo says it is finite
-            raise TraceError(f"`{node.target}` in module `{module_path(node) or '(the root)'}` makes a tensor whose "
-                             f"size, {expr}, depends on the data and has no upper bound: parc sizes every tensor it "
-                             "plans for", creation_span([node], user_path) if user_path else None,
-                             hint="make the size static (pad to a fixed capacity, as Megatron's and torchtitan's MoE "
-                                  "layers do), or bound it with torch._check(size <= N)")
-        upper[sym] = int(vr.upper)
-    return int(expr.xreplace(upper))
+    upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+    if upper in (int_oo, sympy.oo) or not upper.is_finite:   # torch's int_oo says it is finite
+        raise TraceError(f"`{node.target}` in module `{module_path(node) or '(the root)'}` makes a tensor whose size, "
+                         f"{size.node.expr}, depends on the data and has no upper bound: parc sizes every tensor it "
+                         "plans for", creation_span([node], user_path) if user_path else None,
+                         hint="make the size static (pad to a fixed capacity, as Megatron's and torchtitan's MoE "
+                              "layers do), or bound it with torch._check(size <= N)")
+    return int(upper)
 
 
 def bound_sizes(gm: fx.GraphModule, user_path: Path | None = None) -> list[str]:
