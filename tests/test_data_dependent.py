@@ -29,8 +29,8 @@ def test_traced_sizes_are_bounded_by_every_token():
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             assert all(isinstance(s, int) for s in val.shape), n
-    rows = [traced.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)]
-    routed = [n for n in rows[0] if n.meta.get("parc_bounded")]
+    linears = traced.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    routed = [n for n in linears if n.meta.get("parc_bounded")]
     assert routed and all(n.meta["val"].shape == (2 * 8, 16) for n in routed)  # every token of micro 2 × T 8
 
 
