@@ -89,8 +89,7 @@ def _replicate(small: Traced, model: torch.nn.Module, path: str, n: int) -> Trac
     return Traced(gm=gm, state=state, inputs=small.inputs,
                   module_paths=[name for name, _ in model.named_modules() if name], num_layers=n,
                   param_count=sum(p.numel() for p in model.parameters()),
-                  constants=small.constants, program=None,
-                  bounded=tuple(n.name for n in gm.graph.nodes if n.meta.get("parc_bounded")))
+                  constants=small.constants, program=None)
 
 
 class _Regions:

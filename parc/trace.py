@@ -195,7 +195,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
     _check_scalar_loss(user, gm)
     inline_regions(gm, user.path)  # `with torch.no_grad():` blocks in forward: flat aten code, detached
     set_device(gm, torch.device("cpu"))  # `device=x.device` was traced as meta; parc trains on CPU ranks
-    bounded = bound_sizes(gm, user.path)  # sizes that depend on the data, at their upper bounds (trace_sizes.py)
+    bound_sizes(gm, user.path)  # sizes that depend on the data, at their upper bounds (trace_sizes.py)
 
     state, constants, inputs = [], {}, []
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -222,7 +222,7 @@ def _export(user: UserModel, model: torch.nn.Module, batch: tuple[torch.Tensor, 
         module_paths=[n for n, _ in model.named_modules() if n],
         num_layers=num_layers(model),
         param_count=sum(p.numel() for p in model.parameters()),
-        constants=constants, program=ep, bounded=tuple(bounded),
+        constants=constants, program=ep,
     )
 
 

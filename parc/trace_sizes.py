@@ -7,7 +7,7 @@ a router sends to one expert) with an unbacked symbol, u0, and a range for it: [
 for a model plain data parallelism trains.
 
 `bound_sizes(gm)` gives each such value's recorded tensor (`meta["val"]`) the largest sizes the ranges allow
-(u0 → 32), same dtype and device, and names the node in `meta["parc_bounded"]`; the graph's ops, and so the
+(u0 → 32), same dtype and device, and marks the node `meta["parc_bounded"]` (`bounded_nodes` lists them); the graph's ops, and so the
 program a rank runs, are unchanged: only what parc reads of the sizes is bounded. Upper bounds price memory at
 its worst case and the FLOPs of such ops high (an expert's rows as if every token came to it). A size with no
 finite bound is refused, located at the op that makes it. Start at `bound_sizes`; passes that re-derive
@@ -54,18 +54,22 @@ def bound_sizes(gm: fx.GraphModule, user_path: Path | None = None) -> list[str]:
             continue
         shape = [_bound(s, n, user_path) for s in val.shape]
         stride = [_bound(s, n, user_path) for s in val.stride()]
-        mode = getattr(val, "fake_mode", None)
-        with mode if mode is not None else torch.device("meta"):
+        with val.fake_mode:   # a symbolic size exists only on a fake tensor
             n.meta["val"] = torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
         n.meta["parc_bounded"] = True
         changed.append(n.name)
     return changed
 
 
+def bounded_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes `bound_sizes` gave upper bounds (copies of them, which the passes make with their meta, too)."""
+    return [n for n in gm.graph.nodes if n.meta.get("parc_bounded")]
+
+
 def refuse_resharding(gm: fx.GraphModule, what: str, span: Span | None) -> None:
     """Raise, at `span` (the plan's block for `what`), when `gm` has a data-dependent size: `what` re-derives each
     rank's local shapes by running the graph's ops on fake tensors, and such a size has no value to run them with."""
-    bounded = [n for n in gm.graph.nodes if n.meta.get("parc_bounded")]
+    bounded = bounded_nodes(gm)
     if bounded:
         n = bounded[0]
         raise ParcError(f"{what} needs every size known at compile time, and `{n.target}` in module "

@@ -56,7 +56,6 @@ class Traced:
     param_count: int
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn → CPU value of lifted constants
     program: ExportedProgram | None = None  # None when replicated from a 2-block export (parc.replicate)
-    bounded: tuple[str, ...] = ()  # nodes whose data-dependent sizes are recorded at their upper bounds (trace_sizes)
 
 
 def state_values(traced: Traced, model: torch.nn.Module) -> list[torch.Tensor]:

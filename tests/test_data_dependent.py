@@ -17,14 +17,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from parc.analysis import report
 from parc.errors import ParcError, TraceError
 from parc.trace import load_user_module, trace
-from parc.trace_sizes import bound_sizes
+from parc.trace_sizes import bound_sizes, bounded_nodes
 
 MODEL = ROOT / "tests" / "models" / "routed_rows.py"
 
 
 def test_traced_sizes_are_bounded_by_every_token():
     traced = trace(load_user_module(MODEL), 2)
-    assert traced.bounded
+    assert bounded_nodes(traced.gm)
     for n in traced.gm.graph.nodes:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):

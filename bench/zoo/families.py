@@ -81,17 +81,13 @@ def families() -> dict[str, Family]:
     """model_type → Family, in the order of transformers' config mapping, then the encoder and the classifier.
     Imports every family's config module and the chosen ones' model modules (~2.5 s); `family(name)` imports
     only one family's."""
-    import transformers
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     out = {}
-    for mt, config_name in CONFIG_MAPPING_NAMES.items():
-        lm = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt)
-        config_class = getattr(transformers, config_name, None)
-        if lm is None or config_class is None or not getattr(config_class, "base_model_tp_plan", None):
-            continue
-        out[mt] = family(mt)
+    for mt in CONFIG_MAPPING_NAMES:
+        if mt in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and _tp_plan(mt) is True:
+            out[mt] = family(mt)
     for mt in [*EXTRA, ENCODER, VISION]:
         out[mt] = family(mt)
     return out
@@ -101,13 +97,19 @@ def held_out() -> list[str]:
     """The causal LMs the zoo leaves out: every family of transformers' causal-LM mapping whose config declares no
     tensor-parallel plan (GPT-2, OPT, BLOOM, BERT as a decoder, Mamba…), in the mapping's order. Their tp rules can
     only come from the graph (`--sources graph`): `python -m bench.zoo.sweep --held-out`."""
-    import transformers
     from transformers.models.auto import modeling_auto
+
+    return [mt for mt in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if mt not in EXTRA and _tp_plan(mt) is False]
+
+
+def _tp_plan(mt: str) -> bool | None:
+    """Whether family `mt`'s config declares a tensor-parallel plan (`base_model_tp_plan`); None when this
+    transformers has no config class for it."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return [mt for mt in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if mt not in EXTRA
-            and not getattr(getattr(transformers, CONFIG_MAPPING_NAMES.get(mt, ""), None), "base_model_tp_plan", None)
-            and hasattr(transformers, CONFIG_MAPPING_NAMES.get(mt, ""))]
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES.get(mt, ""), None)
+    return None if config_class is None else bool(getattr(config_class, "base_model_tp_plan", None))
 
 
 @functools.cache

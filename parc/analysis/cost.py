@@ -296,6 +296,7 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     """
     from parc.analysis import activations  # torch.fx: the report reads these statistics without importing torch
     from parc.passes.pipeline_split import STAGE, crossing, node_flops
+    from parc.trace_sizes import bounded_nodes
     from parc.traced import module_path
 
     gm, rules = traced.gm, plan.tensor_parallel.rules if plan.mesh.tp > 1 else ()
@@ -423,10 +424,11 @@ def graph_stats(traced, plan, saves: tuple = (), loss: str = "eager") -> dict:
     sends = [sum(_elements(v.meta.get("val")) for v in cut) for cut in crossing(gm, n_stages)] \
         if n_stages > 1 else []
     tokens = math.prod(traced.inputs[0].shape[1:]) if traced.inputs else 0
+    bounded = len(bounded_nodes(gm))   # sizes chosen by the data, at their upper bounds (parc/trace_sizes.py)
     return {"stages": stages, "send_elements": sends, "param_count": traced.param_count,
             "tokens_per_sample": tokens, **({"loss": loss} if loss != "eager" else {}),
             **({"tied": ties} if ties else {}),
-            **({"data_dependent": len(traced.bounded)} if traced.bounded else {})}   # parc/trace_sizes.py
+            **({"data_dependent": bounded} if bounded else {})}
 
 
 def _op_tables(nodes, stages, plan, rules, path_of, sharded_of, size, saved=frozenset(),
